@@ -1,0 +1,5 @@
+import sys
+
+from attnplug.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""``ForwardBatch``: what one forward pass carries, validated once per forward."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .errors import ShapeError
+from .modes import ForwardMode
+
+
+@dataclasses.dataclass(eq=False)
+class ForwardBatch:
+    """One forward pass.
+
+    Per request ``i`` (batch order): ``req_pool_indices[i]`` is its row in
+    ``req_to_token``; ``seq_lens[i]`` is its KV length *after* this forward
+    (new tokens included); ``extend_prefix_lens[i]`` is the cached length
+    before it and ``extend_seq_lens[i]`` the number of new tokens (decode: 1).
+    Tokens are laid out request after request: ``out_cache_loc[t]`` is the slot
+    for new token ``t``, ``positions[t]`` its position.
+
+    Speculative fields: ``spec_num_draft_tokens`` (tokens per request in
+    target-verify) and ``spec_custom_mask`` (bool ``[batch, draft, draft]``:
+    draft token ``a`` may see draft token ``b``; ``None`` means causal among
+    drafts; the prefix is always visible). Cross-attention layers read
+    ``encoder_lens[i]`` cached tokens at positions ``0 … encoder_lens[i]-1``.
+    """
+
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    encoder_lens: torch.Tensor | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_custom_mask: torch.Tensor | None = None
+    #: host-side copies, filled by ``validate`` so backends need no device sync
+    seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
+    extend_prefix_lens_cpu: list[int] = dataclasses.field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+    # -- constructors ------------------------------------------------------
+    @classmethod
+    def idle(cls, device: Any = "cpu") -> "ForwardBatch":
+        z = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(ForwardMode.IDLE, z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone()).validate()
+
+    @classmethod
+    def decode(cls, req_pool_indices: Any, seq_lens: Any, out_cache_loc: Any, **kw: Any) -> "ForwardBatch":
+        seq = _i64(seq_lens)
+        return cls(
+            ForwardMode.DECODE, _i64(req_pool_indices), seq, _i64(out_cache_loc),
+            extend_prefix_lens=seq - 1, extend_seq_lens=torch.ones_like(seq), positions=seq - 1, **kw,
+        ).validate()
+
+    @classmethod
+    def extend(
+        cls,
+        req_pool_indices: Any,
+        prefix_lens: Any,
+        extend_lens: Any,
+        out_cache_loc: Any,
+        mode: ForwardMode = ForwardMode.EXTEND,
+        **kw: Any,
+    ) -> "ForwardBatch":
+        prefix, ext = _i64(prefix_lens), _i64(extend_lens)
+        positions = kw.pop("positions", None)
+        if positions is None:
+            positions = torch.cat(
+                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix.tolist(), ext.tolist())]
+                or [torch.zeros(0, dtype=torch.int64)]
+            ).to(prefix.device)
+        return cls(
+            mode, _i64(req_pool_indices), prefix + ext, _i64(out_cache_loc),
+            extend_prefix_lens=prefix, extend_seq_lens=ext, positions=positions, **kw,
+        ).validate()
+
+    # -- validation (once per forward) -----------------------------------
+    def validate(self) -> "ForwardBatch":
+        """Check lengths agree; fill the host-side copies. Returns ``self``."""
+        mode = self.forward_mode
+        if not isinstance(mode, ForwardMode):
+            raise ShapeError(f"ForwardBatch.forward_mode={mode!r} (expected a ForwardMode)")
+        b = self.batch_size
+        _expect_1d("req_pool_indices", self.req_pool_indices, b)
+        _expect_1d("seq_lens", self.seq_lens, b)
+        seq = self.seq_lens.tolist()
+        if mode.is_decode():
+            prefix = [s - 1 for s in seq]
+            ext = [1] * b
+        elif mode.is_idle():
+            prefix, ext = [], []
+            if b or self.num_tokens:
+                raise ShapeError(f"idle batch must be empty (got batch {b}, tokens {self.num_tokens})")
+        else:
+            if self.extend_prefix_lens is None or self.extend_seq_lens is None:
+                raise ShapeError(f"{mode.value} batch needs extend_prefix_lens and extend_seq_lens (got None)")
+            _expect_1d("extend_prefix_lens", self.extend_prefix_lens, b)
+            _expect_1d("extend_seq_lens", self.extend_seq_lens, b)
+            prefix, ext = self.extend_prefix_lens.tolist(), self.extend_seq_lens.tolist()
+            for i, (p, e, s) in enumerate(zip(prefix, ext, seq)):
+                if p < 0 or e < 0 or p + e != s:
+                    raise ShapeError(
+                        f"request {i}: extend_prefix_lens={p} + extend_seq_lens={e} must equal seq_lens={s}"
+                    )
+        if any(s < 1 for s in seq) and not mode.is_idle():
+            raise ShapeError(f"seq_lens must be >= 1 for every request (got {seq})")
+        total = sum(ext)
+        _expect_1d("out_cache_loc", self.out_cache_loc, total)
+        if self.positions is not None:
+            _expect_1d("positions", self.positions, total)
+        if self.encoder_lens is not None:
+            _expect_1d("encoder_lens", self.encoder_lens, b)
+        if mode.is_target_verify():
+            d = self.spec_num_draft_tokens
+            if d is None or any(e != d for e in ext):
+                raise ShapeError(
+                    f"target_verify: every request must extend by spec_num_draft_tokens={d} (got {ext})"
+                )
+            if self.spec_custom_mask is not None and tuple(self.spec_custom_mask.shape) != (b, d, d):
+                raise ShapeError(
+                    f"spec_custom_mask has shape {tuple(self.spec_custom_mask.shape)}, expected ({b}, {d}, {d})"
+                )
+        self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
+        return self
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any, num_tokens: int) -> None:
+    """Per-call shape/dtype check of q/k/v against the layer; errors name the field."""
+    exp = (num_tokens, layer.num_heads, layer.head_dim)
+    if tuple(q.shape) != exp:
+        raise ShapeError(f"q has shape {tuple(q.shape)}, expected {exp} (tokens, num_heads, head_dim) "
+                         f"for layer {layer.layer_id}")
+    if k is None and v is None:
+        return
+    if k is None or v is None:
+        raise ShapeError(f"layer {layer.layer_id}: k and v must both be given or both be None")
+    expk = (num_tokens, layer.num_kv_heads, layer.head_dim)
+    expv = (num_tokens, layer.num_kv_heads, layer.v_head_dim)
+    if tuple(k.shape) != expk:
+        raise ShapeError(f"k has shape {tuple(k.shape)}, expected {expk} (tokens, num_kv_heads, head_dim) "
+                         f"for layer {layer.layer_id}")
+    if tuple(v.shape) != expv:
+        raise ShapeError(f"v has shape {tuple(v.shape)}, expected {expv} (tokens, num_kv_heads, v_head_dim) "
+                         f"for layer {layer.layer_id}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ShapeError(f"layer {layer.layer_id}: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+def _expect_1d(name: str, t: Any, n: int) -> None:
+    shape = tuple(getattr(t, "shape", ()))
+    if shape != (n,):
+        raise ShapeError(f"ForwardBatch.{name} has shape {shape}, expected ({n},)")
+
+
+def _i64(x: Any) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64)

@@ -1,0 +1,141 @@
+"""What a backend claims it can do, as typed data, and the generic checks.
+
+Capabilities are class data on a backend and are registered with its
+descriptor, so they are readable without building the backend or importing a
+kernel library. ``support_reasons`` is written once here; backends only add
+reasons specific to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from .dtypes import BFLOAT16, FLOAT16, FLOAT32, dtype_name
+from .layer import LayerSpec
+from .modes import ForwardMode
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """The envelope a backend claims. Every claim is tested by the conformance suite."""
+
+    dtypes: tuple[str, ...] = (FLOAT32, FLOAT16, BFLOAT16)
+    #: KV-cache dtypes; empty means "the same as the model dtype only".
+    kv_cache_dtypes: tuple[str, ...] = ()
+    #: Supported head dims; ``None`` means any.
+    head_dims: tuple[int, ...] | None = None
+    v_head_dim_differs: bool = False
+    #: Supported page sizes; ``None`` means any.
+    page_sizes: tuple[int, ...] | None = None
+    gqa: bool = True
+    mqa: bool = True
+    sliding_window: bool = False
+    logit_softcap: bool = False
+    sinks: bool = False
+    cross_attention: bool = False
+    speculative_verify: bool = False
+    draft_extend: bool = False
+    cuda_graph: bool = False
+    deterministic: bool = False
+    devices: tuple[str, ...] = ("cpu",)
+    min_compute_capability: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
+        object.__setattr__(self, "kv_cache_dtypes", tuple(dtype_name(d) for d in self.kv_cache_dtypes))
+
+    def supports_mode(self, mode: ForwardMode) -> bool:
+        if mode is ForwardMode.TARGET_VERIFY:
+            return self.speculative_verify
+        if mode is ForwardMode.DRAFT_EXTEND or mode is ForwardMode.DRAFT_EXTEND_V2:
+            return self.draft_extend
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+    def summary(self) -> str:
+        """A short human line: the claimed features."""
+        flags = [
+            name
+            for name in (
+                "sliding_window", "logit_softcap", "sinks", "cross_attention", "speculative_verify",
+                "draft_extend", "cuda_graph", "deterministic",
+            )
+            if getattr(self, name)
+        ]
+        return f"dtypes={','.join(self.dtypes)} devices={','.join(self.devices)} " + " ".join(flags)
+
+
+def support_reasons(
+    caps: Capabilities,
+    layer: LayerSpec | None = None,
+    *,
+    dtype: Any = None,
+    kv_cache_dtype: Any = None,
+    page_size: int | None = None,
+    device: str | None = None,
+    mode: ForwardMode | None = None,
+    cuda_graph: bool | None = None,
+    deterministic: bool | None = None,
+) -> list[str]:
+    """Sentences saying why ``caps`` cannot serve this problem; empty when it can.
+
+    Arguments left as ``None`` are not checked.
+    """
+    reasons: list[str] = []
+    if dtype is not None:
+        name = dtype_name(dtype)
+        if name not in caps.dtypes:
+            reasons.append(f"dtype={name} (supported: {', '.join(caps.dtypes)})")
+    if kv_cache_dtype is not None:
+        kv = dtype_name(kv_cache_dtype)
+        allowed = caps.kv_cache_dtypes or ((dtype_name(dtype),) if dtype is not None else caps.dtypes)
+        if kv not in allowed:
+            reasons.append(f"kv_cache_dtype={kv} (supported: {', '.join(allowed)})")
+    if page_size is not None and caps.page_sizes is not None and page_size not in caps.page_sizes:
+        reasons.append(f"page_size={page_size} (supported: {_join(caps.page_sizes)})")
+    if device is not None:
+        kind = device.split(":", 1)[0]
+        if kind not in caps.devices:
+            reasons.append(f"device={kind} (supported: {', '.join(caps.devices)})")
+    if mode is not None and not caps.supports_mode(mode):
+        reasons.append(f"forward mode {mode.value} is not claimed")
+    if cuda_graph and not caps.cuda_graph:
+        reasons.append("CUDA-graph capture is not claimed")
+    if deterministic and not caps.deterministic:
+        reasons.append("deterministic (batch-invariant) output is not claimed")
+    if layer is not None:
+        reasons.extend(layer_reasons(caps, layer))
+    return reasons
+
+
+def layer_reasons(caps: Capabilities, layer: LayerSpec) -> list[str]:
+    reasons: list[str] = []
+    if caps.head_dims is not None and layer.head_dim not in caps.head_dims:
+        reasons.append(f"head_dim={layer.head_dim} (supported: {_join(caps.head_dims)})")
+    if layer.v_head_dim != layer.head_dim and not caps.v_head_dim_differs:
+        reasons.append(f"v_head_dim={layer.v_head_dim} differs from head_dim={layer.head_dim} (not claimed)")
+    group = layer.gqa_group_size
+    if layer.num_kv_heads == 1 and layer.num_heads > 1 and not caps.mqa:
+        reasons.append(f"MQA (num_heads={layer.num_heads}, num_kv_heads=1) is not claimed")
+    elif group > 1 and layer.num_kv_heads > 1 and not caps.gqa:
+        reasons.append(f"GQA group size {group} is not claimed")
+    if layer.uses_sliding_window and not caps.sliding_window:
+        reasons.append(f"sliding_window={layer.sliding_window} is not claimed")
+    if layer.uses_softcap and not caps.logit_softcap:
+        reasons.append(f"logit_cap={layer.logit_cap} is not claimed")
+    if layer.uses_sinks and not caps.sinks:
+        reasons.append("attention sinks are not claimed")
+    if layer.is_cross_attention and not caps.cross_attention:
+        reasons.append("cross-attention is not claimed")
+    return reasons
+
+
+def _join(values: Iterable[Any]) -> str:
+    return ", ".join(str(v) for v in values)

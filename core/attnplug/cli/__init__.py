@@ -1,0 +1,1 @@
+"""The ``attnplug`` command line. Each subcommand lives in its own module."""

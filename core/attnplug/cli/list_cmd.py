@@ -1,0 +1,73 @@
+"""``attnplug list``: every discovered backend. Imports neither torch nor any kernel library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON (backends, plugins, host, problems)")
+
+
+def collect(registry: Any) -> dict[str, Any]:
+    host = registry.host
+    backends = []
+    for name in registry.names():
+        desc = registry.get(name)
+        avail = registry.availability(name, host)
+        entry = desc.to_dict()
+        entry.update(available=avail.available, reasons=list(avail.reasons), priority=desc.priority_on(host))
+        backends.append(entry)
+    return {
+        "host": host.to_dict(),
+        "backends": backends,
+        "plugins": [p.to_dict() for p in registry.plugins],
+        "conflicts": {n: str(e) for n, e in registry.conflicts.items()},
+        "problems": list(registry.problems),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnplug.registry import default_registry
+
+    data = collect(default_registry())
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    print(f"host: {_host_line(data['host'])}")
+    rows = [("backend", "distribution", "version", "aliases", "available")]
+    for b in data["backends"]:
+        aliases = ",".join(b["aliases"] + [f"{a}(deprecated)" for a in b["deprecated_aliases"]]) or "-"
+        status = "yes" if b["available"] else "no: " + "; ".join(b["reasons"])
+        rows.append((b["name"], b["distribution"], b["version"], aliases, status))
+    _table(rows)
+    for b in data["backends"]:
+        caps = b["capabilities"]
+        flags = [k for k, v in sorted(caps.items()) if v is True]
+        print(f"  {b['name']}: dtypes={','.join(caps['dtypes'])} devices={','.join(caps['devices'])} "
+              f"head_dims={caps['head_dims'] or 'any'} page_sizes={caps['page_sizes'] or 'any'} "
+              f"features={','.join(flags) or '-'}")
+    for p in data["plugins"]:
+        if p["status"] != "loaded":
+            print(f"plugin {p['distribution']} {p['version']} ({p['name']}): {p['status']}: {p['error']}")
+    for msg in data["conflicts"].values():
+        print(f"conflict: {msg}")
+    for msg in data["problems"]:
+        print(f"note: {msg}")
+    if not data["backends"]:
+        print("no backends found: install a plugin, e.g. `pip install attnplug-torch-native`")
+    return 0
+
+
+def _host_line(h: dict[str, Any]) -> str:
+    from attnplug.host import HostInfo
+
+    return HostInfo.from_dict(h).describe()
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])

@@ -1,0 +1,158 @@
+"""``BackendDescriptor``: what a plugin registers for one backend.
+
+Everything here is data or a light callable: reading a descriptor never
+imports torch or a kernel library. ``factory`` is a ``"module:function"``
+path imported only when the backend is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from typing import Any, Callable, Mapping
+
+from .capabilities import Capabilities
+from .host import HostInfo
+
+#: ``probe(host) -> reasons``; an empty list means available.
+Probe = Callable[[HostInfo], "list[str]"]
+Priority = "Mapping[str, int] | Callable[[HostInfo], int | None]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    available: bool
+    reasons: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendDescriptor:
+    """One backend, as a plugin declares it.
+
+    ``name``: the canonical name. ``factory``: ``"module:function"`` (or a
+    callable) taking a ``BuildContext`` and returning ``(effective_name,
+    backend)``. ``capabilities``: the claimed envelope. ``probe``: says why the
+    backend is unavailable on a host (light: look for a module with
+    ``importlib.util.find_spec``, read ``HostInfo``; never import the kernel
+    library). ``aliases``: other names for it; ``deprecated_aliases`` map an
+    old name to this one with a ``DeprecationWarning``. ``priority``: per
+    platform (``{"cpu": 10, "cuda": 50}``) or a callable of ``HostInfo``;
+    ``None``/missing means "never a default here". ``library`` and
+    ``min_library_version``: the kernel-library distribution and its floor.
+    ``distribution`` and ``version`` are filled in by the registry.
+    """
+
+    name: str
+    factory: str | Callable[..., Any]
+    capabilities: Capabilities = Capabilities()
+    probe: Probe | None = None
+    aliases: tuple[str, ...] = ()
+    deprecated_aliases: tuple[str, ...] = ()
+    priority: Any = dataclasses.field(default_factory=dict)
+    library: str | None = None
+    min_library_version: str | None = None
+    description: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "deprecated_aliases", tuple(self.deprecated_aliases))
+
+    def all_aliases(self) -> tuple[str, ...]:
+        return self.aliases + self.deprecated_aliases
+
+    def priority_on(self, host: HostInfo) -> int | None:
+        if callable(self.priority):
+            return self.priority(host)
+        return dict(self.priority).get(host.platform)
+
+    def check_availability(self, host: HostInfo) -> Availability:
+        """Run the probe; a probe that raises makes the backend unavailable with that error as the reason."""
+        reasons: list[str] = []
+        devices = self.capabilities.devices
+        if host.platform not in devices and "cpu" not in devices:  # every host has a CPU
+            reasons.append(f"needs a {'/'.join(self.capabilities.devices)} device; this host is {host.platform}")
+        cc_min = self.capabilities.min_compute_capability
+        if cc_min is not None and host.platform == "cuda" and host.compute_capability is not None:
+            if tuple(host.compute_capability) < tuple(cc_min):
+                reasons.append(
+                    f"needs compute capability >= {cc_min[0]}.{cc_min[1]}; "
+                    f"this GPU is {host.compute_capability[0]}.{host.compute_capability[1]}"
+                )
+        if self.probe is not None:
+            try:
+                reasons.extend(self.probe(host) or [])
+            except Exception as exc:  # a failing probe is a reason in words, not a crash
+                reasons.append(f"availability probe raised {type(exc).__name__}: {exc}")
+        return Availability(not reasons, tuple(reasons))
+
+    def library_floor_problem(self, host: HostInfo) -> str | None:
+        """A sentence when the installed kernel library is older than the declared floor."""
+        if not self.library or not self.min_library_version:
+            return None
+        have = host.library_version(self.library)
+        if have is None:
+            return None  # absence is an availability matter, reported by the probe
+        if _version_tuple(have) < _version_tuple(self.min_library_version):
+            return (
+                f"backend {self.name!r} ({self.distribution}) needs {self.library} >= "
+                f"{self.min_library_version}, found {have}"
+            )
+        return None
+
+    def load_factory(self) -> Callable[..., Any]:
+        if callable(self.factory):
+            return self.factory
+        module_name, _, attr = self.factory.partition(":")
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "aliases": list(self.aliases),
+            "deprecated_aliases": list(self.deprecated_aliases),
+            "factory": self.factory if isinstance(self.factory, str) else repr(self.factory),
+            "library": self.library,
+            "min_library_version": self.min_library_version,
+            "description": self.description,
+            "capabilities": self.capabilities.to_dict(),
+        }
+
+
+def module_missing(module: str, install_hint: str = "") -> Probe:
+    """A probe: unavailable when ``module`` cannot be found (checked with find_spec; not imported)."""
+
+    def probe(host: HostInfo) -> list[str]:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as exc:
+            return [f"{type(exc).__name__} while looking for module {module!r}: {exc}"]
+        if found:
+            return []
+        msg = f"ModuleNotFoundError: No module named {module!r}"
+        return [msg + (f" ({install_hint})" if install_hint else "")]
+
+    return probe
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in v.split("+", 1)[0].split("."):
+        digits = ""
+        for ch in part:
+            if ch.isdigit():
+                digits += ch
+            else:
+                break
+        out.append(int(digits) if digits else 0)
+        if not part.isdigit():
+            break
+    return tuple(out)

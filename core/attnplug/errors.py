@@ -1,0 +1,74 @@
+"""Every exception attnplug raises.
+
+Each error names the thing at fault (the backend, the plugin's distribution,
+the field) and, where there is one, the remedy. User-facing checks raise
+these; they never use ``assert``.
+"""
+
+from __future__ import annotations
+
+
+class AttnplugError(Exception):
+    """Base class of every attnplug error."""
+
+
+class ConfigError(AttnplugError, ValueError):
+    """An attention configuration value is invalid (names the field)."""
+
+
+class PluginError(AttnplugError):
+    """A plugin broke its contract. Carries the distribution at fault."""
+
+    def __init__(self, distribution: str, message: str) -> None:
+        self.distribution = distribution
+        super().__init__(f"plugin distribution {distribution!r}: {message}")
+
+
+class BackendConflictError(PluginError):
+    """Two distributions register the same backend name or alias."""
+
+    def __init__(self, name: str, first: str, second: str, what: str = "backend name") -> None:
+        self.name = name
+        self.distributions = (first, second)
+        AttnplugError.__init__(
+            self,
+            f"{what} {name!r} is registered by two distributions: {first!r} and {second!r}; "
+            f"uninstall one, or filter with ATTNPLUG_DISABLE_PLUGINS",
+        )
+        self.distribution = second
+
+
+class UnknownBackendError(AttnplugError, KeyError):
+    """A backend name is neither registered nor an alias."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendUnavailableError(AttnplugError):
+    """A registered backend cannot run on this host (carries the reasons)."""
+
+    def __init__(self, name: str, reasons: list[str] | tuple[str, ...], hint: str = "") -> None:
+        self.name = name
+        self.reasons = tuple(reasons)
+        msg = f"attention backend {name!r} is unavailable on this host: " + "; ".join(self.reasons)
+        if hint:
+            msg += f". {hint}"
+        super().__init__(msg)
+
+
+class NotSupportedError(AttnplugError, ValueError):
+    """A backend cannot serve a given layer/configuration (carries the reasons)."""
+
+    def __init__(self, name: str, reasons: list[str] | tuple[str, ...]) -> None:
+        self.name = name
+        self.reasons = tuple(reasons)
+        super().__init__(f"attention backend {name!r} does not support this layer: " + "; ".join(self.reasons))
+
+
+class ShapeError(AttnplugError, ValueError):
+    """A tensor has the wrong shape or dtype; the message names the field, expected vs actual."""
+
+
+class MetadataNotInitializedError(AttnplugError, RuntimeError):
+    """``forward`` was called before ``init_forward_metadata`` for this batch."""

@@ -1,0 +1,78 @@
+"""The plugin contract: pluggy hook specifications.
+
+A plugin is a light *descriptor module* named by an ``attnplug.backends``
+entry point. It implements any of these hooks with ``@attnplug.hookimpl``.
+It must not import torch or a kernel library at import time: the kernel
+module is named by ``BackendDescriptor.factory`` and imported only when the
+backend is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .config import AttentionConfig
+    from .descriptor import BackendDescriptor
+    from .host import HostInfo
+
+PROJECT = "attnplug"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def attnplug_register_backends(register: "Callable[[BackendDescriptor], None]") -> None:
+    """Register this plugin's backends by calling ``register(descriptor)`` once per backend.
+
+    ``register`` validates each descriptor at once and raises ``PluginError``
+    naming this plugin's distribution when it is malformed. The registry fills
+    in the distribution and version; a plugin never sets them.
+    """
+
+
+@hookspec
+def attnplug_resolve_name(name: str, host: "HostInfo") -> "str | None":
+    """Resolve a host-dependent name (e.g. ``"hybrid_cpu"``) to a canonical backend name on ``host``.
+
+    Return ``None`` when ``name`` is not yours. Called at load time, once per
+    (name, host); the answer is cached. Plain aliases need no hook: declare
+    them in ``BackendDescriptor.aliases``.
+    """
+
+
+@hookspec
+def attnplug_arch_overrides(register: "Callable[..., None]") -> None:
+    """Declare per-architecture overrides for the resolution chain.
+
+    Call ``register(arch, rule)`` where ``rule(host, config) -> dict`` returns
+    the configuration fields it declares for that architecture (or ``{}``).
+    Declarations are recorded with this plugin's distribution and can be
+    explained (``attnplug resolve --list-overrides``).
+    """
+
+
+@hookspec
+def attnplug_resolution_rules(register: "Callable[..., None]") -> None:
+    """Declare compatibility-fallback and forcing rules for the resolution chain.
+
+    Call ``register(name, stage, rule)``; ``stage`` is ``"fallback"`` or
+    ``"force"`` and ``rule(host, config, registry) -> dict`` returns the fields
+    it declares. Rules never override a field the user set.
+    """
+
+
+@hookspec
+def attnplug_check_config(config: "AttentionConfig", host: "HostInfo") -> "list[str] | None":
+    """Return problems (sentences) with a resolved ``config`` on ``host``, or ``None``.
+
+    Any problem fails resolution with a ``ValueError`` naming this plugin.
+    """
+
+
+def all_hook_names() -> tuple[str, ...]:
+    return tuple(n for n, v in globals().items() if n.startswith("attnplug_") and callable(v))
+
+

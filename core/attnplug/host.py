@@ -1,0 +1,217 @@
+"""What machine this is: ``HostInfo``, detected once, constructible by hand.
+
+Detection never imports torch (``attnplug list`` must stay light): it uses
+torch only when the process has already imported it, and otherwise asks
+``nvidia-smi`` / ``rocminfo`` when present. Kernel-library versions come from
+distribution metadata, never from importing the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata as md
+import json
+import os
+import platform as _platform
+import shutil
+import subprocess
+import sys
+from typing import Any, Iterable, Mapping
+
+PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
+
+#: Distributions whose versions every ``HostInfo`` records (plugins may ask for more).
+KNOWN_KERNEL_LIBRARIES: tuple[str, ...] = (
+    "torch", "triton", "flash-attn", "flash-attn-3", "flashinfer-python", "flashinfer", "aiter",
+    "sgl-kernel", "intel-extension-for-pytorch", "numpy",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInfo:
+    """The machine a backend would run on.
+
+    ``platform`` is one of ``cpu``, ``cuda``, ``rocm``, ``xpu``, ``npu`` (the
+    accelerator kind; ``cpu`` when there is none). ``compute_capability`` is
+    ``(major, minor)`` on CUDA; ``gfx_arch`` names a ROCm target such as
+    ``gfx942``. ``cpu_flags`` holds lower-case /proc/cpuinfo flags (``amx_bf16``,
+    ``amx_tile``, ``avx512f`` …). ``libraries`` maps a distribution name to its
+    installed version.
+    """
+
+    platform: str = "cpu"
+    device_name: str = ""
+    compute_capability: tuple[int, int] | None = None
+    gfx_arch: str | None = None
+    device_count: int = 0
+    cpu_flags: frozenset[str] = frozenset()
+    libraries: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"HostInfo.platform={self.platform!r} (expected one of {PLATFORMS})")
+        if isinstance(self.libraries, Mapping):
+            object.__setattr__(self, "libraries", tuple(sorted(self.libraries.items())))
+        else:
+            object.__setattr__(self, "libraries", tuple(sorted(tuple(x) for x in self.libraries)))
+        object.__setattr__(self, "cpu_flags", frozenset(f.lower() for f in self.cpu_flags))
+        if self.compute_capability is not None:
+            object.__setattr__(self, "compute_capability", tuple(int(x) for x in self.compute_capability))
+
+    # -- queries -------------------------------------------------------
+    @property
+    def has_gpu(self) -> bool:
+        return self.platform != "cpu"
+
+    @property
+    def has_amx(self) -> bool:
+        return "amx_bf16" in self.cpu_flags and "amx_tile" in self.cpu_flags
+
+    def library_version(self, distribution: str) -> str | None:
+        key = _norm(distribution)
+        for name, version in self.libraries:
+            if _norm(name) == key:
+                return version
+        return None
+
+    def sm(self) -> int | None:
+        """Compute capability as one number (``(9, 0)`` -> 90), or None off CUDA."""
+        if self.compute_capability is None:
+            return None
+        return self.compute_capability[0] * 10 + self.compute_capability[1]
+
+    def describe(self) -> str:
+        if self.platform == "cuda":
+            where = f"CUDA SM{self.sm()} {self.device_name}".strip()
+        elif self.platform == "rocm":
+            where = f"ROCm {self.gfx_arch or '?'} {self.device_name}".strip()
+        elif self.platform == "cpu":
+            where = "CPU" + (" with AMX" if self.has_amx else "")
+        else:
+            where = self.platform.upper()
+        libs = ", ".join(f"{n} {v}" for n, v in self.libraries) or "no kernel libraries"
+        return f"{where}; {libs}"
+
+    # -- (de)serialisation, for `--host-json` --------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "device_name": self.device_name,
+            "compute_capability": list(self.compute_capability) if self.compute_capability else None,
+            "gfx_arch": self.gfx_arch,
+            "device_count": self.device_count,
+            "cpu_flags": sorted(self.cpu_flags),
+            "libraries": dict(self.libraries),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HostInfo":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown HostInfo fields {sorted(unknown)} (known: {sorted(known)})")
+        kwargs = dict(data)
+        if kwargs.get("compute_capability") is not None:
+            cc = kwargs["compute_capability"]
+            if isinstance(cc, str):  # "9.0" or "90"
+                cc = cc.split(".") if "." in cc else (cc[:-1], cc[-1])
+            kwargs["compute_capability"] = tuple(int(x) for x in cc)
+        if "cpu_flags" in kwargs:
+            kwargs["cpu_flags"] = frozenset(kwargs["cpu_flags"])
+        if "libraries" in kwargs:
+            kwargs["libraries"] = dict(kwargs["libraries"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "HostInfo":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def library_versions(names: Iterable[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _accelerator_from_torch() -> dict[str, Any] | None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            if getattr(torch.version, "hip", None):
+                return {"platform": "rocm", "device_name": props.name,
+                        "gfx_arch": getattr(props, "gcnArchName", "").split(":")[0] or None,
+                        "device_count": torch.cuda.device_count()}
+            return {"platform": "cuda", "device_name": props.name,
+                    "compute_capability": (props.major, props.minor), "device_count": torch.cuda.device_count()}
+        xpu = getattr(torch, "xpu", None)
+        if xpu is not None and xpu.is_available():
+            return {"platform": "xpu", "device_count": xpu.device_count()}
+    except Exception:  # a broken driver is "no accelerator", not a crash
+        return None
+    return {}
+
+
+def _accelerator_from_tools() -> dict[str, Any]:
+    out = _run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+    if out:
+        rows = [r.split(",") for r in out.strip().splitlines() if r.strip()]
+        name, cap = rows[0][0].strip(), rows[0][1].strip()
+        major, _, minor = cap.partition(".")
+        return {"platform": "cuda", "device_name": name, "compute_capability": (int(major), int(minor or 0)),
+                "device_count": len(rows)}
+    if os.path.exists("/dev/kfd"):
+        out = _run(["rocminfo"]) or ""
+        arches = sorted({tok for tok in out.split() if tok.startswith("gfx") and tok[3:].isalnum()})
+        return {"platform": "rocm", "gfx_arch": arches[0] if arches else None, "device_count": max(1, len(arches))}
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def detect_host(extra_libraries: tuple[str, ...] = ()) -> HostInfo:
+    """Detect this machine once per process (per set of extra library names).
+
+    ``ATTNPLUG_HOST_JSON=path`` replaces detection with a recorded host, which
+    is how one explains a machine one is not on.
+    """
+    recorded = os.environ.get("ATTNPLUG_HOST_JSON")
+    if recorded:
+        return HostInfo.from_json_file(recorded)
+    accel = _accelerator_from_torch()
+    if accel is None:
+        accel = _accelerator_from_tools()
+    libs = library_versions(tuple(dict.fromkeys(KNOWN_KERNEL_LIBRARIES + tuple(extra_libraries))))
+    return HostInfo(cpu_flags=_cpu_flags() if _platform.system() == "Linux" else frozenset(),
+                    libraries=libs, **accel)

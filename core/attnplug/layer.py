@@ -1,0 +1,75 @@
+"""Description of one attention layer, as the engine's model code knows it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerSpec:
+    """One attention layer.
+
+    Shapes used with this layer: ``q`` is ``[tokens, num_heads, head_dim]``,
+    ``k`` is ``[tokens, num_kv_heads, head_dim]``, ``v`` is
+    ``[tokens, num_kv_heads, v_head_dim]`` and the output is
+    ``[tokens, num_heads, v_head_dim]``.
+
+    ``sliding_window``: a query at position ``p`` sees keys at positions
+    ``p - sliding_window <= j <= p`` (the "window_left" convention of
+    flash-attention and flashinfer: ``sliding_window + 1`` keys at most);
+    ``None`` means unlimited. ``logit_cap``: scores become
+    ``cap * tanh(score / cap)`` after scaling; ``None`` or 0 disables it.
+    ``sinks``: one logit per query head (a tensor of ``num_heads`` floats) that
+    joins every softmax denominator and contributes no value (gpt-oss style).
+    ``is_cross_attention``: queries attend, without a causal mask, to the
+    ``encoder_lens[i]`` cached tokens at the start of the request's slots.
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    scaling: float | None = None
+    logit_cap: float | None = None
+    sliding_window: int | None = None
+    sinks: Any = None
+    is_cross_attention: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LayerSpec.{name}={value!r} (expected a positive integer)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LayerSpec.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.scaling is None:
+            object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
+        if self.sliding_window is not None and self.sliding_window < 0:
+            raise ValueError(f"LayerSpec.sliding_window={self.sliding_window} (expected >= 0 or None)")
+        if self.sinks is not None and tuple(getattr(self.sinks, "shape", (len(self.sinks),))) != (self.num_heads,):
+            raise ValueError(
+                f"LayerSpec.sinks has shape {tuple(getattr(self.sinks, 'shape', ()))}, expected ({self.num_heads},)"
+            )
+
+    @property
+    def gqa_group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def uses_softcap(self) -> bool:
+        return bool(self.logit_cap)
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def uses_sinks(self) -> bool:
+        return self.sinks is not None

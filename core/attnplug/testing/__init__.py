@@ -1,0 +1,1 @@
+"""Testing support shipped with the core: the float64 reference and the conformance suite."""

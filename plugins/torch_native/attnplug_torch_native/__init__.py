@@ -1,0 +1,47 @@
+"""Descriptor module of the ``torch_native`` backend (light: no torch import here).
+
+The kernel module ``attnplug_torch_native.backend`` is imported only when the
+backend is built.
+"""
+
+from __future__ import annotations
+
+from attnplug import BackendDescriptor, Capabilities, hookimpl, module_missing
+
+NAME = "torch_native"
+
+CAPABILITIES = Capabilities(
+    dtypes=("float32", "float16", "bfloat16"),
+    kv_cache_dtypes=("float32", "float16", "bfloat16"),
+    head_dims=None,
+    v_head_dim_differs=True,
+    page_sizes=None,
+    gqa=True,
+    mqa=True,
+    sliding_window=True,
+    logit_softcap=True,
+    sinks=True,
+    cross_attention=True,
+    speculative_verify=True,
+    draft_extend=True,
+    cuda_graph=False,
+    deterministic=False,
+    devices=("cpu", "cuda", "rocm", "xpu"),
+)
+
+
+@hookimpl
+def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+    register(
+        BackendDescriptor(
+            name=NAME,
+            factory="attnplug_torch_native.backend:create",
+            capabilities=CAPABILITIES,
+            probe=module_missing("torch", "pip install torch"),
+            aliases=("torch",),
+            # The fallback everywhere; the default on hosts without better kernels.
+            priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
+            library="torch",
+            description="exact paged attention in plain PyTorch; vectorised decode",
+        )
+    )
