@@ -111,6 +111,7 @@ class Registry:
         self.plugins: list[PluginRecord] = []
         self.descriptors: dict[str, BackendDescriptor] = {}
         self._aliases: dict[str, tuple[str, bool]] = {}  # alias -> (canonical, deprecated)
+        self._alias_owner: dict[str, str] = {}  # alias -> distribution
         self.problems: list[str] = []
         #: names/aliases claimed by two distributions: unusable, reported naming both
         self.conflicts: dict[str, BackendConflictError] = {}
@@ -201,15 +202,14 @@ class Registry:
         holds becomes a conflict: unusable for both, reported naming both."""
         claimed: dict[str, str] = {}
         for d in staged:
-            if self._claim(d.name, "backend name", src.distribution, claimed):
-                continue  # the whole backend is in conflict
-            self.descriptors[d.name] = d
-            for a in d.aliases:
-                if not self._claim(a, "alias", src.distribution, claimed):
-                    self._aliases[a] = (d.name, False)
-            for a in d.deprecated_aliases:
-                if not self._claim(a, "alias", src.distribution, claimed):
-                    self._aliases[a] = (d.name, True)
+            name_conflict = self._claim(d.name, "backend name", src.distribution, claimed)
+            if not name_conflict:
+                self.descriptors[d.name] = d
+            for alias, deprecated in [(a, False) for a in d.aliases] + [(a, True) for a in d.deprecated_aliases]:
+                # aliases are claimed even when the name conflicts, so their clashes are reported too
+                if not self._claim(alias, "alias", src.distribution, claimed):
+                    self._aliases[alias] = (d.name, deprecated)
+                    self._alias_owner[alias] = src.distribution
 
     def _claim(self, name: str, what: str, dist: str, claimed: dict[str, str]) -> bool:
         """Record ``dist``'s claim on ``name``; True when it conflicts with another distribution."""
@@ -222,19 +222,17 @@ class Registry:
         if owner is None:
             return False
         self.conflicts[name] = BackendConflictError(name, owner, dist, what)
-        if name in self.descriptors:  # the first owner loses the name too: neither wins silently
-            gone = self.descriptors.pop(name)
-            for a in gone.all_aliases():
-                self._aliases.pop(a, None)
+        # the first owner loses the name too: neither wins silently. Aliases that point at a
+        # conflicted name stay recorded (so later clashes on them are reported) and resolve to
+        # the conflict error.
+        self.descriptors.pop(name, None)
         self._aliases.pop(name, None)
         return True
 
     def _owner_of(self, name: str) -> str | None:
         if name in self.descriptors:
             return self.descriptors[name].distribution
-        if name in self._aliases:
-            return self.descriptors[self._aliases[name][0]].distribution
-        return None
+        return self._alias_owner.get(name)
 
     # -- queries -------------------------------------------------------
     @property
@@ -283,6 +281,8 @@ class Registry:
             return name
         if name in self._aliases:
             canonical, deprecated = self._aliases[name]
+            if canonical in self.conflicts:
+                raise self.conflicts[canonical]
             if deprecated:
                 warnings.warn(
                     f"attention backend name {name!r} is deprecated; use {canonical!r}",
@@ -349,7 +349,14 @@ class Registry:
                 desc.distribution, f"cannot load factory {desc.factory!r} of backend {canonical!r}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        result = factory(ctx)
+        try:
+            result = factory(ctx)
+        except AttnplugError:
+            raise  # already names what is at fault (e.g. NotSupportedError)
+        except Exception as exc:
+            raise PluginError(
+                desc.distribution, f"factory of backend {canonical!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
         effective, backend = self.validate_factory_result(result, desc)
         stamp(backend, effective)
         return effective, backend

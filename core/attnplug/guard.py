@@ -1,0 +1,657 @@
+"""The static guard: report every read of the base ``attention_backend`` field.
+
+Why: an operator may set ``--prefill-attention-backend`` and
+``--decode-attention-backend`` and leave the base ``--attention-backend``
+unset. A decision that reads only the base field then answers from a field
+nobody set. Every decision must read the pair ``attention_backends()`` and pick
+the half it needs; this module proves, without importing anything, that a list
+of decision files never reads the base field at all (see ``docs/guard.md``).
+
+What counts as a read (``attr`` is ``"attention_backend"`` unless told):
+
+* ``X.attention_backend`` in a load context, whatever ``X`` is -- a chain, a
+  local alias, a call result, a parameter -- and as the target of ``+=``;
+* ``getattr(X, NAME[, default])``, ``hasattr(X, NAME)``,
+  ``inspect.getattr_static``, ``object.__getattribute__(X, NAME)``,
+  ``X.__getattribute__(NAME)``, and any alias of those bound in the file;
+* ``operator.attrgetter(NAME)`` (also a dotted path ending in, or passing
+  through, the field) and ``operator.itemgetter(NAME)``;
+* a mapping view keyed by the field: ``vars(X)[NAME]``, ``X.__dict__[NAME]``,
+  ``d[NAME]``, ``d.get(NAME)`` / ``.pop`` / ``.setdefault``, and
+  ``NAME in vars(X)`` / ``NAME in X.__dict__``;
+* ``match`` patterns ``case C(attention_backend=...)`` and
+  ``case {"attention_backend": ...}``.
+
+``NAME`` is the field name as a string constant, or anything the file folds
+to it: a name bound to it anywhere in the file (``FIELD = "attention_backend"``,
+tuple assignment, walrus, class attribute, ``self.field = ...``), a
+concatenation or constant f-string, or a loop variable over a literal
+tuple/list/set of strings that contains it.
+
+Not reads: assignment (``X.attention_backend = v``, ``setattr``), ``del``,
+keyword arguments (``replace(cfg, attention_backend=v)``), dict-literal keys,
+other attribute names (``attention_backends()``, ``prefill_attention_backend``,
+``attention_backend_str``), and text in comments, docstrings or other strings.
+
+Only the standard library is imported; nothing checked is ever imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import io
+import os
+import re
+import sys
+import tokenize
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence, Union
+
+__all__ = [
+    "ALLOW_COMMENT",
+    "DEFAULT_ATTR",
+    "AllowEntry",
+    "Finding",
+    "GuardError",
+    "GuardReport",
+    "ParseProblem",
+    "assert_no_base_field_reads",
+    "check",
+    "default_reason",
+    "find_base_field_reads",
+    "parse_allow",
+]
+
+DEFAULT_ATTR = "attention_backend"
+
+#: A trailing comment carrying this marker suppresses the reads on its line.
+ALLOW_COMMENT = "# attnplug: allow-base-field"
+_ALLOW_RE = re.compile(r"#.*\battnplug:\s*allow-base-field\b")
+
+#: Directory names never walked into (explicitly given paths are always checked).
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
+
+PathLike = Union[str, "os.PathLike[str]"]
+PathsWithReasons = Union[PathLike, Mapping[PathLike, Union[str, None]], Iterable[PathLike]]
+AllowSpec = Union[str, "AllowEntry", tuple]
+
+
+def default_reason(attr: str = DEFAULT_ATTR) -> str:
+    """The reason attached to a finding when the caller names none."""
+    return (
+        f"reads the base field {attr!r}: with a split configuration (prefill and decode set, "
+        f"base unset) it answers from a field nobody set; read the pair accessor "
+        f"attention_backends() and pick the half this decision needs"
+    )
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One read of the base field. ``line`` and ``col`` are 1-based."""
+
+    path: str
+    line: int
+    col: int
+    expr: str
+    reason: str
+    kind: str = "attribute"  # attribute | getattr | hasattr | attrgetter | mapping | match
+
+    def location(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}"
+
+    def format(self) -> str:
+        return f"{self.location()}: {self.expr} \u2014 {self.reason}"
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseProblem:
+    """A checked file that could not be read or parsed (so it is not proven clean)."""
+
+    path: str
+    line: int
+    col: int
+    message: str
+
+    def format(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: cannot check this file: {self.message}"
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+class GuardError(Exception):
+    """The guard could not check what it was asked to (unparsable file, bad allow entry)."""
+
+    def __init__(self, message: str, problems: Sequence[ParseProblem] = ()) -> None:
+        self.problems = tuple(problems)
+        super().__init__(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowEntry:
+    """``FILE:LINE``: suppress the reads at that line. FILE matches as a path suffix."""
+
+    path: str
+    line: int
+
+    def matches(self, finding: Finding) -> bool:
+        return finding.line == self.line and _same_file(self.path, finding.path)
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def parse_allow(spec: AllowSpec) -> AllowEntry:
+    """``"FILE:LINE"``, ``(FILE, LINE)`` or an ``AllowEntry`` -> ``AllowEntry``."""
+    if isinstance(spec, AllowEntry):
+        return spec
+    if isinstance(spec, tuple) and len(spec) == 2:
+        path, line = spec
+    elif isinstance(spec, (str, os.PathLike)):
+        path, sep, line = os.fspath(spec).rpartition(":")
+        if not sep or not path:
+            raise GuardError(f"allow entry {spec!r}: expected FILE:LINE (e.g. engine/runner.py:120)")
+    else:
+        raise GuardError(f"allow entry {spec!r}: expected 'FILE:LINE' or (FILE, LINE)")
+    try:
+        number = int(line)
+    except (TypeError, ValueError):
+        raise GuardError(f"allow entry {spec!r}: LINE must be a positive integer") from None
+    if number < 1:
+        raise GuardError(f"allow entry {spec!r}: LINE must be a positive integer")
+    return AllowEntry(os.fspath(path), number)
+
+
+@dataclasses.dataclass
+class GuardReport:
+    """Everything one check found: reads, suppressed reads, unparsable files, stale allows."""
+
+    attr: str
+    findings: list[Finding]
+    allowed: list[Finding]
+    problems: list[ParseProblem]
+    unused_allow: list[AllowEntry]
+    files_checked: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings and not self.problems
+
+    def message(self, strict_allow: bool = False) -> str:
+        """A multi-line account for a failing test or a CI log."""
+        lines: list[str] = []
+        if self.findings:
+            lines.append(
+                f"{len(self.findings)} read(s) of the base field {self.attr!r} "
+                f"(read the pair attention_backends() instead):"
+            )
+            lines.extend(f"  {f.format()}" for f in self.findings)
+        if self.problems:
+            lines.append(f"{len(self.problems)} file(s) could not be checked:")
+            lines.extend(f"  {p.format()}" for p in self.problems)
+        if strict_allow and self.unused_allow:
+            lines.append("allow entries that match no read (the read is gone: remove them):")
+            lines.extend(f"  {a}" for a in self.unused_allow)
+        if lines:
+            lines.append(
+                f"suppress a reviewed read with a trailing '{ALLOW_COMMENT}' comment "
+                f"or an allow entry FILE:LINE"
+            )
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def _attribute_matches(node: ast.Attribute, attr: str) -> bool:
+    """The one predicate for attribute reads: the name alone decides, never the base.
+
+    ``k = cfg.kernel; k.attention_backend`` and ``make().attention_backend`` are
+    reads exactly like ``cfg.kernel.attention_backend``; a rule that looked at the
+    spelling of the base would miss every alias.
+    """
+    return node.attr == attr
+
+
+_FOLD_ROUNDS = 8
+_GETATTR_LIKE = frozenset({"getattr", "getattr_static"})
+_MAPPING_GETTERS = frozenset({"get", "pop", "setdefault"})
+#: Callables recognised by their own name when imported or aliased.
+_KNOWN_CALLABLES = frozenset({"getattr", "hasattr", "getattr_static", "attrgetter", "itemgetter", "vars"})
+
+
+def _terminal_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+class _Constants:
+    """Fold expressions to the set of strings they may hold, from bindings in the file.
+
+    Deliberately an over-approximation: a name bound to the field anywhere in the
+    file (any scope) may be the field wherever it is used. The guard prefers a
+    reviewed false positive (silenced by an allow) to a missed read.
+    """
+
+    def __init__(self, tree: ast.AST) -> None:
+        self.strings: dict[str, set[str]] = {}
+        self.callables: dict[str, str] = {}
+        bindings: list[tuple[str, ast.expr, bool]] = []  # (name, value, is_iteration)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    bindings.extend(_pairs(target, node.value))
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                bindings.extend(_pairs(node.target, node.value))
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                name = _terminal_name(node.target)
+                if name is not None:
+                    bindings.append((name, node.iter, True))
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name in _KNOWN_CALLABLES:
+                        self.callables[alias.asname or alias.name] = alias.name
+        # Fixpoint: FIELD2 = FIELD1, g = getattr, h = operator.attrgetter ... A few
+        # rounds suffice for real chains and bound `s = s + "x"`, which never settles.
+        changed, rounds = True, 0
+        while changed and rounds < _FOLD_ROUNDS:
+            changed, rounds = False, rounds + 1
+            for name, value, iterating in bindings:
+                found = self.iter_strings(value) if iterating else self.strings_of(value)
+                if found - self.strings.get(name, set()):
+                    self.strings.setdefault(name, set()).update(found)
+                    changed = True
+                if not iterating:
+                    fn = self.callable_of(value)
+                    if fn is not None and name not in self.callables:
+                        self.callables[name] = fn
+                        changed = True
+
+    def strings_of(self, node: ast.expr | None) -> set[str]:
+        if isinstance(node, ast.Constant):
+            return {node.value} if isinstance(node.value, str) else set()
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = _terminal_name(node)
+            return set(self.strings.get(name, ())) if name else set()
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = self.strings_of(node.left), self.strings_of(node.right)
+            return {a + b for a in left for b in right}
+        if isinstance(node, ast.JoinedStr):
+            out = {""}
+            for part in node.values:
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    out = {a + part.value for a in out}
+                elif isinstance(part, ast.FormattedValue) and part.conversion == -1 and part.format_spec is None:
+                    inner = self.strings_of(part.value)
+                    if not inner:
+                        return set()
+                    out = {a + b for a in out for b in inner}
+                else:
+                    return set()
+            return out
+        if isinstance(node, ast.IfExp):
+            return self.strings_of(node.body) | self.strings_of(node.orelse)
+        if isinstance(node, ast.NamedExpr):
+            return self.strings_of(node.value)
+        return set()
+
+    def iter_strings(self, node: ast.expr) -> set[str]:
+        """Strings a loop over ``node`` may bind: a literal collection, or a name bound to one."""
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            out: set[str] = set()
+            for elt in node.elts:
+                out |= self.strings_of(elt)
+            return out
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            return set(self.strings.get("[]" + (_terminal_name(node) or ""), ()))
+        return set()
+
+    def callable_of(self, node: ast.expr) -> str | None:
+        """Which known callable ``node`` names (``getattr``, ``operator.attrgetter``, an alias)."""
+        if isinstance(node, ast.Name):
+            if node.id in self.callables:
+                return self.callables[node.id]
+            return node.id if node.id in _KNOWN_CALLABLES else None
+        if isinstance(node, ast.Attribute) and node.attr in _KNOWN_CALLABLES:
+            return node.attr
+        return None
+
+    def call_name(self, func: ast.expr) -> str | None:
+        """The identity used to classify a call: a known callable, else the terminal name."""
+        return self.callable_of(func) or _terminal_name(func)
+
+
+def _pairs(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr, bool]]:
+    """Name/value pairs of an assignment, element-wise for tuple = tuple."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+            for t, v in zip(target.elts, value.elts):
+                yield from _pairs(t, v)
+        return
+    name = _terminal_name(target)
+    if name is None:
+        return
+    yield (name, value, False)
+    if isinstance(value, (ast.Tuple, ast.List, ast.Set)):
+        # FIELDS = ("attention_backend", ...): remembered for `for f in FIELDS`.
+        yield ("[]" + name, value, True)
+
+
+def _is_namespace_view(node: ast.expr, consts: _Constants) -> bool:
+    """``vars(x)`` or ``x.__dict__``: the object's attributes as a mapping."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return True
+    return isinstance(node, ast.Call) and consts.callable_of(node.func) == "vars"
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, attr: str, consts: _Constants) -> None:
+        self.attr = attr
+        self.consts = consts
+        self.hits: list[tuple[ast.AST, str]] = []
+
+    def _names_field(self, node: ast.expr | None) -> bool:
+        return node is not None and self.attr in self.consts.strings_of(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, ast.Load) and _attribute_matches(node, self.attr):
+            self.hits.append((node, "attribute"))
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        # `x.attention_backend += s` reads the field before writing it.
+        target = node.target
+        if isinstance(target, ast.Attribute) and _attribute_matches(target, self.attr):
+            self.hits.append((target, "attribute"))
+        elif isinstance(target, ast.Subscript) and self._names_field(target.slice):
+            self.hits.append((target, "mapping"))
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.ctx, ast.Load) and self._names_field(node.slice):
+            self.hits.append((node, "mapping"))
+        self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        # "attention_backend" in vars(x) / in x.__dict__: a presence check, like hasattr.
+        left = node.left
+        for op, right in zip(node.ops, node.comparators):
+            if isinstance(op, (ast.In, ast.NotIn)) and self._names_field(left) and _is_namespace_view(right, self.consts):
+                self.hits.append((node, "hasattr"))
+                break
+            left = right
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        kind = self._call_kind(node)
+        if kind is not None:
+            self.hits.append((node, kind))
+        self.generic_visit(node)
+
+    def _call_kind(self, node: ast.Call) -> str | None:
+        name = self.consts.call_name(node.func)
+        args = node.args
+        if name in _GETATTR_LIKE and len(args) >= 2 and self._names_field(args[1]):
+            return "getattr"
+        if name == "hasattr" and len(args) >= 2 and self._names_field(args[1]):
+            return "hasattr"
+        if name == "__getattribute__" and args and self._names_field(args[-1]):
+            return "getattr"
+        if name == "attrgetter":
+            for arg in args:
+                if any(self.attr in s.split(".") for s in self.consts.strings_of(arg)):
+                    return "attrgetter"
+        if name == "itemgetter" and any(self._names_field(arg) for arg in args):
+            return "mapping"
+        if name in _MAPPING_GETTERS and isinstance(node.func, ast.Attribute) and args and self._names_field(args[0]):
+            return "mapping"
+        return None
+
+    def visit_MatchClass(self, node: ast.MatchClass) -> None:
+        if self.attr in node.kwd_attrs:
+            self.hits.append((node, "match"))
+        self.generic_visit(node)
+
+    def visit_MatchMapping(self, node: ast.MatchMapping) -> None:
+        if any(self._names_field(key) for key in node.keys):
+            self.hits.append((node, "match"))
+        self.generic_visit(node)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _read_source(path: Path, display: str) -> tuple[str | None, ParseProblem | None]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, ParseProblem(display, 1, 1, f"cannot read: {exc.strerror or exc}")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding), None
+    except (SyntaxError, LookupError, UnicodeDecodeError) as exc:
+        return None, ParseProblem(display, 1, 1, f"cannot decode: {exc}")
+
+
+def _allow_comment_lines(source: str) -> set[int]:
+    lines: set[int] = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT and _ALLOW_RE.search(tok.string):
+                lines.add(tok.start[0])
+    except (tokenize.TokenError, SyntaxError):  # pragma: no cover - ast.parse accepted it
+        pass
+    return lines
+
+
+def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[list[Finding], list[Finding]]:
+    """Parse ``source`` (raises SyntaxError) -> (findings, findings suppressed by a comment)."""
+    tree = ast.parse(source, filename=display)
+    visitor = _Visitor(attr, _Constants(tree))
+    visitor.visit(tree)
+    if not visitor.hits:
+        return [], []
+    allow_lines = _allow_comment_lines(source)
+    lines = source.splitlines()
+    findings: list[Finding] = []
+    suppressed: list[Finding] = []
+    seen: set[tuple[int, int, int, int]] = set()
+    for node, kind in visitor.hits:
+        start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+        key = (start, node.col_offset, end, node.end_col_offset or 0)  # type: ignore[attr-defined]
+        if key in seen:
+            continue
+        seen.add(key)
+        segment = ast.get_source_segment(source, node) or f"<{kind} read of {attr}>"
+        expr = re.sub(r"\s*\n\s*", " ", segment)
+        finding = Finding(display, start, _char_col(lines, start, node.col_offset) + 1, expr, reason, kind)  # type: ignore[attr-defined]
+        if any(n in allow_lines for n in range(start, end + 1)):
+            suppressed.append(finding)
+        else:
+            findings.append(finding)
+    return findings, suppressed
+
+
+def _char_col(lines: list[str], lineno: int, byte_col: int) -> int:
+    """ast columns are UTF-8 byte offsets; report characters."""
+    try:
+        return len(lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", errors="replace"))
+    except IndexError:  # pragma: no cover
+        return byte_col
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if not d.startswith(".") and d not in _SKIP_DIRS and not d.endswith(".egg-info")
+        )
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield Path(dirpath) / name
+
+
+def _normalise(paths_with_reasons: PathsWithReasons) -> list[tuple[str, str | None]]:
+    if isinstance(paths_with_reasons, (str, os.PathLike)):
+        return [(os.fspath(paths_with_reasons), None)]
+    if isinstance(paths_with_reasons, Mapping):
+        return [(os.fspath(p), r) for p, r in paths_with_reasons.items()]
+    return [(os.fspath(p), None) for p in paths_with_reasons]
+
+
+def _same_file(allow_path: str, finding_path: str) -> bool:
+    a, f = Path(allow_path), Path(finding_path)
+    try:
+        if a.resolve() == f.resolve():
+            return True
+    except OSError:  # pragma: no cover
+        pass
+    if a.is_absolute():
+        return False
+    a_parts = Path(os.path.normpath(a)).parts
+    f_parts = f.resolve().parts
+    return len(a_parts) <= len(f_parts) and tuple(f_parts[-len(a_parts):]) == a_parts
+
+
+def _files(
+    paths_with_reasons: PathsWithReasons, attr: str, exclude: Iterable[PathLike]
+) -> list[tuple[Path, str, str]]:
+    """(file, display path, reason); a file named more specifically keeps its own reason."""
+    excluded = [Path(os.fspath(e)).resolve() for e in exclude]
+
+    def is_excluded(p: Path) -> bool:
+        return any(p == e or e in p.parents for e in excluded)
+
+    chosen: dict[Path, tuple[int, int, str, str]] = {}  # resolved -> (specificity, order, display, reason)
+    order = 0
+    for given, reason in _normalise(paths_with_reasons):
+        root = Path(given)
+        if not root.exists():
+            raise FileNotFoundError(f"no such file or directory: {given}")
+        specificity = len(root.resolve().parts)
+        files = [root] if root.is_file() else list(_walk(root))
+        for f in files:
+            resolved = f.resolve()
+            if is_excluded(resolved):
+                continue
+            current = chosen.get(resolved)
+            if current is None or specificity > current[0]:
+                order += 1
+                chosen[resolved] = (specificity, current[1] if current else order, str(f), reason or default_reason(attr))
+    return [(r, display, reason) for r, (_, _, display, reason) in sorted(chosen.items(), key=lambda kv: kv[1][1])]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def check(
+    paths_with_reasons: PathsWithReasons,
+    attr: str = DEFAULT_ATTR,
+    allow: Iterable[AllowSpec] = (),
+    *,
+    exclude: Iterable[PathLike] = (),
+) -> GuardReport:
+    """Check files and directories (walked for ``*.py``); never raises for an unparsable file.
+
+    ``paths_with_reasons`` is ``{path: reason}`` (a ``None`` reason gets
+    :func:`default_reason`), an iterable of paths, or one path. A file reached
+    both directly and through a directory keeps the reason of the more specific
+    entry. ``exclude`` removes files or whole directories (e.g. the config module
+    that defines the field). Raises ``FileNotFoundError`` for a missing path and
+    :class:`GuardError` for a bad ``attr`` or allow entry.
+    """
+    if not isinstance(attr, str) or not attr.isidentifier():
+        raise GuardError(f"attr={attr!r}: expected an attribute name such as {DEFAULT_ATTR!r}")
+    entries = [parse_allow(a) for a in allow]
+    used: set[AllowEntry] = set()
+    findings: list[Finding] = []
+    allowed: list[Finding] = []
+    problems: list[ParseProblem] = []
+    files = _files(paths_with_reasons, attr, exclude)
+    for path, display, reason in files:
+        source, problem = _read_source(path, display)
+        if problem is not None or source is None:
+            problems.append(problem or ParseProblem(display, 1, 1, "cannot read"))
+            continue
+        try:
+            found, suppressed = _check_source(source, display, attr, reason)
+        except SyntaxError as exc:
+            problems.append(ParseProblem(display, exc.lineno or 1, exc.offset or 1, f"syntax error: {exc.msg}"))
+            continue
+        except (ValueError, RecursionError) as exc:  # e.g. null bytes, absurd nesting
+            problems.append(ParseProblem(display, 1, 1, f"{type(exc).__name__}: {exc}"))
+            continue
+        allowed.extend(suppressed)
+        for finding in found:
+            hit = [e for e in entries if e.matches(finding)]
+            if hit:
+                used.update(hit)
+                allowed.append(finding)
+            else:
+                findings.append(finding)
+    unused = [e for e in entries if e not in used]
+    return GuardReport(attr, findings, allowed, problems, unused, len(files))
+
+
+def find_base_field_reads(
+    paths_with_reasons: PathsWithReasons,
+    attr: str = DEFAULT_ATTR,
+    allow: Iterable[AllowSpec] = (),
+    *,
+    exclude: Iterable[PathLike] = (),
+) -> list[Finding]:
+    """Every unsuppressed read of ``attr``; raises :class:`GuardError` naming unparsable files."""
+    report = check(paths_with_reasons, attr, allow, exclude=exclude)
+    if report.problems:
+        raise GuardError(
+            "the static guard could not check every file:\n" + "\n".join(f"  {p.format()}" for p in report.problems),
+            report.problems,
+        )
+    return report.findings
+
+
+def assert_no_base_field_reads(
+    paths_with_reasons: PathsWithReasons,
+    attr: str = DEFAULT_ATTR,
+    allow: Iterable[AllowSpec] = (),
+    *,
+    exclude: Iterable[PathLike] = (),
+    strict_allow: bool = False,
+) -> None:
+    """The one-test helper for a host engine::
+
+        def test_decisions_read_the_pair():
+            assert_no_base_field_reads({
+                "engine/model_runner.py": "picks the kernel per forward mode",
+                "engine/server_args.py": None,
+            }, exclude=["engine/config.py"])
+
+    Fails (``pytest.fail`` under pytest, else ``AssertionError``) listing each
+    offender as ``file:line:col: expression — reason``, and names any file it
+    could not parse. With ``strict_allow`` an allow entry that matches no read
+    also fails, so the allow-list only ever shrinks.
+    """
+    report = check(paths_with_reasons, attr, allow, exclude=exclude)
+    if report.clean and not (strict_allow and report.unused_allow):
+        return
+    _fail(report.message(strict_allow=strict_allow))
+
+
+def _fail(message: str) -> None:
+    pytest = sys.modules.get("pytest")  # running under pytest: a clean failure, no guard traceback
+    if pytest is not None and hasattr(pytest, "fail"):
+        pytest.fail(message, pytrace=False)
+    raise AssertionError(message)

@@ -1,0 +1,152 @@
+"""The backend protocol: defaults, dispatch, and containers/wrappers forwarding every method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnplug import (
+    OPTIONAL_METHODS,
+    AttentionBackend,
+    BackendWrapper,
+    ForwardBatch,
+    ForwardMode,
+    HybridBackend,
+    LayerSpec,
+    MetadataGuard,
+    MetadataNotInitializedError,
+)
+from attnplug.backend import PROTOCOL_METHODS, REQUIRED_METHODS
+
+LAYER = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=6)
+
+
+class Recorder(AttentionBackend):
+    """Implements only the required methods; records every protocol call it receives."""
+
+    def __init__(self, tag="r"):
+        self.tag = tag
+        self.calls = []
+
+    def init_forward_metadata(self, batch):
+        self.calls.append(("init_forward_metadata", batch.forward_mode))
+
+    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
+        self.calls.append(("forward_extend", batch.forward_mode))
+        return self.tag
+
+    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
+        self.calls.append(("forward_decode", batch.forward_mode))
+        return self.tag
+
+
+def test_required_methods_raise_naming_the_class():
+    class Empty(AttentionBackend):
+        pass
+
+    for name in REQUIRED_METHODS:
+        with pytest.raises(NotImplementedError, match="Empty"):
+            getattr(Empty(), name)(*([None] * (1 if name == "init_forward_metadata" else 5)))
+
+
+def test_optional_methods_have_explicit_defaults_on_the_base():
+    for name in OPTIONAL_METHODS:
+        assert name in vars(AttentionBackend), name
+    r = Recorder()
+    assert r.get_cuda_graph_seq_len_fill_value() == 1
+    assert r.init_cuda_graph_state(8, 8) is None
+    assert r.on_after_cuda_graph_warmup() is None
+    b = ForwardBatch.decode([0], [3], [5])
+    r.init_forward_metadata_capture_cuda_graph(b)
+    r.init_forward_metadata_replay_cuda_graph(b)
+    assert r.calls == [("init_forward_metadata", ForwardMode.DECODE)] * 2
+
+
+def test_stamps_default_to_none():
+    r = Recorder()
+    assert (r.prefill_attention_backend_str, r.decode_attention_backend_str) == (None, None)
+
+
+@pytest.mark.parametrize("mode", list(ForwardMode))
+def test_forward_dispatches_by_mode(mode):
+    r = Recorder()
+    q = torch.zeros(0, 4, 8)
+    batch = type("B", (), {"forward_mode": mode})()
+    out = r.forward(q, None, None, LAYER, batch)
+    if mode is ForwardMode.IDLE:
+        assert out.shape == (0, 4, 6) and out.dtype == q.dtype
+        assert r.calls == []
+    else:
+        want = "forward_decode" if mode is ForwardMode.DECODE else "forward_extend"
+        assert out == "r" and r.calls == [(want, mode)]
+
+
+@pytest.mark.parametrize("container", [HybridBackend, BackendWrapper])
+def test_containers_define_every_protocol_method(container):
+    """No method may fall through to the base default: that is how wrappers forget children."""
+    missing = [m for m in PROTOCOL_METHODS if m not in vars(container)]
+    assert missing == []
+
+
+def _call(backend, name, batch):
+    args = {
+        "init_forward_metadata": (batch,),
+        "forward": (None, None, None, LAYER, batch),
+        "forward_extend": (None, None, None, LAYER, batch),
+        "forward_decode": (None, None, None, LAYER, batch),
+        "not_supported_reasons": (LAYER,),
+        "init_cuda_graph_state": (4, 4),
+        "init_forward_metadata_capture_cuda_graph": (batch,),
+        "init_forward_metadata_replay_cuda_graph": (batch,),
+        "get_cuda_graph_seq_len_fill_value": (),
+        "on_after_cuda_graph_warmup": (),
+    }[name]
+    return getattr(backend, name)(*args)
+
+
+class Spy(Recorder):
+    """Records every protocol method by name (optional ones included)."""
+
+    def __init__(self, tag):
+        super().__init__(tag)
+        self.names = []
+
+    def __getattribute__(self, name):
+        if name in PROTOCOL_METHODS:
+            object.__getattribute__(self, "names").append(name)
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("name", PROTOCOL_METHODS)
+def test_wrapper_forwards_each_method(name):
+    inner = Spy("inner")
+    w = BackendWrapper(inner)
+    _call(w, name, type("B", (), {"forward_mode": ForwardMode.EXTEND})())
+    assert inner.names[0] == name
+
+
+@pytest.mark.parametrize("name", PROTOCOL_METHODS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_hybrid_forwards_each_method_to_the_right_halves(name, mode):
+    p, d = Spy("p"), Spy("d")
+    _call(HybridBackend(p, d), name, type("B", (), {"forward_mode": mode})())
+    both = name in {"init_cuda_graph_state", "on_after_cuda_graph_warmup", "not_supported_reasons"}
+    decode_only = name == "get_cuda_graph_seq_len_fill_value"
+    if both:
+        assert p.names[:1] == [name] and d.names[:1] == [name]
+    elif decode_only:
+        assert d.names[:1] == [name] and p.names == []
+    else:
+        served, other = (d, p) if mode is ForwardMode.DECODE else (p, d)
+        assert served.names[:1] == [name] and other.names == []
+
+
+def test_metadata_guard_rejects_forward_before_init():
+    g = MetadataGuard("demo")
+    b1, b2 = object(), object()
+    with pytest.raises(MetadataNotInitializedError, match="init_forward_metadata"):
+        g.require(b1)
+    g.set(b1, {"m": 1})
+    assert g.require(b1) == {"m": 1}
+    with pytest.raises(MetadataNotInitializedError):
+        g.require(b2)
