@@ -50,6 +50,20 @@ _EXPORTS: dict[str, str] = {
     "ShapeError": "errors",
     "MetadataNotInitializedError": "errors",
     "ConfigError": "errors",
+    "NoForwardContextError": "errors",
+    "build_draft_backends": "speculative",
+    "DraftBackends": "speculative",
+    "MultiStepDraftBackend": "speculative",
+    "SidecarWrapper": "speculative",
+    "kernel_for_forward": "speculative",
+    "draft_backend_name": "speculative",
+    "target_verify_backend_name": "speculative",
+    "current_backend": "forward_context",
+    "ForwardFrame": "forward_context",
+    "library_missing": "descriptor",
+    "assert_no_base_field_reads": "guard",
+    "find_base_field_reads": "guard",
+    "GuardError": "guard",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -143,6 +143,19 @@ def module_missing(module: str, install_hint: str = "") -> Probe:
     return probe
 
 
+def library_missing(distribution: str, install_hint: str = "") -> Probe:
+    """A probe that reads ``HostInfo.libraries`` (so it also answers for a recorded host,
+    ``--host-json``): unavailable when ``distribution`` is not installed there."""
+
+    def probe(host: HostInfo) -> list[str]:
+        if host.library_version(distribution) is not None:
+            return []
+        msg = f"kernel library {distribution!r} is not installed"
+        return [msg + (f" ({install_hint})" if install_hint else "")]
+
+    return probe
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     out: list[int] = []
     for part in v.split("+", 1)[0].split("."):

@@ -72,3 +72,7 @@ class ShapeError(AttnplugError, ValueError):
 
 class MetadataNotInitializedError(AttnplugError, RuntimeError):
     """``forward`` was called before ``init_forward_metadata`` for this batch."""
+
+
+class NoForwardContextError(AttnplugError, RuntimeError):
+    """Model code asked for the current backend outside any forward (or outside this runner's)."""

@@ -48,6 +48,8 @@ import tokenize
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence, Union
 
+from .errors import AttnplugError  # stdlib-only module: the guard stays import-free
+
 __all__ = [
     "ALLOW_COMMENT",
     "DEFAULT_ATTR",
@@ -129,7 +131,7 @@ class ParseProblem:
         return dataclasses.asdict(self)
 
 
-class GuardError(Exception):
+class GuardError(AttnplugError, ValueError):
     """The guard could not check what it was asked to (unparsable file, bad allow entry)."""
 
     def __init__(self, message: str, problems: Sequence[ParseProblem] = ()) -> None:
@@ -224,6 +226,8 @@ def _attribute_matches(node: ast.Attribute, attr: str) -> bool:
 
 
 _FOLD_ROUNDS = 8
+_FOLD_MAX_STRINGS = 32
+_FOLD_MAX_LEN = 256
 _GETATTR_LIKE = frozenset({"getattr", "getattr_static"})
 _MAPPING_GETTERS = frozenset({"get", "pop", "setdefault"})
 #: Callables recognised by their own name when imported or aliased.
@@ -238,6 +242,15 @@ def _terminal_name(node: ast.expr) -> str | None:
     return None
 
 
+def _key(node: ast.expr) -> str | None:
+    """Binding key: ``FIELD`` for a name, ``.field`` for any ``X.field`` (kept apart)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return "." + node.attr
+    return None
+
+
 class _Constants:
     """Fold expressions to the set of strings they may hold, from bindings in the file.
 
@@ -246,7 +259,8 @@ class _Constants:
     reviewed false positive (silenced by an allow) to a missed read.
     """
 
-    def __init__(self, tree: ast.AST) -> None:
+    def __init__(self, tree: ast.AST, attr: str) -> None:
+        self.attr = attr
         self.strings: dict[str, set[str]] = {}
         self.callables: dict[str, str] = {}
         bindings: list[tuple[str, ast.expr, bool]] = []  # (name, value, is_iteration)
@@ -257,9 +271,18 @@ class _Constants:
             elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
                 bindings.extend(_pairs(node.target, node.value))
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-                name = _terminal_name(node.target)
-                if name is not None:
-                    bindings.append((name, node.iter, True))
+                key = _key(node.target)
+                if key is not None:
+                    bindings.append((key, node.iter, True))
+            elif isinstance(node, ast.ClassDef):
+                # class K: FIELD = "attention_backend"  ->  getattr(x, K.FIELD) / self.FIELD
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign):
+                        for target in stmt.targets:
+                            if isinstance(target, ast.Name):
+                                bindings.append(("." + target.id, stmt.value, False))
+                    elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
+                        bindings.append(("." + stmt.target.id, stmt.value, False))
             elif isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     if alias.name in _KNOWN_CALLABLES:
@@ -271,24 +294,35 @@ class _Constants:
             changed, rounds = False, rounds + 1
             for name, value, iterating in bindings:
                 found = self.iter_strings(value) if iterating else self.strings_of(value)
-                if found - self.strings.get(name, set()):
-                    self.strings.setdefault(name, set()).update(found)
-                    changed = True
+                known = self.strings.get(name, set())
+                if found - known:
+                    merged = self._cap(known | found)
+                    if merged != known:
+                        self.strings[name] = merged
+                        changed = True
                 if not iterating:
                     fn = self.callable_of(value)
                     if fn is not None and name not in self.callables:
                         self.callables[name] = fn
                         changed = True
 
+    def _cap(self, strings: set[str]) -> set[str]:
+        """Bound the folding (``s = s + s`` in a loop would grow without end)."""
+        strings = {s for s in strings if len(s) <= _FOLD_MAX_LEN}
+        if len(strings) > _FOLD_MAX_STRINGS:
+            relevant = sorted(s for s in strings if s in self.attr or self.attr in s)
+            strings = set(relevant[:_FOLD_MAX_STRINGS])
+        return strings
+
     def strings_of(self, node: ast.expr | None) -> set[str]:
         if isinstance(node, ast.Constant):
             return {node.value} if isinstance(node.value, str) else set()
         if isinstance(node, (ast.Name, ast.Attribute)):
-            name = _terminal_name(node)
-            return set(self.strings.get(name, ())) if name else set()
+            key = _key(node)
+            return set(self.strings.get(key, ())) if key else set()
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             left, right = self.strings_of(node.left), self.strings_of(node.right)
-            return {a + b for a in left for b in right}
+            return self._cap({a + b for a in left for b in right})
         if isinstance(node, ast.JoinedStr):
             out = {""}
             for part in node.values:
@@ -298,12 +332,12 @@ class _Constants:
                     inner = self.strings_of(part.value)
                     if not inner:
                         return set()
-                    out = {a + b for a in out for b in inner}
+                    out = self._cap({a + b for a in out for b in inner})
                 else:
                     return set()
             return out
         if isinstance(node, ast.IfExp):
-            return self.strings_of(node.body) | self.strings_of(node.orelse)
+            return self._cap(self.strings_of(node.body) | self.strings_of(node.orelse))
         if isinstance(node, ast.NamedExpr):
             return self.strings_of(node.value)
         return set()
@@ -314,9 +348,9 @@ class _Constants:
             out: set[str] = set()
             for elt in node.elts:
                 out |= self.strings_of(elt)
-            return out
+            return self._cap(out)
         if isinstance(node, (ast.Name, ast.Attribute)):
-            return set(self.strings.get("[]" + (_terminal_name(node) or ""), ()))
+            return set(self.strings.get("[]" + (_key(node) or ""), ()))
         return set()
 
     def callable_of(self, node: ast.expr) -> str | None:
@@ -341,7 +375,7 @@ def _pairs(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr, b
             for t, v in zip(target.elts, value.elts):
                 yield from _pairs(t, v)
         return
-    name = _terminal_name(target)
+    name = _key(target)
     if name is None:
         return
     yield (name, value, False)
@@ -460,7 +494,7 @@ def _allow_comment_lines(source: str) -> set[int]:
 def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[list[Finding], list[Finding]]:
     """Parse ``source`` (raises SyntaxError) -> (findings, findings suppressed by a comment)."""
     tree = ast.parse(source, filename=display)
-    visitor = _Visitor(attr, _Constants(tree))
+    visitor = _Visitor(attr, _Constants(tree, attr))
     visitor.visit(tree)
     if not visitor.hits:
         return [], []
@@ -476,13 +510,19 @@ def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[li
             continue
         seen.add(key)
         segment = ast.get_source_segment(source, node) or f"<{kind} read of {attr}>"
-        expr = re.sub(r"\s*\n\s*", " ", segment)
+        expr = _one_line(segment)
         finding = Finding(display, start, _char_col(lines, start, node.col_offset) + 1, expr, reason, kind)  # type: ignore[attr-defined]
         if any(n in allow_lines for n in range(start, end + 1)):
             suppressed.append(finding)
         else:
             findings.append(finding)
     return findings, suppressed
+
+
+def _one_line(segment: str) -> str:
+    """A multi-line read on one line: ``(cfg\\n .attention_backend)`` -> ``cfg.attention_backend``."""
+    segment = re.sub(r"(?<=[(\[{])\s*\n\s*|\s*\n\s*(?=[.)\]},])", "", segment)
+    return re.sub(r"\s*\n\s*", " ", segment)
 
 
 def _char_col(lines: list[str], lineno: int, byte_col: int) -> int:

@@ -47,10 +47,14 @@ def attnplug_resolve_name(name: str, host: "HostInfo") -> "str | None":
 def attnplug_arch_overrides(register: "Callable[..., None]") -> None:
     """Declare per-architecture overrides for the resolution chain.
 
-    Call ``register(arch, rule)`` where ``rule(host, config) -> dict`` returns
-    the configuration fields it declares for that architecture (or ``{}``).
-    Declarations are recorded with this plugin's distribution and can be
-    explained (``attnplug resolve --list-overrides``).
+    Call ``register(arch_or_archs, rule, *, name=None, precedence=0,
+    description=None)`` where ``rule(host, config) -> dict`` returns the
+    configuration fields it declares for that architecture (or ``{}``).
+    Overrides apply by ascending precedence, then distribution, then
+    registration order; the last writer wins, so a family catch-all uses a
+    negative precedence. A plugin declares overrides that pick *its own*
+    backend. Declarations are recorded with this plugin's distribution and can
+    be explained (``attnplug resolve --list-overrides``).
     """
 
 
@@ -58,9 +62,12 @@ def attnplug_arch_overrides(register: "Callable[..., None]") -> None:
 def attnplug_resolution_rules(register: "Callable[..., None]") -> None:
     """Declare compatibility-fallback and forcing rules for the resolution chain.
 
-    Call ``register(name, stage, rule)``; ``stage`` is ``"fallback"`` or
-    ``"force"`` and ``rule(host, config, registry) -> dict`` returns the fields
-    it declares. Rules never override a field the user set.
+    Call ``register(name, stage, rule, *, description=None)``; ``stage`` is
+    ``"fallback"`` or ``"force"`` and ``rule(host, config, registry) -> dict``
+    returns the fields it declares. ``force`` rules run right after the
+    architecture overrides; ``fallback`` rules run after the core's
+    availability fallback, so they see a pair that can run here. Rules never
+    override a field the user set.
     """
 
 
