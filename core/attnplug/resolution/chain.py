@@ -1,0 +1,402 @@
+"""The chain: pinning, last-writer-wins, and the checks.
+
+``resolve(config, arch, host, registry)`` is a pure function of its inputs: it
+returns a new ``AttentionConfig`` and the records that explain it, and writes
+no global state. ``trace(...)`` is the same but returns the partial result
+with the error attached instead of raising (``attnplug resolve`` explains
+failures with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ..config import AttentionConfig
+from ..errors import AttnplugError, BackendUnavailableError, ConfigError, PluginError
+from ..host import HostInfo
+from .passes import (
+    AUTO,
+    CONFIG_FIELDS,
+    CORE,
+    DEFAULT_PASSES,
+    DRAFT_FIELD,
+    HALF_FIELDS,
+    HALVES,
+    PAIR_FIELDS,
+    USER,
+    Declaration,
+    Pass,
+    Record,
+    State,
+    collect_arch_overrides,
+    collect_resolution_rules,
+    ranked,
+    serve_problems,
+    support_problems,
+)
+
+if TYPE_CHECKING:
+    from ..registry import Registry
+
+NAME_FIELDS: frozenset[str] = PAIR_FIELDS | {DRAFT_FIELD}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One registered backend as resolution saw it on this host."""
+
+    name: str
+    distribution: str
+    version: str
+    priority: int | None
+    available: bool
+    #: half -> why it cannot serve that half (availability and support); empty when it can
+    problems: Mapping[str, tuple[str, ...]]
+    floor_problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "distribution": self.distribution, "version": self.version,
+                "priority": self.priority, "available": self.available,
+                "problems": {h: list(p) for h, p in self.problems.items()}, "floor_problem": self.floor_problem}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The resolved configuration and how it came to be.
+
+    ``records`` are every declaration in order (``Record.as_tuple()`` is
+    ``(pass name, source distribution, {field: value})``); ``pinned`` the
+    fields the user set (canonical names; ``auto`` as given); ``error`` the exception when resolution failed
+    (``trace`` only; ``resolve`` raises it).
+    """
+
+    config: AttentionConfig
+    user_config: AttentionConfig
+    arch: str | None
+    host: HostInfo
+    records: tuple[Record, ...]
+    pinned: Mapping[str, Any]
+    passes: tuple[tuple[str, str], ...]
+    candidates: tuple[Candidate, ...] = ()
+    conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    error: BaseException | None = None
+
+    @property
+    def pair(self) -> tuple[str | None, str | None]:
+        return self.config.attention_backends()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def overruled(self) -> list[tuple[Record, str, Any, str]]:
+        """``(record, field, declared value, reason)`` for every declaration the user's choices overruled."""
+        return [(r, f, r.declared.get(f), why) for r in self.records for f, why in r.overruled.items()]
+
+    def rejected(self) -> dict[str, list[str]]:
+        """Every registered backend not in the resolved pair, with the reasons it was not chosen."""
+        from .explain import rejected_reasons
+
+        return rejected_reasons(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        from .explain import to_dict
+
+        return to_dict(self)
+
+    def explain(self) -> str:
+        from .explain import explain_text
+
+        return explain_text(self)
+
+
+def resolve(
+    config: AttentionConfig | None = None,
+    arch: str | None = None,
+    host: HostInfo | None = None,
+    registry: "Registry | None" = None,
+) -> Resolution:
+    """Resolve ``config`` for ``arch`` on ``host``; raises on failure (see ``trace``)."""
+    result = trace(config, arch=arch, host=host, registry=registry)
+    if result.error is not None:
+        raise result.error
+    return result
+
+
+def trace(
+    config: AttentionConfig | None = None,
+    arch: str | None = None,
+    host: HostInfo | None = None,
+    registry: "Registry | None" = None,
+    passes: Sequence[Pass] = DEFAULT_PASSES,
+) -> Resolution:
+    """Run the chain; never raises an ``AttnplugError``/``ValueError``: it is returned in ``error``."""
+    if registry is None:
+        from ..registry import default_registry
+
+        registry = default_registry()
+    config = AttentionConfig() if config is None else config
+    host = host or registry.host
+    chain = _Chain(config, arch, host, registry)
+    try:
+        chain.run(passes)
+    except (AttnplugError, ValueError) as exc:
+        chain.error = exc
+    return chain.result()
+
+
+class _Chain:
+    """One run of the chain. Holds the pins; every change goes through ``offer``."""
+
+    def __init__(self, user: AttentionConfig, arch: str | None, host: HostInfo, registry: "Registry") -> None:
+        self.user, self.arch, self.host, self.registry = user, arch, host, registry
+        self.config = user
+        self.records: list[Record] = []
+        self.pins: dict[str, Any] = {}
+        self.user_pins: dict[str, Any] = {}
+        self.pinned_halves: dict[str, str] = {}
+        self.passes_run: list[tuple[str, str]] = []
+        self.error: BaseException | None = None
+
+    # -- the user's choices --------------------------------------------
+    def pin_user_choices(self) -> None:
+        explicit = self.user.explicit_fields()
+        canonical: dict[str, Any] = {}
+        for field, value in explicit.items():
+            canonical[field] = self.canonical_name(value, USER, field) if field in NAME_FIELDS else value
+        # the user's "auto" for the draft backend means "the configured pair": not a choice
+        if canonical.get(DRAFT_FIELD) == AUTO:
+            canonical[DRAFT_FIELD] = None
+        cfg = self.user.replace(**{f: v for f, v in canonical.items() if f in NAME_FIELDS})
+        halves = dict(zip(HALVES, cfg.attention_backends()))
+        own = {h: getattr(cfg, HALF_FIELDS[h]) for h in HALVES}
+        note = ""
+        if all(v is not None for v in own.values()) and cfg.replace(**{f: None for f in HALF_FIELDS.values()}) \
+                .attention_backends()[0] == AUTO:
+            # a base "auto" under two per-half choices is unused: drop it rather than leave "auto" behind
+            cfg = cfg.replace(attention_backend=None)
+            canonical = {f: v for f, v in canonical.items() if f not in PAIR_FIELDS or f in HALF_FIELDS.values()}
+            note = "; the base 'auto' is unused (both halves name their own backend)"
+        self.config = cfg
+        self.pins = {f: v for f, v in canonical.items() if v is not None}
+        self.pinned_halves = {h: n for h, n in halves.items() if n is not None}
+        if explicit:
+            self.records.append(Record("user", USER, dict(explicit), dict(self.pins), {},
+                                       rule="fields you set are pinned" + note, pair=cfg.attention_backends()))
+        self.user_pins = dict(self.pins)
+
+    def canonical_name(self, value: Any, source: str, field: str) -> Any:
+        if value is None or value == AUTO:
+            return value
+        if not isinstance(value, str):
+            raise _plugin_error(source)(f"{field}={value!r} is not a backend name")
+        if source == USER:
+            return self.registry.canonical(value, self.host)
+        try:
+            return self.registry.canonical(value, self.host)
+        except PluginError:
+            raise
+        except AttnplugError as exc:
+            raise PluginError(source, f"declared {field}={value!r}: {exc}") from exc
+
+    # -- passes ----------------------------------------------------------
+    def run(self, passes: Sequence[Pass]) -> None:
+        self.pin_user_choices()
+        overrides = tuple(collect_arch_overrides(self.registry))
+        rules = tuple(collect_resolution_rules(self.registry))
+        for p in passes:
+            self.passes_run.append((p.name, p.description))
+            state = State(self.config, self.arch, self.host, self.registry, dict(self.pinned_halves),
+                          overrides, rules)
+            for decl in p.run(state):
+                self.offer(p, decl)
+        self.check()
+
+    def offer(self, p: Pass, decl: Declaration) -> None:
+        applied: dict[str, Any] = {}
+        overruled: dict[str, str] = {}
+        for field, value in decl.fields.items():
+            if field not in CONFIG_FIELDS or (p.fields is not None and field not in p.fields):
+                allowed = sorted(p.fields if p.fields is not None else CONFIG_FIELDS)
+                raise _plugin_error(decl.source)(
+                    f"{p.name} rule {decl.rule!r} declared unknown field {field!r} (allowed: {', '.join(allowed)})")
+            if field in NAME_FIELDS:
+                if value == AUTO or value is None:
+                    raise _plugin_error(decl.source)(
+                        f"{p.name} rule {decl.rule!r} declared {field}={value!r}; declare a backend name")
+                value = self.canonical_name(value, decl.source, field)
+            why = self._pin_conflict(p, field, value)
+            if why:
+                overruled[field] = why
+                continue
+            try:
+                tentative = self.config.replace(**{field: value})
+            except (TypeError, ValueError) as exc:
+                raise _plugin_error(decl.source)(f"{p.name} rule {decl.rule!r} declared {field}={value!r}: {exc}")
+            why = self._half_conflict(p, tentative)
+            if why:
+                overruled[field] = why
+                continue
+            self.config = tentative
+            applied[field] = value
+        if p.fills_auto:  # the default fill's choices become what "auto" meant
+            for field, value in applied.items():
+                if self.pins.get(field) == AUTO:
+                    self.pins[field] = value
+            for half, name in zip(HALVES, self.config.attention_backends()):
+                if self.pinned_halves.get(half) == AUTO and name is not None and name != AUTO:
+                    self.pinned_halves[half] = name
+        self.records.append(Record(p.name, decl.source, dict(decl.fields), applied, overruled, decl.rule,
+                                   self.config.attention_backends()))
+
+    def _pin_conflict(self, p: Pass, field: str, value: Any) -> str | None:
+        if field not in self.pins or self.pins[field] == value:
+            return None
+        if p.fills_auto and self.pins[field] == AUTO:
+            return None
+        return f"pinned: you set {field}={self.pins[field]!r}"
+
+    def _half_conflict(self, p: Pass, tentative: AttentionConfig) -> str | None:
+        for half, new, old in zip(HALVES, tentative.attention_backends(), self.config.attention_backends()):
+            want = self.pinned_halves.get(half)
+            if want is None or new == old:
+                continue
+            if p.fills_auto and want == AUTO:
+                continue
+            return f"would change the {half} half you chose ({want!r})"
+        return None
+
+    # -- checks ------------------------------------------------------------
+    def check(self) -> None:
+        cfg, reg, host = self.config, self.registry, self.host
+        pair = dict(zip(HALVES, cfg.attention_backends()))
+        for half in HALVES:
+            name = pair[half]
+            if name is None or name == AUTO:
+                raise self.nothing_serves(half)
+            if half not in self.pinned_halves:
+                problems = serve_problems(reg, host, name, cfg, half)
+                if problems:
+                    raise self.pass_choice_fails(half, name, problems)
+                continue
+            avail = reg.availability(name, host)
+            if not avail:
+                serving = self.serving(half)
+                hint = (f"Backends that would serve this configuration here: {', '.join(serving)}"
+                        if serving else "No backend serves this configuration here")
+                raise BackendUnavailableError(name, list(avail.reasons), hint)
+            if cfg.deterministic and not reg.get(name).capabilities.deterministic:
+                raise ConfigError(self.deterministic_message(half, name))
+            problems = support_problems(reg, name, cfg, half)
+            if problems:
+                serving = self.serving(half)
+                raise ConfigError(
+                    f"attention backend {name!r} ({reg.get(name).distribution}) cannot serve the {half} half of "
+                    f"this configuration: {'; '.join(problems)}. "
+                    f"Backends that would: {', '.join(serving) or 'none here'}")
+        used = list(dict.fromkeys(n for n in pair.values() if n is not None))
+        draft = cfg.speculative_draft_attention_backend
+        if draft is not None:
+            avail = reg.availability(draft, host)
+            if not avail:
+                raise BackendUnavailableError(draft, list(avail.reasons),
+                                              f"(the speculative draft backend) Available here: "
+                                              f"{', '.join(reg.available_names(host)) or 'none'}")
+            used.append(draft)
+        for name in dict.fromkeys(used):
+            desc = reg.get(name)
+            problem = desc.library_floor_problem(host)
+            if problem:
+                halves = [h for h in HALVES if pair[h] == name] or ["draft"]
+                raise ConfigError(
+                    f"{problem}; the {' and '.join(halves)} half uses it. Upgrade {desc.library}, or choose "
+                    f"another backend for that half (attnplug resolve explains the choice)")
+        self.check_hook(cfg)
+
+    def check_hook(self, cfg: AttentionConfig) -> None:
+        found: list[str] = []
+        impls = self.registry.pm.hook.attnplug_check_config.get_hookimpls()
+        for impl in sorted(impls, key=lambda i: self.registry.pm.get_name(i.plugin) or "?"):
+            dist = self.registry.pm.get_name(impl.plugin) or "?"
+            try:
+                problems = impl.function(config=cfg, host=self.host)
+            except Exception as exc:
+                raise PluginError(dist, f"attnplug_check_config raised {type(exc).__name__}: {exc}") from exc
+            found.extend(f"plugin {dist!r}: {p}" for p in (problems or []))
+        if found:
+            raise ConfigError("the resolved configuration fails plugin checks: " + "; ".join(found))
+
+    def serving(self, half: str) -> list[str]:
+        return [n for n, _ in ranked(self.registry, self.host)
+                if not serve_problems(self.registry, self.host, n, self.config, half)] + \
+            [n for n in self.registry.names()
+             if self.registry.get(n).priority_on(self.host) is None
+             and not serve_problems(self.registry, self.host, n, self.config, half)]
+
+    def deterministic_message(self, half: str, name: str) -> str:
+        reg = self.registry
+        det = [n for n in reg.names() if reg.get(n).capabilities.deterministic]
+        here = [n for n in det if reg.availability(n, self.host)]
+        return (f"deterministic inference needs a backend that declares deterministic output; {name!r} "
+                f"(your choice for the {half} half) does not. Backends that do: {', '.join(det) or 'none'}"
+                f" (available here: {', '.join(here) or 'none'})")
+
+    def pass_choice_fails(self, half: str, name: str, problems: list[str]) -> AttnplugError:
+        """A half a pass chose cannot serve, and nothing replaced it: name who chose it."""
+        who = "a pass"
+        for r in reversed(self.records):
+            if any(f in PAIR_FIELDS for f in r.applied):
+                who = f"{r.pass_name} [{r.source}] {r.rule!r}"
+                break
+        serving = self.serving(half)
+        if not serving:
+            return self.nothing_serves(half)
+        return ConfigError(
+            f"the {half} half {name!r}, declared by {who}, cannot serve here: {'; '.join(problems)}. "
+            f"Backends that would: {', '.join(serving)}")
+
+    def nothing_serves(self, half: str) -> AttnplugError:
+        reg = self.registry
+        lines = []
+        for n in reg.names():
+            problems = serve_problems(reg, self.host, n, self.config, half)
+            if reg.get(n).priority_on(self.host) is None:
+                problems.append(f"no default priority on {self.host.platform}")
+            lines.append(f"{n} ({'; '.join(problems) or 'ok'})")
+        msg = (f"no attention backend serves the {half} half of this configuration on this host "
+               f"({self.host.describe()}). Rejected: {', '.join(lines) or 'no backends are installed'}")
+        if self.config.deterministic:
+            det = [n for n in reg.names() if reg.get(n).capabilities.deterministic]
+            msg += f". Backends that declare deterministic output: {', '.join(det) or 'none'}"
+        return ConfigError(msg)
+
+    # -- result ------------------------------------------------------------
+    def result(self) -> Resolution:
+        reg, host = self.registry, self.host
+        cands = []
+        for n in reg.names():
+            d = reg.get(n)
+            avail = reg.availability(n, host)
+            try:
+                problems = {h: tuple(serve_problems(reg, host, n, self.config, h)) for h in HALVES}
+            except ValueError as exc:  # an invalid dtype in the config: say so per backend
+                problems = {h: (str(exc),) for h in HALVES}
+            cands.append(Candidate(n, d.distribution, d.version, d.priority_on(host), avail.available, problems,
+                                   d.library_floor_problem(host)))
+        return Resolution(
+            config=self.config, user_config=self.user, arch=self.arch, host=host, records=tuple(self.records),
+            pinned=dict(self.user_pins), passes=tuple(self.passes_run), candidates=tuple(cands),
+            conflicts={n: str(e) for n, e in reg.conflicts.items()}, error=self.error,
+        )
+
+
+def _plugin_error(source: str) -> Any:
+    """An error class bound to ``source``: ``PluginError`` naming a plugin's distribution, else ``ConfigError``."""
+    if source in (USER, CORE):
+        return ConfigError
+
+    def make(message: str) -> PluginError:
+        return PluginError(source, message)
+
+    return make
