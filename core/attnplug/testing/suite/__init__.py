@@ -1,0 +1,7 @@
+"""The attnplug conformance suite (collected only by ``pytest --backend=<name>``).
+
+``cases`` generates the cases from a backend's declared capabilities (pure
+data); ``harness`` builds problems and checks answers against
+``attnplug.testing.reference``; the ``test_*`` modules are the cases.
+See ``docs/conformance.md``.
+"""

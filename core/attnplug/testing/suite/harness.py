@@ -1,0 +1,288 @@
+"""Building problems for conformance cases and checking a backend's answers.
+
+A *problem* is one paged KV cache (every slot filled with noise, pages
+scattered at random by ``PageAllocator``), one ``ForwardBatch`` and the
+q/k/v of every layer, all drawn from the case's fixed seed. The backend is
+built through the real registry (``default_registry().build``) with a
+``BuildContext`` that carries that cache. Expected values come from
+``attnplug.testing.reference`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+from ...batch import ForwardBatch
+from ...config import AttentionConfig
+from ...context import BuildContext
+from ...dtypes import torch_dtype
+from ...kvcache import PageAllocator, PagedKVCache
+from ...layer import LayerSpec
+from ...modes import ForwardMode
+from ...registry import default_registry
+from .. import reference
+from ..tolerances import Tolerance
+from .cases import Case, Features, Scenario, Shape
+
+MAX_REQUESTS = 16
+MAX_CONTEXT = 512
+
+
+def device_for(caps: Any) -> str:
+    """The device cases run on: CUDA when present and claimed, else the CPU."""
+    if "cuda" in caps.devices and torch.cuda.is_available():
+        return "cuda"
+    if "cpu" in caps.devices:
+        return "cpu"
+    pytest.skip(f"devices: the backend claims {', '.join(caps.devices)}; none of them is on this host")
+    raise AssertionError  # unreachable
+
+
+@dataclasses.dataclass
+class Problem:
+    case: Case
+    device: str
+    layers: list[LayerSpec]
+    cache: PagedKVCache
+    batch: ForwardBatch
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    req_rows: list[int]
+    gen: torch.Generator
+    #: per layer: (K, V) buffers as they were before any forward of this problem
+    before: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k.clone(), v.clone()) for k, v in zip(self.cache.k_buffers, self.cache.v_buffers)]
+
+    def context(self, name: str) -> BuildContext:
+        c = self.case
+        sh = c.shape
+        return BuildContext(
+            config=AttentionConfig(attention_backend=name),
+            host=default_registry().host,
+            device=self.device,
+            dtype=c.dtype,
+            kv_cache_dtype=c.kv_dtype,
+            num_heads=sh.num_heads,
+            num_kv_heads=sh.num_kv_heads,
+            head_dim=sh.head_dim,
+            v_head_dim=sh.v_dim,
+            page_size=c.page_size,
+            kv_cache=self.cache,
+            max_batch_size=MAX_REQUESTS,
+            max_context_len=MAX_CONTEXT,
+            layers=tuple(self.layers),
+        )
+
+
+def _randn(gen: torch.Generator, shape: Sequence[int], dtype: str, device: str, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+    return x.to(device=device, dtype=torch_dtype(dtype))
+
+
+def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Generator, device: str) -> LayerSpec:
+    sinks = None
+    if features.sinks:
+        # sink logits large enough that ignoring them is visible at every dtype
+        sinks = torch.linspace(0.0, 4.0, shape.num_heads)[torch.randperm(shape.num_heads, generator=gen)]
+        sinks = sinks.to(device=device, dtype=torch.float32)
+    return LayerSpec(
+        layer_id=layer_id,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        v_head_dim=shape.v_dim,
+        logit_cap=features.logit_cap,
+        sliding_window=features.sliding_window,
+        sinks=sinks,
+        is_cross_attention=features.cross_attention,
+    )
+
+
+def make_problem(
+    case: Case,
+    device: str,
+    *,
+    layer_features: Sequence[Features] | None = None,
+    final_lens: Sequence[int] | None = None,
+) -> Problem:
+    """Cache, batch and q/k/v for ``case``; one layer per entry of ``layer_features``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    sc, ps, sh = case.scenario, case.page_size, case.shape
+    feats = list(layer_features) if layer_features is not None else [case.features]
+    layers = [make_layer(i, sh, f, gen, device) for i, f in enumerate(feats)]
+    n = len(sc.prefix)
+    lens = list(final_lens) if final_lens is not None else list(sc.seq_lens)
+    pages_needed = [(max(length, 1) + ps - 1) // ps for length in lens]
+    num_pages = sum(pages_needed) + 5  # spare pages: stray writes land somewhere visible
+    cache = PagedKVCache(len(layers), num_pages, sh.num_kv_heads, sh.head_dim, v_head_dim=sh.v_dim,
+                         page_size=ps, dtype=case.kv_dtype, device=device,
+                         max_requests=MAX_REQUESTS, max_context_len=MAX_CONTEXT)
+    for kb, vb in zip(cache.k_buffers, cache.v_buffers):
+        kb.copy_(_randn(gen, kb.shape, case.kv_dtype, device))
+        vb.copy_(_randn(gen, vb.shape, case.kv_dtype, device))
+    alloc = PageAllocator(num_pages, shuffle=True, seed=case.seed)
+    rows = torch.randperm(MAX_REQUESTS, generator=gen)[:n].tolist()
+    for r, length, need in zip(rows, lens, pages_needed):
+        cache.assign_pages(r, length, alloc.alloc(need))
+    batch = make_batch(sc, cache, rows, gen, device)
+    problem = Problem(case, device, layers, cache, batch, [], rows, gen)
+    problem.qkv = [make_qkv(problem, layer) for layer in layers]
+    problem.before = problem.snapshot()
+    return problem
+
+
+def make_batch(sc: Scenario, cache: PagedKVCache, rows: Sequence[int], gen: torch.Generator,
+               device: str) -> ForwardBatch:
+    mode = ForwardMode.parse(sc.mode)
+    if mode is ForwardMode.IDLE:
+        return ForwardBatch.idle(device)
+    locs = [cache.slots(r, p, p + e) for r, p, e in zip(rows, sc.prefix, sc.extend)]
+    out_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=device)
+    kw: dict[str, Any] = {}
+    if sc.encoder is not None:
+        kw["encoder_lens"] = torch.tensor(sc.encoder, dtype=torch.int64, device=device)
+    rows_t = torch.tensor(list(rows), dtype=torch.int64, device=device)
+    if mode is ForwardMode.DECODE:
+        seq = torch.tensor(sc.seq_lens, dtype=torch.int64, device=device)
+        return ForwardBatch.decode(rows_t, seq, out_loc, **kw)
+    if mode is ForwardMode.TARGET_VERIFY:
+        kw["spec_num_draft_tokens"] = sc.draft
+        if sc.custom_mask:
+            d = sc.draft or 0
+            mask = torch.rand(len(rows), d, d, generator=gen) < 0.5
+            mask = torch.tril(mask) | torch.eye(d, dtype=torch.bool)  # a draft always sees itself
+            kw["spec_custom_mask"] = mask.to(device)
+    prefix = torch.tensor(sc.prefix, dtype=torch.int64, device=device)
+    ext = torch.tensor(sc.extend, dtype=torch.int64, device=device)
+    return ForwardBatch.extend(rows_t, prefix, ext, out_loc, mode=mode, **kw)
+
+
+def make_qkv(problem: Problem, layer: LayerSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    c, gen, dev = problem.case, problem.gen, problem.device
+    t = problem.batch.num_tokens
+    q_scale = 3.0 if layer.logit_cap else 1.0  # scores large enough for the cap to bite
+    q = _randn(gen, (t, layer.num_heads, layer.head_dim), c.dtype, dev, q_scale)
+    if layer.is_cross_attention:
+        return q, None, None
+    k = _randn(gen, (t, layer.num_kv_heads, layer.head_dim), c.dtype, dev)
+    v = _randn(gen, (t, layer.num_kv_heads, layer.v_head_dim), c.dtype, dev)
+    return q, k, v
+
+
+# -- building ------------------------------------------------------------------
+def build_backend(name: str, problem: Problem, *, check_support: bool = True) -> Any:
+    """Build ``name`` through the registry for this problem; a claimed case the
+    backend then refuses (``not_supported_reasons``) fails here."""
+    ctx = problem.context(name)
+    _, backend = default_registry().build(name, ctx)
+    if check_support:
+        for layer in problem.layers:
+            reasons = backend.not_supported_reasons(layer, ctx)
+            if reasons:
+                pytest.fail(
+                    f"{name} claims this case in its capabilities, but not_supported_reasons() "
+                    f"for layer {layer.layer_id} says: {'; '.join(reasons)}",
+                    pytrace=False,
+                )
+    return backend
+
+
+def expected_output(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    qkv: Any = None) -> torch.Tensor:
+    k_before, v_before = kv_before or problem.before[layer_idx]
+    q, k, v = qkv or problem.qkv[layer_idx]
+    return reference.reference_attention(q, k, v, problem.layers[layer_idx], problem.batch,
+                                         k_before, v_before, problem.cache.req_to_token)
+
+
+def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   qkv: Any = None, save: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    k_before, v_before = kv_before or problem.before[layer_idx]
+    if not save:
+        return k_before, v_before
+    _, k, v = qkv or problem.qkv[layer_idx]
+    return reference.expected_cache_after(k_before, v_before, k, v, problem.batch.out_cache_loc)
+
+
+def run(backend: Any, problem: Problem, layer_idx: int = 0, *, init: bool = True, save: bool | None = None,
+        qkv: Any = None) -> torch.Tensor:
+    if init:
+        backend.init_forward_metadata(problem.batch)
+    q, k, v = qkv or problem.qkv[layer_idx]
+    save = problem.case.save_kv_cache if save is None else save
+    return backend.forward(q, k, v, problem.layers[layer_idx], problem.batch, save_kv_cache=save)
+
+
+# -- checking -------------------------------------------------------------------
+@dataclasses.dataclass
+class Comparison:
+    max_abs_err: float
+    tolerance: Tolerance
+    ok: bool
+    detail: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return {"max_abs_err": self.max_abs_err, "tolerance": self.tolerance.to_dict()}
+
+
+def check_output_shape(out: Any, problem: Problem, layer_idx: int = 0) -> None:
+    layer = problem.layers[layer_idx]
+    exp = (problem.batch.num_tokens, layer.num_heads, layer.v_head_dim)
+    if not isinstance(out, torch.Tensor):
+        pytest.fail(f"forward returned {type(out).__name__}, expected a tensor of shape {exp}", pytrace=False)
+    if tuple(out.shape) != exp:
+        pytest.fail(f"output has shape {tuple(out.shape)}, expected {exp} (tokens, num_heads, v_head_dim)",
+                    pytrace=False)
+    want = torch_dtype(problem.case.dtype)
+    if out.dtype != want:
+        pytest.fail(f"output dtype is {out.dtype}, expected the model dtype {want}", pytrace=False)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance, what: str = "output") -> Comparison:
+    got = out.detach().to(torch.float64).cpu()
+    if got.numel() == 0:
+        return Comparison(0.0, tol, True)
+    if not torch.isfinite(got).all():
+        bad = (~torch.isfinite(got)).nonzero()[0].tolist()
+        return Comparison(float("inf"), tol, False, f"{what} has non-finite values (first at index {bad})")
+    err = (got - ref).abs()
+    bound = tol.atol + tol.rtol * ref.abs()
+    max_err = float(err.max())
+    excess = err - bound
+    ok = bool((excess <= 0).all())
+    detail = ""
+    if not ok:
+        idx = tuple(int(i) for i in (excess == excess.max()).nonzero()[0].tolist())
+        n_bad = int((excess > 0).sum())
+        detail = (f"{what}: max abs error {max_err:.3g} exceeds atol={tol.atol:g} + rtol={tol.rtol:g}*|ref|; "
+                  f"{n_bad} of {err.numel()} elements out of tolerance; worst at [token, head, dim]={list(idx)}: "
+                  f"got {float(got[idx]):.6g}, expected {float(ref[idx]):.6g}")
+    return Comparison(max_err, tol, ok, detail)
+
+
+def check_cache(problem: Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    """Differences between layer ``layer_idx``'s buffers and ``want`` (bit for bit)."""
+    problems = []
+    got = problem.cache.get_kv(layer_idx)
+    for name, g, w in zip(("K", "V"), got, want):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            problems.append(f"layer {layer_idx} {name} buffer changed dtype/shape: {g.dtype}{tuple(g.shape)}")
+            continue
+        diff = (g != w).reshape(g.shape[0], -1).any(dim=1)
+        if bool(diff.any()):
+            slots = diff.nonzero().flatten().tolist()
+            expected_loc = set(problem.batch.out_cache_loc.tolist())
+            unexpected = [s for s in slots if s not in expected_loc]
+            wrong = [s for s in slots if s in expected_loc]
+            msg = f"layer {layer_idx} {name} cache differs from the expected contents in {len(slots)} slot(s)"
+            if unexpected:
+                msg += f"; written outside out_cache_loc at slots {unexpected[:8]}"
+            if wrong:
+                msg += f"; wrong or missing values at out_cache_loc slots {wrong[:8]}"
+            problems.append(msg)
+    return problems

@@ -1,0 +1,111 @@
+"""KV-cache cases: writes land in exactly ``out_cache_loc``; one metadata init
+serves several layers; forwards in a row read what the backend itself wrote."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import reference
+from ..tolerances import EXACT, tolerance_for
+from . import harness as H
+from ._common import capabilities, fail
+from .cases import Features, Scenario
+
+
+def _cache_err(problem: H.Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> float:
+    got = problem.cache.get_kv(layer_idx)
+    errs = [float((g.to(torch.float64) - w.to(torch.float64)).abs().max()) if g.numel() else 0.0
+            for g, w in zip(got, want)]
+    return max(errs)
+
+
+def test_kv_cache_write(attnplug_case: Any, attnplug_record: Any) -> None:
+    name, case = attnplug_case.backend, attnplug_case.case
+    problem = H.make_problem(case, H.device_for(capabilities(name)))
+    r2t = problem.cache.req_to_token.clone()
+    backend = H.build_backend(name, problem)
+    H.run(backend, problem)
+    want = H.expected_cache(problem, 0, save=case.save_kv_cache)
+    attnplug_record(max_abs_err=_cache_err(problem, 0, want), tolerance=EXACT.to_dict())
+    diffs = H.check_cache(problem, 0, want)
+    if not torch.equal(problem.cache.req_to_token, r2t):
+        diffs.append("req_to_token was modified by the forward")
+    if diffs:
+        what = "with save_kv_cache=True" if case.save_kv_cache else "with save_kv_cache=False (nothing may change)"
+        fail(f"{name}: KV-cache contents wrong after a {case.scenario.mode} forward {what}: " + "; ".join(diffs))
+
+
+def _layer_features(caps: Any) -> list[Features]:
+    return [
+        Features(),
+        Features(sliding_window=6) if caps.sliding_window else Features(),
+        Features(logit_cap=2.0 if caps.logit_softcap else None, sinks=bool(caps.sinks)),
+    ]
+
+
+def test_shared_metadata(attnplug_case: Any, attnplug_record: Any) -> None:
+    """One ``init_forward_metadata``, then every layer's forward (as a model runs)."""
+    name, case = attnplug_case.backend, attnplug_case.case
+    caps = capabilities(name)
+    problem = H.make_problem(case, H.device_for(caps), layer_features=_layer_features(caps))
+    backend = H.build_backend(name, problem)
+    backend.init_forward_metadata(problem.batch)
+    tol = tolerance_for(case.dtype)
+    worst = 0.0
+    for i, layer in enumerate(problem.layers):
+        out = H.run(backend, problem, i, init=False)
+        H.check_output_shape(out, problem, i)
+        cmp = H.compare(out, H.expected_output(problem, i), tol, what=f"layer {i} output")
+        worst = max(worst, cmp.max_abs_err)
+        if not cmp.ok:
+            attnplug_record(max_abs_err=worst, tolerance=tol.to_dict())
+            fail(f"{name}: with metadata initialised once for {len(problem.layers)} layers, {cmp.detail}")
+        diffs = H.check_cache(problem, i, H.expected_cache(problem, i))
+        if diffs:
+            fail(f"{name}: after layer {i}: " + "; ".join(diffs))
+    attnplug_record(max_abs_err=worst, tolerance=tol.to_dict())
+
+
+_SEQUENCES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+    "prefill_decode": [("extend", (5, 9, 3)), ("decode", (1, 1, 1)), ("decode", (1, 1, 1)), ("decode", (1, 1, 1))],
+    "chunked_prefill_decode": [("extend", (3, 4, 2)), ("extend", (2, 5, 1)), ("decode", (1, 1, 1)),
+                               ("decode", (1, 1, 1))],
+}
+
+
+def test_sequence(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Forwards in a row; later ones read the K/V the backend wrote in earlier ones."""
+    name, case = attnplug_case.backend, attnplug_case.case
+    steps = _SEQUENCES[case.variant]
+    n = len(steps[0][1])
+    final = [sum(ext[i] for _, ext in steps) for i in range(n)]
+    problem = H.make_problem(case, H.device_for(capabilities(name)), final_lens=final)
+    backend = H.build_backend(name, problem)
+    tol = tolerance_for(case.dtype)
+    track_k, track_v = problem.before[0]
+    lens = [0] * n
+    worst = 0.0
+    for step, (mode, ext) in enumerate(steps):
+        sc = Scenario(f"step{step}", mode, tuple(lens), ext)
+        problem.batch = H.make_batch(sc, problem.cache, problem.req_rows, problem.gen, problem.device)
+        q, k, v = H.make_qkv(problem, problem.layers[0])
+        backend.init_forward_metadata(problem.batch)
+        out = backend.forward(q, k, v, problem.layers[0], problem.batch, save_kv_cache=True)
+        H.check_output_shape(out, problem)
+        ref = reference.reference_attention(q, k, v, problem.layers[0], problem.batch, track_k, track_v,
+                                            problem.cache.req_to_token)
+        cmp = H.compare(out, ref, tol, what=f"step {step} ({mode}) output")
+        worst = max(worst, cmp.max_abs_err)
+        if not cmp.ok:
+            attnplug_record(max_abs_err=worst, tolerance=tol.to_dict())
+            fail(f"{name}: forward {step} of {len(steps)} ({mode}, reading K/V written by earlier forwards): "
+                 f"{cmp.detail}")
+        track_k, track_v = reference.expected_cache_after(track_k, track_v, k, v, problem.batch.out_cache_loc)
+        lens = [a + b for a, b in zip(lens, ext)]
+    attnplug_record(max_abs_err=worst, tolerance=tol.to_dict())
+    diffs = H.check_cache(problem, 0, (track_k, track_v))
+    if diffs:
+        fail(f"{name}: after {len(steps)} forwards: " + "; ".join(diffs))
+

@@ -1,0 +1,82 @@
+"""The suite fails deliberately wrong backends on exactly the cases that exercise their bug,
+and passes the correct control (each run restricted with -k to the relevant cases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _suite_runner import SuiteRun, run_pytest
+
+
+def _split(run: SuiteRun, backend: str) -> tuple[set[str], set[str], set[str]]:
+    """Failed, passed and skipped cases of ``backend``, as ``test_func[case-id]`` without the backend name."""
+    mine = {}
+    for k, v in run.outcomes().items():
+        func, _, param = k.partition("[")
+        if param.startswith(f"{backend}-"):
+            mine[f"{func}[{param[len(backend) + 1:]}"] = v
+        elif param == f"{backend}]":
+            mine[func] = v
+    assert mine, run.output[-3000:]
+    return ({k for k, v in mine.items() if v == "failed"}, {k for k, v in mine.items() if v == "passed"},
+            {k for k, v in mine.items() if v == "skipped"})
+
+
+def test_correct_reference_backend_passes(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_reference", "-k",
+                      "float32 and ps16 or test_protocol or test_bad_input or test_metadata_required"],
+                     tmp_path, wrong_site)
+    assert run.proc.returncode == 0, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_reference")
+    assert not failed and len(passed) > 60
+    line = run.summary_line("conf_reference")
+    assert " 0 failed" in line and "numeric cases: " in line
+
+
+def test_dropped_softmax_scale_fails_every_numeric_case(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_no_scale", "-k", "(test_mode or test_heads) and float32"],
+                     tmp_path, wrong_site)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_no_scale")
+    # only the idle batch (no tokens) cannot show the bug
+    assert passed == {k for k in passed | failed if "[idle-" in k}, sorted(passed)
+    assert len(failed) > 40
+    assert "max abs error" in run.output
+    assert run.report is not None
+    numeric = [c for c in run.report["cases"] if c["outcome"] == "failed"]
+    assert all(c["max_abs_err"] > c["tolerance"]["atol"] for c in numeric)
+
+
+def test_ignored_sliding_window_fails_window_cases_only(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_no_window", "-k", "(test_feature or test_shared_metadata) and float32"],
+                     tmp_path, wrong_site)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_no_window")
+    feature_failed = {k for k in failed if k.startswith("test_feature")}
+    feature_all = {k for k in failed | passed if k.startswith("test_feature")}
+    assert feature_failed == {k for k in feature_all if "window" in k}
+    assert len(feature_failed) == 4 * 5  # four variants with a window x five modes
+    # the shared-metadata layers include a windowed layer when the window is claimed
+    assert all(k in failed for k in failed | passed if k.startswith("test_shared_metadata"))
+
+
+def test_kv_cache_written_one_slot_off_fails_cache_cases(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_kv_off_by_one", "-k",
+                      "(test_kv_cache_write or test_sequence or test_mode) and float32"], tmp_path, wrong_site)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_kv_off_by_one")
+    writes = {k for k in failed | passed if k.startswith("test_kv_cache_write")}
+    # every write fails, except the idle batch and save_kv_cache=False (nothing to write)
+    assert {k for k in writes if k in failed} == {k for k in writes if "[idle-" not in k and "no_save" not in k}
+    assert all(k in failed for k in failed | passed if k.startswith("test_sequence"))
+    # outputs of a single forward do not read the misplaced K/V: those cases pass (the bug is the cache)
+    assert all(k in passed for k in failed | passed if k.startswith("test_mode"))
+    assert "written outside out_cache_loc" in run.output
+
+
+def test_ignored_sinks_fail_sink_cases_only(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_no_sinks", "-k", "test_feature and float32"], tmp_path, wrong_site)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_no_sinks")
+    assert failed == {k for k in failed | passed if "sinks" in k}
+    assert failed and passed
