@@ -77,29 +77,51 @@ def _split_env(value: str | None) -> list[str]:
 
 
 def entry_point_sources(group: str = ENTRY_POINT_GROUP) -> tuple[list[PluginSource], list[str]]:
-    """Every plugin entry point, de-duplicated by (distribution, entry-point name).
+    """Every plugin entry point of ``group``, one per (distribution, entry-point name).
 
-    Returns the sources and notes about duplicates that were dropped (an
-    editable install next to stale metadata shows the same distribution twice).
+    Only distributions that declare such an entry point have their metadata
+    read. ``importlib.metadata`` keeps the first copy of a distribution found
+    on ``sys.path``; copies shadowed behind it (an editable install next to
+    stale metadata) are reported in the returned notes, never registered twice.
     """
     sources: list[PluginSource] = []
-    notes: list[str] = []
-    seen: dict[tuple[str, str], str] = {}
-    for dist in md.distributions():
-        dist_name = dist.metadata["Name"] or "?"
-        for ep in dist.entry_points:
-            if ep.group != group:
+    seen: set[tuple[str, str]] = set()
+    for ep in md.entry_points(group=group):
+        dist = ep.dist
+        dist_name = dist.name if dist is not None else ep.module
+        version = dist.version if dist is not None else "?"
+        key = (_norm(dist_name), ep.name)
+        if key in seen:
+            continue
+        seen.add(key)
+        sources.append(PluginSource(ep.name, dist_name, version, ep.value, ep.load))
+    return sources, _shadowed_copies({s.distribution: s.version for s in sources})
+
+
+def _shadowed_copies(dists: Mapping[str, str]) -> list[str]:
+    """Notes for plugin distributions that have more than one metadata folder on ``sys.path``."""
+    import sys
+    from pathlib import Path
+
+    notes = []
+    for name, version in dists.items():
+        stem = _norm(name).replace("-", "_")
+        copies = []
+        for entry in sys.path:
+            try:
+                base = Path(entry or ".")
+                for info in list(base.glob(f"{stem}-*.dist-info")) + list(base.glob(f"{stem}-*.egg-info")):
+                    if info.is_dir():
+                        copies.append(info)
+            except OSError:
                 continue
-            key = (_norm(dist_name), ep.name)
-            if key in seen:
-                notes.append(
-                    f"duplicate metadata for distribution {dist_name!r} (entry point {ep.name!r}, "
-                    f"version {dist.version}); using version {seen[key]} found first on sys.path"
-                )
-                continue
-            seen[key] = dist.version
-            sources.append(PluginSource(ep.name, dist_name, dist.version, ep.value, ep.load))
-    return sources, notes
+        if len(copies) > 1:
+            others = [c.name for c in copies[1:]]
+            notes.append(
+                f"duplicate metadata for distribution {name!r}: using version {version} found first on "
+                f"sys.path; ignored {', '.join(others)}"
+            )
+    return notes
 
 
 class Registry:

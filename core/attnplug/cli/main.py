@@ -17,7 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser. Only the chosen subcommand's module is imported (``attnplug list``
+    pays for nothing else); ``command=None`` imports all of them (docs, tests)."""
     parser = argparse.ArgumentParser(
         prog="attnplug",
         description="Pluggable attention backends for LLM serving engines.",
@@ -31,34 +33,25 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        _add_arguments(module, p)
+        if command is None or command == name:
+            _add_arguments(module, p)
     return parser
 
 
 def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
-    """Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``.
-
-    Modules are light at import time (torch is imported inside ``run``), so
-    building the whole parser costs nothing.
-    """
-    try:
-        mod = importlib.import_module(f"attnplug.cli.{module}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"attnplug.cli.{module}":
-            raise
-        parser.set_defaults(_missing=True)
-        return
+    """Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``;
+    modules stay light at import time (torch is imported inside ``run``)."""
+    mod = importlib.import_module(f"attnplug.cli.{module}")
     mod.add_arguments(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
-    if getattr(args, "_missing", False):
-        print(f"attnplug {args.command}: not available in this version", file=sys.stderr)
         return 2
     mod = importlib.import_module(f"attnplug.cli.{args._module}")
     return int(mod.run(args) or 0)
