@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check: one short script for a lent CUDA machine (never part of CI).
+#
+# It installs attnplug and this repo's plugins from the working tree (no network
+# needed: --no-deps --no-build-isolation, using the torch/triton/pytest already
+# on the machine), then runs the conformance suite on the GPU for every backend
+# available there, doctor, and the decode benchmark on CUDA. Kernel libraries
+# that are not on the machine (flash-attn 3, flashinfer, aiter) are reported as
+# unavailable with their reasons by `attnplug list`; carry their wheels in .whl/
+# and they are installed first.
+#
+# Usage (repo root):  bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+OUT="${1:-${OUT:-/tmp/attnplug-gpu}}"
+mkdir -p "$OUT"
+SITE=/tmp/attnplug-site
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+PY=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
+fi
+pkgs=(. plugins/torch_native)
+for p in plugins/*/; do [ "$p" = plugins/torch_native/ ] || pkgs+=("$p"); done
+$PY -m pip install -q --no-deps --no-build-isolation --target "$SITE" "${pkgs[@]}" 2>&1 | tail -3
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+
+{
+  nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  $PY -m attnplug list
+  $PY -m attnplug doctor
+} 2>&1 | tee "$OUT/env.txt"
+
+# conformance on the GPU: every backend available here (cases run on CUDA when claimed)
+timeout 420 $PY -m pytest --backend=all -q -p no:cacheprovider -x \
+  --conformance-report="$OUT/conformance.json" 2>&1 | tail -40 | tee "$OUT/conformance.txt"
+
+# decode benchmark on CUDA, fp16 and fp32, side by side with the baselines
+for dt in float16 float32; do
+  timeout 120 $PY -m attnplug bench --device cuda --dtype "$dt" --json > "$OUT/bench_$dt.json" 2>&1
+  tail -5 "$OUT/bench_$dt.json"
+done
+echo "gpu_check done; results in $OUT"
