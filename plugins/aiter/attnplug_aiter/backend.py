@@ -1,0 +1,188 @@
+"""Kernel module of the ``aiter`` backend (imported only when the backend is built).
+
+What it calls (aiter >= 0.1.10 on gfx942/gfx950):
+
+* extend / draft-extend / mixed / causal target-verify:
+  ``aiter.mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr,
+  kv_page_indices, max_seqlen_q, max_seqlen_k, softmax_scale=,
+  logits_soft_cap=, causal=True, window_size=, kv_last_page_lens=,
+  sink_ptr=)`` with ``k``/``v`` the layer's ``[num_slots, kv_heads, dim]``
+  buffers (page size 1, token-level indices);
+* decode: ``aiter.paged_attention_ragged(out, workspace, q, k, v, scale,
+  kv_indptr, kv_page_indices, kv_last_page_lens, block_size=1,
+  max_num_partitions, None, "auto", "NHD", logits_soft_cap, k_scale,
+  v_scale)`` with the cache viewed ``[num_slots, 1, kv_heads, dim]``; a
+  sliding window trims the listed keys. Layers with sinks decode through
+  ``mha_batch_prefill_func`` (``paged_attention_ragged`` takes no sinks);
+* target-verify with a tree mask: one one-query row per draft token listing
+  the keys it may see, through the decode kernel (or the prefill kernel,
+  ``causal=False``, for a layer with sinks).
+
+When ``save_kv_cache`` is false the kernels read ``cat([cache, new])`` and
+the new tokens' indices point past the cache (``metadata`` builds them).
+CUDA graphs: decode only, over fixed ``kv_indptr``/``kv_indices`` buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.backend import AttentionBackend, MetadataGuard
+from attnplug.batch import check_qkv
+from attnplug.errors import AttnplugError, NotSupportedError
+from attnplug.modes import ForwardMode
+
+from . import CAPABILITIES, MIN_LIBRARY_VERSION, NAME
+from . import metadata as md
+
+
+def create(ctx: Any) -> tuple[str, "AiterBackend"]:
+    """Factory named by the descriptor: ``(effective_name, backend)``."""
+    return NAME, AiterBackend(ctx)
+
+
+def _import_aiter() -> Any:
+    import importlib.metadata as im
+
+    import aiter  # the real library: only here, only at build
+
+    try:
+        version = im.version("aiter")
+    except im.PackageNotFoundError:
+        version = getattr(aiter, "__version__", "0")
+    md.check_library_version(version, MIN_LIBRARY_VERSION)
+    return aiter
+
+
+class AiterBackend(AttentionBackend):
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx: Any) -> None:
+        if ctx.kv_cache is None:
+            raise AttnplugError("aiter: BuildContext.kv_cache is None (the backend reads the paged cache)")
+        md.check_gfx(ctx.host.gfx_arch)
+        self.aiter = _import_aiter()
+        self.ctx = ctx
+        self.kv_cache = ctx.kv_cache
+        self.device = torch.device(ctx.device)
+        self.max_num_partitions = md.max_num_partitions(ctx.max_context_len)
+        self._guard = MetadataGuard("aiter")
+        self._ones = torch.ones(1, dtype=torch.float32, device=self.device)  # k_scale / v_scale
+        self._workspace: torch.Tensor | None = None
+        self._graph: dict[Any, dict[str, torch.Tensor]] | None = None
+        self._graph_bs: set[int] = set()
+
+    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+        reasons = super().not_supported_reasons(layer, ctx)
+        return reasons + [r for r in md.layer_problems(layer) if r not in reasons]
+
+    # -- metadata ------------------------------------------------------
+    def init_forward_metadata(self, batch: Any) -> None:
+        if batch.forward_mode is ForwardMode.IDLE:
+            self._guard.set(batch, None)
+            return
+        self._guard.set(batch, md.build_layout(batch, self.kv_cache.req_to_token))
+
+    def _decode_workspace(self, rows: int, num_heads: int, head_dim: int) -> torch.Tensor:
+        need = md.workspace_bytes(rows, num_heads, head_dim, self.ctx.max_context_len)
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    # -- forward -------------------------------------------------------
+    def _run(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
+        lay: md.ForwardLayout = self._guard.require(batch)
+        problems = md.layer_problems(layer)
+        if problems:
+            raise NotSupportedError(NAME, problems)
+        md.check_dtype(q.dtype)
+        check_qkv(q, k, v, layer, batch.num_tokens)
+        kc, vc = self.kv_cache.get_kv(layer.layer_id)
+        scratch = None
+        if k is not None and save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        elif k is not None:  # not writing the cache: read cat([cache, new]); new token t is num_slots + t
+            scratch = kc.shape[0]
+            kc, vc = torch.cat([kc, k.to(kc.dtype)]), torch.cat([vc, v.to(vc.dtype)])
+        rows = lay.rows(layer.sliding_window, scratch)
+        q = q.contiguous()
+        if lay.kind == "prefill":
+            return self._prefill(q, kc, vc, layer, lay.cu_seqlens_q, rows, lay.max_q_len, causal=True)
+        if layer.sinks is not None:  # one-query rows through the prefill kernel, which takes sinks
+            return self._prefill(q, kc, vc, layer, lay.query_indptr(), rows, 1, causal=False)
+        return self._decode(q, kc, vc, layer, rows)
+
+    def _prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: Any, cu_q: torch.Tensor,
+                 rows: md.TokenKV, max_q: int, causal: bool) -> torch.Tensor:
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks, dtype=torch.float32, device=q.device)
+        return self.aiter.mha_batch_prefill_func(
+            q, kc, vc, cu_q, rows.kv_indptr, rows.kv_indices, max_q, rows.max_kv_len,
+            softmax_scale=float(layer.scaling), logits_soft_cap=md.logits_soft_cap(layer), causal=causal,
+            window_size=md.window_size(layer) if causal else (-1, -1),
+            kv_last_page_lens=rows.kv_last_page_lens, sink_ptr=sinks,
+        )
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: Any,
+                rows: md.TokenKV) -> torch.Tensor:
+        n = q.shape[0]
+        out = torch.empty(n, layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        ws = self._decode_workspace(n, layer.num_heads, layer.head_dim)
+        self.aiter.paged_attention_ragged(
+            out, ws, q, kc.view(-1, 1, kc.shape[1], kc.shape[2]), vc.view(-1, 1, vc.shape[1], vc.shape[2]),
+            float(layer.scaling), rows.kv_indptr, rows.kv_indices, rows.kv_last_page_lens, 1,
+            self.max_num_partitions, None, "auto", "NHD", md.logits_soft_cap(layer), self._ones, self._ones,
+        )
+        return out
+
+    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._run(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._run(q, k, v, layer, batch, save_kv_cache)
+
+    # -- CUDA (HIP) graphs: decode -----------------------------------------
+    def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Fixed ``kv_indptr``/``kv_indices`` buffers per sliding window of the model's layers."""
+        dev, i32 = self.device, torch.int32
+        windows = {layer.sliding_window for layer in self.ctx.layers} or {None}
+        self._graph = {
+            w: {
+                "kv_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+                "kv_indices": torch.zeros(max_batch_size * self.ctx.max_context_len, dtype=i32, device=dev),
+                "kv_last_page_lens": torch.ones(max_batch_size, dtype=i32, device=dev),
+            }
+            for w in windows
+        }
+        self._decode_workspace(max_batch_size, self.ctx.num_heads, self.ctx.head_dim)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+        if self._graph is None:
+            raise AttnplugError("aiter: call init_cuda_graph_state before capturing graphs")
+        if batch.forward_mode is not ForwardMode.DECODE:
+            raise AttnplugError(f"aiter: graph capture covers decode only, not {batch.forward_mode.value}")
+        self._graph_bs.add(batch.batch_size)
+        self._graph_metadata(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+        if self._graph is None or batch.batch_size not in self._graph_bs:
+            raise AttnplugError(f"aiter: no graph was captured for decode batch size {batch.batch_size}")
+        self._graph_metadata(batch)
+
+    def _graph_metadata(self, batch: Any) -> None:
+        """Build the rows on the host side of the graph and copy them into the captured buffers; the
+        forward then finds them memoised (no host work inside the captured region)."""
+        lay = md.build_layout(batch, self.kv_cache.req_to_token)
+        n = batch.batch_size
+        assert self._graph is not None
+        for w, buf in self._graph.items():
+            rows = lay.rows(w)
+            buf["kv_indptr"][: n + 1].copy_(rows.kv_indptr)
+            buf["kv_indices"][: rows.kv_indices.numel()].copy_(rows.kv_indices)
+            # max_kv_len is baked into a captured prefill launch (sinks path): use the context limit
+            lay._memo[(w, None)] = md.TokenKV(buf["kv_indptr"][: n + 1], buf["kv_indices"],
+                                              buf["kv_last_page_lens"][:n], (self.ctx.max_context_len,) * n)
+        self._guard.set(batch, lay)

@@ -1,0 +1,120 @@
+"""Descriptor module of the ``fa3`` backend: FlashAttention-3 paged attention (light: no torch here).
+
+The kernel comes from one of two distributions, looked up in ``HostInfo``
+(never imported here):
+
+* ``sgl-kernel`` (``sgl_kernel.flash_attn.flash_attn_with_kvcache``), the FA3
+  build SGLang's ``FlashAttentionBackend`` calls: SM80/86/87/89 and SM90,
+  attention sinks included;
+* ``flash-attn-3`` (module ``flash_attn_interface``), the upstream Hopper
+  build: SM90 only here (no attention sinks).
+
+The kernel module ``attnplug_fa3.backend`` is imported only when the backend is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+
+NAME = "fa3"
+
+#: The kernel distributions, in the order the kernel module tries them.
+SGL_KERNEL = "sgl-kernel"
+FLASH_ATTN_3 = "flash-attn-3"
+
+#: GPUs sgl-kernel builds FA3 for (``is_fa3_supported``: major 8 or 9, CUDA >= 12.3).
+SGL_KERNEL_SMS = (80, 86, 87, 89, 90)
+#: The upstream flash-attn-3 (hopper/) build: H100/H800-class GPUs.
+FLASH_ATTN_3_SMS = (90,)
+
+#: FA3 rounds the head dim up to an instantiated one (64, 96, 128, 192, 256); it must be a multiple of 8.
+HEAD_DIMS = tuple(range(8, 257, 8))
+
+CAPABILITIES = Capabilities(
+    dtypes=("float16", "bfloat16"),
+    # fp8 KV: the query is cast to e4m3 as well (FA3's fp8 path; Hopper only, see not_supported_reasons)
+    kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
+    head_dims=HEAD_DIMS,
+    v_head_dim_differs=False,
+    page_sizes=None,  # paged KV of any page size (a page table of page ids; page size 1 = token table)
+    gqa=True,
+    mqa=True,
+    sliding_window=True,  # window_size=(left, 0)
+    logit_softcap=True,  # softcap=
+    sinks=True,  # sinks= (sgl-kernel's build)
+    cross_attention=False,
+    speculative_verify=True,  # chain: causal; custom mask: one query per row over its visible slots
+    draft_extend=True,
+    cuda_graph=True,
+    deterministic=True,  # built with num_splits=1 when the configuration asks for determinism
+    devices=("cuda",),
+    min_compute_capability=(8, 0),
+)
+
+
+def provider(host: Any) -> str | None:
+    """The kernel distribution the backend would use on ``host`` (``None``: neither is installed)."""
+    if host.library_version(SGL_KERNEL) is not None:
+        return SGL_KERNEL
+    if host.library_version(FLASH_ATTN_3) is not None:
+        return FLASH_ATTN_3
+    return None
+
+
+def probe(host: Any) -> list[str]:
+    """Why FA3 cannot run on ``host``, in words (reads ``HostInfo`` only)."""
+    reasons: list[str] = []
+    which = provider(host)
+    if which is None:
+        reasons.extend(library_missing(
+            SGL_KERNEL, "pip install sgl-kernel; or the upstream Hopper build, distribution 'flash-attn-3'")(host))
+    if host.platform != "cuda":
+        return reasons  # the core already says the backend needs a CUDA device
+    sm = host.sm()
+    if sm is None:
+        reasons.append(f"needs an NVIDIA GPU of SM{'/'.join(map(str, SGL_KERNEL_SMS))}; "
+                       f"this host's compute capability is unknown")
+    elif which == FLASH_ATTN_3 and sm not in FLASH_ATTN_3_SMS:
+        reasons.append(f"flash-attn-3 (upstream FA3) runs on Hopper SM90 only; this GPU is SM{sm} "
+                       f"(sgl-kernel's FA3 build also covers SM80-89)")
+    elif sm not in SGL_KERNEL_SMS:
+        reasons.append(f"FA3 kernels are built for SM{'/'.join(map(str, SGL_KERNEL_SMS))} only; this GPU is SM{sm}")
+    return reasons
+
+
+def priority(host: Any) -> int | None:
+    """The default on Hopper; a lower default on A100-class GPUs; never a default elsewhere."""
+    if host.platform != "cuda":
+        return None
+    return {90: 60, 80: 30}.get(host.sm())
+
+
+@hookimpl
+def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+    register(
+        BackendDescriptor(
+            name=NAME,
+            factory="attnplug_fa3.backend:create",
+            capabilities=CAPABILITIES,
+            probe=probe,
+            aliases=("flash_attention_3",),
+            deprecated_aliases=("flashattention3",),
+            priority=priority,
+            library=SGL_KERNEL,
+            # sinks= in sgl_kernel.flash_attn.flash_attn_with_kvcache (gpt-oss support)
+            min_library_version="0.3.0",
+            description="FlashAttention-3 flash_attn_with_kvcache over a page table (sgl-kernel or flash-attn-3)",
+        )
+    )
+
+
+def gpt_oss_on_hopper(host: Any, config: Any) -> dict[str, Any]:
+    """gpt-oss on SM90 prefers fa3"""
+    return {"attention_backend": NAME} if host.platform == "cuda" and host.sm() == 90 else {}
+
+
+@hookimpl
+def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+    register("GptOssForCausalLM", gpt_oss_on_hopper)

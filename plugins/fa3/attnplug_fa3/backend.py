@@ -1,0 +1,217 @@
+"""Kernel module of the ``fa3`` backend: FlashAttention-3 ``flash_attn_with_kvcache`` over the paged cache.
+
+Imported only when the backend is built. The kernel function is taken from
+``sgl_kernel.flash_attn`` (sgl-kernel's FA3 build, the one SGLang calls) or,
+failing that, from ``flash_attn_interface`` (upstream flash-attn-3); both
+are imported inside ``load_kernel`` so this module itself needs only torch.
+
+Per forward, ``init_forward_metadata`` builds the page table, cache lengths
+and query offsets once (``attnplug_fa3.metadata``); every layer then writes
+its new K/V at ``out_cache_loc`` and makes one kernel call that reads prefix
+and new tokens from the cache. With ``save_kv_cache=False`` the new K/V are
+written for the call and the overwritten rows restored after it, so the
+cache is unchanged on return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from attnplug.backend import AttentionBackend, MetadataGuard
+from attnplug.batch import check_qkv
+from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
+
+from . import CAPABILITIES, FLASH_ATTN_3, NAME, SGL_KERNEL
+from .metadata import FA3Metadata, build_metadata, check_page_aligned, window_size
+
+Kernel = Callable[..., Any]
+
+
+def load_kernel() -> tuple[str, Kernel]:
+    """``(distribution, flash_attn_with_kvcache)``: sgl-kernel's FA3 first, then upstream flash-attn-3."""
+    errors = []
+    try:
+        from sgl_kernel.flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+
+        return SGL_KERNEL, flash_attn_with_kvcache
+    except ImportError as exc:
+        errors.append(f"sgl_kernel.flash_attn: {type(exc).__name__}: {exc}")
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache  # type: ignore[import-not-found,no-redef]
+
+        return FLASH_ATTN_3, flash_attn_with_kvcache
+    except ImportError as exc:
+        errors.append(f"flash_attn_interface: {type(exc).__name__}: {exc}")
+    raise BackendUnavailableError(NAME, errors, "install sgl-kernel (or the upstream flash-attn-3 Hopper build)")
+
+
+def create(ctx: Any) -> tuple[str, "FA3Backend"]:
+    """Factory named by the descriptor: ``(effective_name, backend)``."""
+    return NAME, FA3Backend(ctx)
+
+
+@contextlib.contextmanager
+def kv_written(cache: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               keep: bool) -> Iterator[None]:
+    """The new K/V at ``loc`` for the duration of the block; with ``keep=False`` the old rows come back after."""
+    kb, vb = cache.get_kv(layer_id)
+    old = None if keep else (kb[loc].clone(), vb[loc].clone())
+    cache.set_kv(layer_id, loc, k, v)
+    try:
+        yield
+    finally:
+        if old is not None:
+            kb[loc] = old[0]
+            vb[loc] = old[1]
+
+
+class FA3Backend(AttentionBackend):
+    """FlashAttention-3 over the canonical paged cache (pages viewed ``[num_pages, page_size, kv_heads, dim]``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx: Any, *, kernel: Kernel | None = None, provider: str | None = None,
+                 check_pages: bool = False) -> None:
+        if kernel is None:
+            provider, kernel = load_kernel()
+        self.ctx = ctx
+        self.provider = provider or "injected"
+        self.kernel = kernel
+        self.kv_cache = ctx.kv_cache
+        self.page_size = ctx.page_size
+        #: FA3 picks a split count per batch shape unless told; 1 keeps a request's output batch-invariant
+        self.num_splits = 1 if ctx.config.deterministic else 0
+        #: validate that req_to_token is page-aligned every forward (a host sync; for debugging and tests)
+        self.check_pages = check_pages
+        self._guard = MetadataGuard(NAME)
+        self._graph: dict[str, torch.Tensor] | None = None
+        self.metadata_builds = 0
+
+    # -- description -----------------------------------------------------
+    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+        reasons = super().not_supported_reasons(layer, ctx)
+        if layer.uses_sinks and self.provider == FLASH_ATTN_3:
+            reasons.append("attention sinks need sgl-kernel's FA3 build (flash_attn_interface has no sinks=)")
+        if ctx is not None:
+            kv = ctx.kv_cache_dtype
+            if kv in ("float16", "bfloat16") and kv != ctx.dtype:
+                reasons.append(f"kv_cache_dtype={kv} with dtype={ctx.dtype}: FA3 needs q and the cache in one dtype")
+            sm = ctx.host.sm() if ctx.host is not None else None
+            if kv.startswith("float8") and sm is not None and sm != 90:
+                reasons.append(f"kv_cache_dtype={kv}: FA3's fp8 path runs on Hopper (SM90) only; this GPU is SM{sm}")
+        return reasons
+
+    # -- metadata ----------------------------------------------------------
+    def init_forward_metadata(self, batch: Any) -> None:
+        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
+        if meta is not None and self.check_pages:
+            check_page_aligned(self._cache().req_to_token, batch.req_pool_indices, batch.seq_lens_cpu, self.page_size)
+        self.metadata_builds += 1
+        self._guard.set(batch, meta)
+
+    # -- CUDA graphs ---------------------------------------------------------
+    def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Static buffers the captured kernels read: page table, cache lengths, query offsets."""
+        pages = (self.ctx.max_context_len + self.page_size - 1) // self.page_size
+        dev = self._cache().device
+        self._graph = {
+            "page_table": torch.zeros(max_batch_size, pages, dtype=torch.int32, device=dev),
+            "cache_seqlens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev),
+        }
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+        self._graph_metadata(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+        self._graph_metadata(batch)
+
+    def _graph_metadata(self, batch: Any) -> None:
+        if self._graph is None:
+            raise AttnplugError(f"{NAME}: call init_cuda_graph_state(max_batch_size, max_num_tokens) before capture")
+        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
+        if meta is not None:
+            if meta.uses_tree:
+                raise NotSupportedError(NAME, ["CUDA-graph capture of target-verify with a custom draft mask "
+                                               "(its row count and width vary); run it eagerly"])
+            g, b = self._graph, meta.batch_size
+            if b > g["cache_seqlens"].numel():
+                raise ShapeError(f"batch of {b} requests exceeds the CUDA-graph max_batch_size "
+                                 f"{g['cache_seqlens'].numel()}")
+            pt = g["page_table"]
+            pt[:b].zero_()
+            pt[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
+            g["cache_seqlens"][:b].copy_(meta.cache_seqlens)
+            g["cu_seqlens_q"][:b + 1].copy_(meta.cu_seqlens_q)
+            meta.page_table = pt[:b]
+            meta.cache_seqlens = g["cache_seqlens"][:b]
+            meta.cu_seqlens_q = g["cu_seqlens_q"][:b + 1]
+        self.metadata_builds += 1
+        self._guard.set(batch, meta)
+
+    # -- forward -------------------------------------------------------------
+    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._run(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._run(q, k, v, layer, batch, save_kv_cache)
+
+    def _cache(self) -> Any:
+        if self.kv_cache is None:
+            raise AttnplugError(f"{NAME} was built without a KV cache (BuildContext.kv_cache is None); "
+                                f"build it with the engine's PagedKVCache to run forwards")
+        return self.kv_cache
+
+    def _run(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
+        meta: FA3Metadata | None = self._guard.require(batch)
+        if meta is None:
+            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+        check_qkv(q, k, v, layer, batch.num_tokens)
+        if k is None:
+            raise ShapeError(f"{NAME}: k and v are None for layer {layer.layer_id}; "
+                             f"cross-attention is not supported, self-attention needs the new K/V")
+        if layer.is_cross_attention:
+            raise NotSupportedError(NAME, ["cross-attention is not claimed"])
+        if meta.num_tokens == 0:
+            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+        cache = self._cache()
+        with kv_written(cache, layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
+            return self._attend(q, layer, meta)
+
+    def _attend(self, q: torch.Tensor, layer: Any, meta: FA3Metadata) -> torch.Tensor:
+        kb, vb = self._cache().get_kv(layer.layer_id)
+        Hkv, D, Dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        if meta.uses_tree:
+            t = meta.tree_for(layer.sliding_window)
+            ps, table, seqlens, cu_q, max_q, causal = 1, t.page_table, t.cache_seqlens, t.cu_seqlens_q, 1, False
+            window = (-1, -1)  # applied when the rows were built
+        else:
+            ps, table, seqlens, cu_q = meta.page_size, meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q
+            max_q, causal, window = meta.max_seqlen_q, True, window_size(layer.sliding_window)
+        k_cache = kb.view(-1, ps, Hkv, D)
+        v_cache = vb.view(-1, ps, Hkv, Dv)
+        qk = q.to(kb.dtype) if kb.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q
+        extra: dict[str, Any] = {}
+        if layer.sinks is not None:
+            extra["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
+        out = self.kernel(
+            q=qk,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            cache_seqlens=seqlens,
+            page_table=table,
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max_q,
+            softmax_scale=layer.scaling,
+            causal=causal,
+            window_size=window,
+            softcap=float(layer.logit_cap or 0.0),
+            num_splits=self.num_splits,
+            **extra,
+        )
+        if isinstance(out, tuple):  # return_softmax_lse variants
+            out = out[0]
+        return out.view(q.shape[0], layer.num_heads, layer.v_head_dim).to(q.dtype)

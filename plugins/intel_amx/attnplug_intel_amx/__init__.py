@@ -1,0 +1,80 @@
+"""Descriptor module of the ``intel_amx`` backend: sgl-kernel's CPU attention ops on Intel AMX (light).
+
+The ops are ``torch.ops.sgl_kernel.decode_attention_cpu`` and
+``torch.ops.sgl_kernel.extend_attention_cpu`` from the CPU build of
+``sgl-kernel`` (what SGLang's ``IntelAMXAttnBackend`` calls). They use AMX
+tiles (brgemm) for bf16/fp16, so the CPU needs the ``amx_bf16`` and
+``amx_tile`` flags (Sapphire Rapids and later). The kernel module
+``attnplug_intel_amx.backend`` is imported only when the backend is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+
+NAME = "intel_amx"
+LIBRARY = "sgl-kernel"
+AMX_FLAGS = ("amx_bf16", "amx_tile")
+
+CAPABILITIES = Capabilities(
+    dtypes=("float16", "bfloat16"),  # the ops dispatch on the reduced floating types only
+    kv_cache_dtypes=("float16", "bfloat16"),
+    head_dims=None,
+    v_head_dim_differs=True,  # head_size_v is its own argument of both ops
+    page_sizes=None,  # the ops read slots through req_to_token: any page size
+    gqa=True,
+    mqa=True,
+    # window (sliding_window_size + 1 keys) and sinks: newer sgl-kernel builds whose op schema has them;
+    # an older build refuses such layers in not_supported_reasons
+    sliding_window=True,
+    logit_softcap=True,  # logit_cap
+    sinks=True,
+    cross_attention=False,
+    speculative_verify=False,
+    draft_extend=False,
+    cuda_graph=False,
+    deterministic=False,
+    devices=("cpu",),
+)
+
+
+def probe(host: Any) -> list[str]:
+    """Why intel_amx cannot run on ``host``, in words (reads ``HostInfo`` only)."""
+    reasons: list[str] = []
+    missing = [f for f in AMX_FLAGS if f not in host.cpu_flags]
+    if missing:
+        reasons.append(f"needs AMX (cpu flags {' and '.join(AMX_FLAGS)}); this CPU lacks {', '.join(missing)}")
+    reasons.extend(library_missing(LIBRARY, "the CPU build of sgl-kernel (sgl-kernel/pyproject_cpu.toml)")(host))
+    if host.platform != "cpu":
+        reasons.append(f"serves CPU-only hosts (sgl-kernel there is the CPU build); this host is {host.platform}")
+    return reasons
+
+
+@hookimpl
+def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+    register(
+        BackendDescriptor(
+            name=NAME,
+            factory="attnplug_intel_amx.backend:create",
+            capabilities=CAPABILITIES,
+            probe=probe,
+            priority={"cpu": 30},
+            library=LIBRARY,
+            # no version floor: the CPU build is compiled from source and its version does not say which op
+            # arguments it has; the kernel module reads the ops' schema instead (window, sinks)
+            min_library_version=None,
+            description="sgl-kernel CPU decode/extend attention ops on Intel AMX",
+        )
+    )
+
+
+def gpt_oss_on_amx(host: Any, config: Any) -> dict[str, Any]:
+    """gpt-oss on an AMX CPU prefers intel_amx"""
+    return {"attention_backend": NAME} if host.platform == "cpu" and host.has_amx else {}
+
+
+@hookimpl
+def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+    register("GptOssForCausalLM", gpt_oss_on_amx)

@@ -1,0 +1,185 @@
+"""Shared test helpers of the fa3, trtllm_mha and intel_amx plugin tests (private; not a conftest).
+
+* ``make_problem``: a paged KV cache full of noise with pages scattered at
+  random, requests in scattered ``req_to_token`` rows, one ``ForwardBatch``
+  and one layer's q/k/v; the expected output comes from
+  ``attnplug.testing.reference.reference_attention`` only.
+* ``attend64``: the float64 attention arithmetic the kernel emulators share
+  (scores, bottom-right-aligned causal/window masks, soft-cap, sinks). Each
+  emulator does its own reading of its library's layout and calls this for
+  the arithmetic only.
+* hand-built hosts and a registry holding one real plugin (through its entry
+  point) plus ``attnplug-torch-native``.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import types
+from typing import Any, Sequence
+
+import torch
+
+from attnplug import ForwardBatch, ForwardMode, LayerSpec, PageAllocator, PagedKVCache
+from attnplug.host import HostInfo
+from attnplug.registry import Registry
+from attnplug.testing.reference import reference_attention
+
+PY = sys.executable
+
+
+# -- hosts -------------------------------------------------------------------
+def cuda_host(sm: int, **libs: str) -> HostInfo:
+    name = {80: "A100", 86: "A10", 89: "L40S", 90: "H100", 100: "B200", 103: "B300", 120: "RTX 5090"}.get(sm, "GPU")
+    return HostInfo(platform="cuda", device_name=name, compute_capability=(sm // 10, sm % 10), device_count=1,
+                    libraries={"torch": "2.13.0", **{k.replace("_", "-"): v for k, v in libs.items()}})
+
+
+def cpu_host(amx: bool, **libs: str) -> HostInfo:
+    flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile", "amx_int8"} if amx else set())
+    return HostInfo(platform="cpu", cpu_flags=frozenset(flags),
+                    libraries={"torch": "2.13.0", **{k.replace("_", "-"): v for k, v in libs.items()}})
+
+
+def rocm_host(**libs: str) -> HostInfo:
+    return HostInfo(platform="rocm", gfx_arch="gfx942", device_count=1,
+                    libraries={"torch": "2.13.0", **{k.replace("_", "-"): v for k, v in libs.items()}})
+
+
+def registry(dist: str, host: HostInfo | None = None) -> Registry:
+    """A fresh registry with ``dist`` and attnplug-torch-native, found through their real entry points."""
+    return Registry.discover(env={"ATTNPLUG_PLUGINS": f"{dist},attnplug-torch-native"}, host=host)
+
+
+def imports_after(module: str) -> set[str]:
+    """Top-level modules present in ``sys.modules`` after importing ``module`` in a fresh interpreter."""
+    code = f"import sys, {module}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+# -- problems ----------------------------------------------------------------
+def make_problem(
+    *,
+    mode: ForwardMode = ForwardMode.EXTEND,
+    prefix: Sequence[int] = (0, 5, 17),
+    ext: Sequence[int] = (7, 3, 1),
+    page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    v_head_dim: int | None = None,
+    window: int | None = None,
+    cap: float | None = None,
+    sinks: bool = False,
+    custom_mask: bool = False,
+    seed: int = 0,
+) -> types.SimpleNamespace:
+    """One layer's problem. Decode: ``ext`` must be all ones; target-verify: all equal (the draft count)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix, ext = list(prefix), list(ext)
+    seq = [p + e for p, e in zip(prefix, ext)]
+    B = len(seq)
+    need = sum(math.ceil(s / page_size) for s in seq)
+    num_pages = 2 * need + 3
+    max_requests = 2 * B + 3
+    cache = PagedKVCache(1, num_pages, num_kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
+                         dtype=dtype, max_requests=max_requests, max_context_len=max(seq) + page_size)
+    kb, vb = cache.get_kv(0)
+    kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
+    vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
+    cache.req_to_token.fill_(-1)  # nothing may read an unassigned position
+    alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
+    rows = torch.randperm(max_requests, generator=g)[:B].tolist()
+    for r, s in zip(rows, seq):
+        cache.assign_pages(r, s, alloc.alloc(math.ceil(s / page_size)))
+    loc = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)] or
+                    [torch.zeros(0, dtype=torch.int64)])
+    if mode is ForwardMode.DECODE:
+        assert all(e == 1 for e in ext)
+        batch = ForwardBatch.decode(rows, seq, loc)
+    else:
+        kw: dict[str, Any] = {}
+        if mode is ForwardMode.TARGET_VERIFY:
+            d = ext[0]
+            kw["spec_num_draft_tokens"] = d
+            if custom_mask:
+                m = torch.rand(B, d, d, generator=g) < 0.6
+                m |= torch.eye(d, dtype=torch.bool)[None]
+                kw["spec_custom_mask"] = m
+        batch = ForwardBatch.extend(rows, prefix, ext, loc, mode=mode, **kw)
+    T = sum(ext)
+    Dv = v_head_dim or head_dim
+    q = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T, num_kv_heads, Dv, generator=g).to(dtype)
+    layer = LayerSpec(0, num_heads, num_kv_heads, head_dim, v_head_dim=v_head_dim, sliding_window=window,
+                      logit_cap=cap, sinks=torch.randn(num_heads, generator=g) if sinks else None)
+    before = (kb.clone(), vb.clone())
+    expected = reference_attention(q, k, v, layer, batch, before[0], before[1], cache.req_to_token)
+    return types.SimpleNamespace(cache=cache, batch=batch, layer=layer, q=q, k=k, v=v, before=before,
+                                 expected=expected, rows=rows, prefix=prefix, ext=ext, seq=seq, page_size=page_size)
+
+
+def pages_of(cache: PagedKVCache, row: int, length: int) -> list[int]:
+    """Independent expectation: the page of positions ``j*page_size …`` of a request, from its first slot."""
+    ps = cache.page_size
+    return [int(cache.req_to_token[row, j * ps]) // ps for j in range(math.ceil(length / ps))]
+
+
+# -- the shared float64 arithmetic of the emulators -------------------------------
+def attend64(
+    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *, scale: float, causal: bool, left: int = -1,
+    right: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` ``[sq, H, D]`` over ``K``/``V`` ``[sk, Hkv, *]`` in float64, masks aligned bottom-right.
+
+    Query ``i`` sits at key index ``i + sk - sq``; ``causal`` hides keys after
+    it, ``left``/``right`` (``-1``: unlimited) bound the keys before/after it.
+    Query head ``h`` uses KV head ``h // (H // Hkv)``. A row with nothing
+    visible is 0.
+    """
+    sq, H = q.shape[0], q.shape[1]
+    sk, Hkv = K.shape[0], K.shape[1]
+    G = H // Hkv
+    Kh = K.double().repeat_interleave(G, dim=1)
+    Vh = V.double().repeat_interleave(G, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), Kh) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    vis = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    s = s.masked_fill(~vis[None], -math.inf)
+    m = s.amax(dim=2) if sk else torch.full((H, sq), -math.inf, dtype=torch.float64)
+    snk = None if sinks is None else sinks.double()[:, None]
+    if snk is not None:
+        m = torch.maximum(m, snk.expand_as(m))
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(s - m[:, :, None])
+    den = w.sum(dim=2)
+    if snk is not None:
+        den = den + torch.exp(snk - m)
+    o = torch.einsum("hqk,khd->qhd", w, Vh)
+    den = den.transpose(0, 1)[:, :, None]
+    return torch.where(den > 0, o / den.clamp_min(1e-300), torch.zeros_like(o))
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    from attnplug.dtypes import dtype_name
+    from attnplug.testing.tolerances import tolerance_for
+
+    tol = tolerance_for(dtype_name(dtype))
+    g, w = got.double(), want.double()
+    assert g.shape == w.shape, f"shape {tuple(g.shape)} != {tuple(w.shape)}"
+    err = (g - w).abs() - tol.rtol * w.abs()
+    assert float(err.max()) <= tol.atol if err.numel() else True, f"max excess error {float(err.max())}"

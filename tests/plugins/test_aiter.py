@@ -1,0 +1,370 @@
+"""attnplug-aiter on a CPU host: descriptor, availability, layout builders, and an emulator of aiter.
+
+aiter's kernels need an AMD MI300/MI350 GPU (gfx942/gfx950), so here the
+layout is checked twice: against expectations built independently in this
+file, and by ``emu_mha_batch_prefill_func`` / ``emu_paged_attention_ragged``
+— an EMULATOR of the two aiter entry points the backend calls, written from
+their contract (signatures as in aiter v0.1.10, so a misspelt keyword fails):
+``kv_indptr``/``kv_page_indices``/``kv_last_page_lens`` over a paged cache
+(``[num_blocks, block_size, kv_heads, dim]`` NHD for the decode kernel; the
+3D ``[slots, kv_heads, dim]`` page-size-1 form for the prefill kernel),
+``cu_seqlens_q`` for varlen queries, bottom-right-aligned causal mask,
+``window_size=(left, right)``, ``logits_soft_cap``, ``sink_ptr``. The real
+backend class runs against the emulator and must match
+``attnplug.testing.reference``: this proves the metadata and the call
+arguments, not the GPU kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import attnplug_aiter
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, HostInfo, LayerSpec
+from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError, NotSupportedError, ShapeError
+from attnplug.registry import Registry
+from attnplug.resolution import resolve, trace
+from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug_aiter import metadata as M
+
+import _flashinfer_family_helpers as H
+
+DIST = "attnplug-aiter"
+LIB = {"aiter": "0.1.10"}
+MI300 = dict(gfx_arch="gfx942")
+
+
+# ---------------------------------------------------------------------------
+# (4) EMULATOR of aiter's kernels (the GPU kernels cannot run here), float64
+# ---------------------------------------------------------------------------
+
+
+def _attend(q, K, V, visible, scale, cap, sinks=None):
+    H_, Hkv = q.shape[1], K.shape[1]
+    heads = torch.arange(H_) // (H_ // Hkv)
+    s = scale * torch.einsum("nhd,lhd->nhl", q.double(), K.double()[:, heads])
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    if sinks is not None:  # one extra logit per head in the denominator, no value
+        sink_col = sinks.double()[None, :, None].expand(s.shape[0], -1, 1)
+        p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("nhl,lhd->nhd", p, V.double()[:, heads])
+
+
+CALLS: list[str] = []
+
+
+def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, logits_soft_cap=0.0, causal=False,
+                               window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_lse=False,
+                               return_attn_probs=False, out=None, kv_last_page_lens=None, block_table=None,
+                               seqlen_k=None, q_descale=None, k_descale=None, v_descale=None, sink_ptr=None):
+    """EMULATOR of ``aiter.mha_batch_prefill_func`` for the 3D linear (page size 1) K/V form."""
+    CALLS.append("mha_batch_prefill_func")
+    assert k.dim() == 3 and v.dim() == 3, "the backend passes [slots, kv_heads, dim] (page size 1)"
+    assert kv_last_page_lens is not None and bool((kv_last_page_lens == 1).all())
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    left, right = window_size
+    res = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        k0, k1 = int(kv_indptr[i]), int(kv_indptr[i + 1])
+        assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
+        idx = kv_page_indices[k0:k1].long()
+        K, V = k[idx], v[idx]
+        qn, L = q1 - q0, k1 - k0
+        pos = L - qn + torch.arange(qn)[:, None]
+        j = torch.arange(L)[None, :]
+        vis = torch.ones(qn, L, dtype=torch.bool)
+        if causal:
+            vis &= j <= pos
+        if left >= 0:
+            vis &= j >= pos - left
+        if right >= 0:
+            vis &= j <= pos + right
+        res[q0:q1] = _attend(q[q0:q1], K, V, vis, scale, logits_soft_cap, sink_ptr)
+    return res.to(q.dtype)
+
+
+def emu_paged_attention_ragged(out, workspace_buffer, query, key_cache, value_cache, scale, kv_indptr,
+                               kv_page_indices, kv_last_page_lens, block_size, max_num_partitions, alibi_slopes,
+                               kv_cache_dtype, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
+                               fp8_out_scale=None, partition_size=256, mtp=1):
+    """EMULATOR of ``aiter.paged_attention_ragged`` (one query per row, every listed key attended)."""
+    CALLS.append("paged_attention_ragged")
+    assert kv_cache_layout == "NHD" and kv_cache_dtype == "auto" and block_size in (1, 16, 32)
+    assert key_cache.dim() == 4 and key_cache.shape[1] == block_size
+    assert query.shape[-1] in (64, 128), "aiter's ragged decode dispatches head sizes 64/128 only"
+    assert query.shape[1] // key_cache.shape[2] <= 16
+    for i in range(query.shape[0]):
+        k0, k1 = int(kv_indptr[i]), int(kv_indptr[i + 1])
+        pages = kv_page_indices[k0:k1].long()
+        n = block_size * (k1 - k0 - 1) + int(kv_last_page_lens[i])
+        assert n <= max_num_partitions * partition_size
+        K = key_cache[pages].reshape(-1, *key_cache.shape[2:])[:n]
+        V = value_cache[pages].reshape(-1, *value_cache.shape[2:])[:n]
+        out[i] = _attend(query[i:i + 1], K, V, torch.ones(1, n, dtype=torch.bool), scale, logits_soft_cap)[0]
+    return out
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch):
+    mod = H.fake_module("aiter", "0.1.10", mha_batch_prefill_func=emu_mha_batch_prefill_func,
+                        paged_attention_ragged=emu_paged_attention_ragged)
+    monkeypatch.setitem(sys.modules, "aiter", mod)
+    import importlib.metadata as im
+
+    real = im.version
+    monkeypatch.setattr(im, "version", lambda n: (_ for _ in ()).throw(im.PackageNotFoundError(n))
+                        if n == "aiter" else real(n))
+    CALLS.clear()
+    return mod
+
+
+def _build(pb):
+    from attnplug_aiter.backend import AiterBackend
+
+    c = pb.cache
+    ctx = BuildContext(AttentionConfig(), H.host("rocm", LIB, **MI300), dtype="bfloat16",
+                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
+                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
+    return AiterBackend(ctx)
+
+
+def _check(pb, out):
+    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)  # bfloat16 output
+
+
+CASES = {
+    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
+    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
+    "verify_tree": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa", "sinks"])
+def test_emulated_backend_matches_reference(fake_aiter, case, page_size, variant):
+    mode, prefix, ext = CASES[case]
+    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
+          "sinks": dict(sinks=True, sliding_window=7)}.get(variant, {})
+    pb = H.make_problem(mode, prefix, ext, page_size=page_size, dtype=torch.bfloat16, tree_mask=True,
+                        seed=len(case) + page_size, **kw)
+    be = _build(pb)
+    be.init_forward_metadata(pb.batch)
+    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    _check(pb, out)
+    kc, vc = expected_cache_after(pb.k_before, pb.v_before, pb.k, pb.v, pb.batch.out_cache_loc)
+    assert torch.equal(pb.cache.k_buffers[0], kc) and torch.equal(pb.cache.v_buffers[0], vc)
+    expected_kernel = "mha_batch_prefill_func"
+    if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and variant != "sinks":
+        expected_kernel = "paged_attention_ragged"
+    assert CALLS == [expected_kernel]
+
+
+def test_causal_verify_without_mask_uses_the_prefill_kernel(fake_aiter):
+    pb = H.make_problem(ForwardMode.TARGET_VERIFY, [5, 9], [3, 3], page_size=4, dtype=torch.bfloat16)
+    assert pb.batch.spec_custom_mask is None
+    be = _build(pb)
+    be.init_forward_metadata(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    assert CALLS == ["mha_batch_prefill_func"]
+
+
+@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify_tree"])
+def test_emulated_without_cache_write_reads_the_scratch_rows(fake_aiter, case):
+    mode, prefix, ext = CASES[case]
+    pb = H.make_problem(mode, prefix, ext, page_size=16, dtype=torch.bfloat16, tree_mask=True, sliding_window=6)
+    be = _build(pb)
+    be.init_forward_metadata(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False))
+    assert torch.equal(pb.cache.k_buffers[0], pb.k_before)
+
+
+def test_graph_capture_then_replay_reads_fixed_buffers(fake_aiter):
+    pb = H.make_problem(ForwardMode.DECODE, [4, 20], [1, 1], page_size=4, dtype=torch.bfloat16, seed=1)
+    be = _build(pb)
+    be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
+    be.init_forward_metadata_capture_cuda_graph(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, dtype=torch.bfloat16, seed=2)
+    be.kv_cache = pb2.cache
+    be.init_forward_metadata_replay_cuda_graph(pb2.batch)
+    rows = be._guard.require(pb2.batch).rows(None)
+    assert rows.kv_indices.data_ptr() == be._graph[None]["kv_indices"].data_ptr()
+    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    with pytest.raises(Exception, match="decode batch size 3"):
+        be.init_forward_metadata_replay_cuda_graph(
+            H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)
+
+
+def test_forward_guards(fake_aiter):
+    pb = H.make_problem(ForwardMode.EXTEND, [2], [3], page_size=4, dtype=torch.bfloat16)
+    be = _build(pb)
+    with pytest.raises(MetadataNotInitializedError):
+        be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    be.init_forward_metadata(pb.batch)
+    for bad, words in ((LayerSpec(0, 4, 2, 256), "head_dim=256"), (LayerSpec(0, 32, 1, 64), "GQA ratio")):
+        assert any(words in r for r in be.not_supported_reasons(bad))
+        with pytest.raises(NotSupportedError, match=words):
+            be.forward(torch.zeros(3, bad.num_heads, bad.head_dim, dtype=torch.bfloat16), None, None, bad, pb.batch)
+    with pytest.raises(ShapeError, match="q.dtype=torch.float32"):
+        be.forward(pb.q.float(), pb.k.float(), pb.v.float(), pb.layer, pb.batch)
+    idle = ForwardBatch.idle()
+    be.init_forward_metadata(idle)
+    assert be.forward(pb.q[:0], pb.k[:0], pb.v[:0], pb.layer, idle).shape == (0, 4, 64)
+
+
+def test_build_refuses_other_gfx_and_old_library(fake_aiter, monkeypatch):
+    from attnplug_aiter.backend import AiterBackend
+
+    pb = H.make_problem(ForwardMode.DECODE, [3], [1], page_size=4, dtype=torch.bfloat16)
+    ctx = BuildContext(AttentionConfig(), H.host("rocm", LIB, gfx_arch="gfx90a"), dtype="bfloat16",
+                       num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, kv_cache=pb.cache)
+    with pytest.raises(RuntimeError, match="gfx_arch='gfx90a'"):
+        AiterBackend(ctx)
+    monkeypatch.setattr(fake_aiter, "__version__", "0.1.9")
+    with pytest.raises(RuntimeError, match=r"aiter >= 0.1.10, found 0.1.9"):
+        AiterBackend(ctx.replace(host=H.host("rocm", LIB, **MI300)))
+
+
+# ---------------------------------------------------------------------------
+# (3) builders against independent expectations
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_token_rows_match_independent_walk(page_size):
+    pb = H.make_problem(ForwardMode.EXTEND, [0, 5, 17, 3, 16], [4, 1, 6, 9, 16], page_size=page_size, seed=7)
+    b, r2t = pb.batch, pb.cache.req_to_token
+    lay = M.build_layout(b, r2t)
+    rows = lay.rows()
+    exp_indices, exp_indptr = [], [0]
+    for r, s in zip(b.req_pool_indices.tolist(), b.seq_lens_cpu):
+        exp_indices += [int(r2t[r, j]) for j in range(s)]
+        exp_indptr.append(exp_indptr[-1] + s)
+    assert rows.kv_indices.tolist() == exp_indices and rows.kv_indptr.tolist() == exp_indptr
+    assert rows.kv_last_page_lens.tolist() == [1] * 5 and rows.kv_indices.dtype == torch.int32
+    assert lay.cu_seqlens_q.tolist() == [0, 4, 5, 11, 20, 36] and lay.max_q_len == 16
+    # scratch form: new tokens point past the cache, in token order
+    scratch = lay.rows(num_slots=1000)
+    t0, expect = 0, []
+    for r, p, e in zip(b.req_pool_indices.tolist(), b.extend_prefix_lens_cpu, b.extend_seq_lens_cpu):
+        expect += [int(r2t[r, j]) for j in range(p)] + [1000 + t for t in range(t0, t0 + e)]
+        t0 += e
+    assert scratch.kv_indices.tolist() == expect
+
+
+def test_decode_window_trims_rows_and_verify_rows_follow_the_tree():
+    r2t = torch.arange(40).reshape(2, 20) + 100
+    batch = ForwardBatch.decode([1, 0], [10, 3], [129, 102])
+    lay = M.build_layout(batch, r2t)
+    w = lay.rows(window=4)  # the query at position 9 sees 5..9; at position 2 sees 0..2
+    assert w.kv_indices.tolist() == [125, 126, 127, 128, 129, 100, 101, 102] and w.kv_lens == (5, 3)
+    tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    vb = ForwardBatch.extend([0], [2], [3], [102, 103, 104], mode=ForwardMode.TARGET_VERIFY,
+                             spec_num_draft_tokens=3, spec_custom_mask=tree)
+    v = M.build_layout(vb, r2t)
+    assert v.kind == "verify" and v.query_indptr().tolist() == [0, 1, 2, 3]
+    rows = v.rows()
+    assert rows.kv_indptr.tolist() == [0, 3, 7, 11]
+    assert rows.kv_indices.tolist() == [100, 101, 102, 100, 101, 102, 103, 100, 101, 102, 104]
+    rw = v.rows(window=1)  # positions 2,3,4 see j >= p-1
+    assert rw.kv_indices.tolist() == [101, 102, 102, 103, 104]
+
+
+def test_guards_and_versions():
+    assert M.parse_version("0.1.10.post1+rocm7.0") == (0, 1, 10) and M.parse_version("0.1.5.post4") == (0, 1, 5)
+    M.check_library_version("0.1.12", "0.1.10")
+    with pytest.raises(RuntimeError, match="found 0.1.9"):
+        M.check_library_version("0.1.9", "0.1.10")
+    assert M.window_size(LayerSpec(0, 2, 1, 64, sliding_window=8)) == (8, 0)
+    assert M.window_size(LayerSpec(0, 2, 1, 64)) == (-1, -1)
+    assert M.max_num_partitions(4096) == 16 and M.max_num_partitions(4097) == 17
+    with pytest.raises(ShapeError, match="idle"):
+        M.build_layout(ForwardBatch.idle(), torch.zeros(1, 1, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------
+# (1)(2) registration, availability, light import
+# ---------------------------------------------------------------------------
+
+
+def _registry(*dists):
+    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
+
+
+def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
+    reg = _registry(DIST)
+    (rec,) = [p for p in reg.plugins if p.distribution == DIST]
+    assert rec.status == "loaded", rec.error
+    d = reg.get("aiter")
+    assert d.distribution == DIST and d.library == "aiter" and d.min_library_version == "0.1.10"
+    assert d.capabilities is attnplug_aiter.CAPABILITIES
+    cpu = HostInfo(platform="cpu", libraries={"torch": "2.13.0"})
+    avail = reg.availability("aiter", cpu)
+    assert not avail and any("'aiter' is not installed" in r for r in avail.reasons)
+    assert any("gfx942/gfx950" in r for r in avail.reasons)
+    with pytest.raises(BackendUnavailableError, match="aiter"):
+        reg.build("aiter", BuildContext(AttentionConfig(), cpu))
+
+
+@pytest.mark.parametrize("host_kw, available", [
+    (dict(platform="rocm", gfx_arch="gfx942", libraries=LIB), True),
+    (dict(platform="rocm", gfx_arch="gfx950", libraries=LIB), True),
+    (dict(platform="rocm", gfx_arch="gfx90a", libraries=LIB), False),
+    (dict(platform="rocm", gfx_arch=None, libraries=LIB), False),
+    (dict(platform="rocm", gfx_arch="gfx942", libraries={}), False),
+    (dict(platform="cuda", compute_capability=(9, 0), libraries=LIB), False),
+    (dict(platform="cpu", libraries=LIB), False),
+])
+def test_available_exactly_on_mi300_mi350_with_the_library(host_kw, available):
+    assert bool(_registry(DIST).availability("aiter", HostInfo(**host_kw))) is available
+
+
+def test_descriptor_imports_neither_torch_nor_aiter():
+    mods = H.modules_after_discovery(DIST, "attnplug_aiter")
+    assert "attnplug_aiter" in mods
+    assert not {"torch", "aiter"} & mods
+
+
+def test_priority_and_floor():
+    d = _registry(DIST).get("aiter")
+    assert d.priority_on(HostInfo(platform="rocm", gfx_arch="gfx942")) == 50
+    assert d.priority_on(HostInfo(platform="cuda")) is None
+    old = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"aiter": "0.1.5.post4"})
+    assert "aiter >= 0.1.10, found 0.1.5.post4" in d.library_floor_problem(old)
+
+
+# ---------------------------------------------------------------------------
+# (5) the gpt-oss family rule: aiter on ROCm
+# ---------------------------------------------------------------------------
+
+
+def test_gpt_oss_picks_aiter_exactly_on_rocm():
+    reg = _registry(DIST, "attnplug-torch-native")
+    rocm = HostInfo(platform="rocm", gfx_arch="gfx942", libraries=LIB)
+    res = trace(AttentionConfig(), arch="GptOssForCausalLM", host=rocm, registry=reg)
+    assert res.ok, res.error
+    assert res.pair == ("aiter", "aiter")
+    assert any(r.source == DIST and r.declared.get("attention_backend") == "aiter" for r in res.records)
+    for other in (HostInfo(platform="cuda", compute_capability=(9, 0), libraries=LIB), HostInfo(platform="cpu")):
+        r = resolve(AttentionConfig(), arch="GptOssForCausalLM", host=other, registry=reg)
+        assert r.pair == ("torch_native", "torch_native")
+        assert not [x for x in r.records if x.source == DIST]
+    # another architecture on the same ROCm host: no override, the platform default fills aiter anyway
+    plain = trace(AttentionConfig(), arch="LlamaForCausalLM", host=rocm, registry=reg)
+    assert plain.pair == ("aiter", "aiter") and not [x for x in plain.records if x.source == DIST]
+    # the user's choice is never overridden
+    pinned = resolve(AttentionConfig(attention_backend="torch_native"), arch="GptOssForCausalLM", host=rocm,
+                     registry=reg)
+    assert pinned.pair == ("torch_native", "torch_native")

@@ -1,0 +1,507 @@
+"""attnplug-flashinfer on a CPU host: descriptor, availability, layout builders, and an emulator of FlashInfer.
+
+FlashInfer's kernels need an SM80+ NVIDIA GPU, so here the layout is checked
+twice: against expectations built independently in this file, and by the
+``Emu*Wrapper`` classes below — an EMULATOR of FlashInfer's wrappers written
+from its documented contract (CSR page table ``paged_kv_indptr`` /
+``paged_kv_indices`` / ``paged_kv_last_page_len`` over an NHD ``(k, v)``
+cache of ``[num_pages, page_size, kv_heads, dim]``, ``qo_indptr`` for varlen
+queries, bottom-right-aligned causal mask, ``window_left``,
+``logits_soft_cap``, ``sm_scale``, a flat row-major custom mask per request,
+the ragged wrapper's ``kv_indptr`` over packed K/V; ``plan`` signatures as in
+flashinfer-python 0.5.0, so a misspelt keyword fails). The real backend class
+runs against the emulator and must match ``attnplug.testing.reference``: this
+proves the metadata and the call arguments, not the GPU kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import attnplug_flashinfer
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec
+from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError, NotSupportedError, ShapeError
+from attnplug.registry import Registry
+from attnplug.resolution import resolve, trace
+from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug_flashinfer import metadata as M
+
+import _flashinfer_family_helpers as H
+
+DIST = "attnplug-flashinfer"
+LIB = {"flashinfer-python": "0.5.2"}
+SM90 = dict(compute_capability=(9, 0))
+
+
+# ---------------------------------------------------------------------------
+# (4) EMULATOR of FlashInfer's wrappers (the GPU kernels cannot run here), float64
+# ---------------------------------------------------------------------------
+
+
+def _attend(q, K, V, visible, scale, cap):
+    """Rows of ``q`` [n, H, D] over keys K/V [L, Hkv, D] with ``visible`` [n, L]; float64."""
+    H_, Hkv = q.shape[1], K.shape[1]
+    heads = torch.arange(H_) // (H_ // Hkv)
+    s = scale * torch.einsum("nhd,lhd->nhl", q.double(), K.double()[:, heads])
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("nhl,lhd->nhd", p, V.double()[:, heads])
+
+
+def _visible(qo_len, kv_len, causal, window_left, mask=None):
+    a = torch.arange(qo_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    pos = kv_len - qo_len + a  # bottom-right alignment
+    vis = torch.ones(qo_len, kv_len, dtype=torch.bool)
+    if causal:
+        vis &= j <= pos
+    if window_left >= 0:
+        vis &= j >= pos - window_left
+    if mask is not None:
+        vis &= mask.reshape(qo_len, kv_len)
+    return vis
+
+
+class _EmuBase:
+    def __init__(self, use_cuda_graph=False, bufs=None):
+        self.use_cuda_graph = use_cuda_graph
+        self.bufs = {k: v for k, v in (bufs or {}).items() if v is not None}
+        self.plan_calls = 0
+        self.p = None
+
+    def _store(self, **arrays):
+        """Like FlashInfer: under CUDA graphs plan() copies into the user buffers and run() reads them."""
+        self.plan_calls += 1
+        out = {}
+        for name, t in arrays.items():
+            if t is None:
+                out[name] = None
+            elif self.use_cuda_graph and name in self.bufs:
+                buf = self.bufs[name]
+                buf[: t.numel()].copy_(t.to(buf.dtype))
+                out[name] = buf
+            else:
+                out[name] = t.clone()
+        return out
+
+    def _paged_rows(self, cache, i):
+        k_cache, v_cache = cache
+        p = self.p
+        ps = k_cache.shape[1]
+        lo, hi = int(p["indptr"][i]), int(p["indptr"][i + 1])
+        pages = p["indices"][lo:hi].long()
+        assert hi > lo, "FlashInfer needs at least one page per request"
+        last = int(p["last"][i])
+        assert 1 <= last <= ps, f"last_page_len {last} outside 1..{ps}"
+        kv_len = ps * (hi - lo - 1) + last
+        K = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len]
+        V = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len]
+        return K, V
+
+
+class EmuDecodeWrapper(_EmuBase):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buffer, "indices": paged_kv_indices_buffer,
+                                          "last": paged_kv_last_page_len_buffer})
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
+             block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False):
+        for t in (indptr, indices, last_page_len):
+            assert t.dtype == torch.int32
+        self.p = self._store(indptr=indptr, indices=indices, last=last_page_len)
+        self.p.update(bs=indptr.numel() - 1, window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
+                      scale=sm_scale if sm_scale is not None else head_dim ** -0.5, heads=(num_qo_heads, num_kv_heads))
+
+    def run(self, q, paged_kv_cache, **kw):
+        p = self.p
+        assert paged_kv_cache[0].shape[1] == p["ps"]
+        assert q.shape[0] == p["bs"] and q.shape[1] == p["heads"][0]
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        for i in range(p["bs"]):
+            K, V = self._paged_rows(paged_kv_cache, i)
+            out[i:i + 1] = _attend(q[i:i + 1], K, V, _visible(1, K.shape[0], True, p["window"]), p["scale"], p["cap"])
+        return out.to(q.dtype)
+
+
+class EmuPagedPrefillWrapper(_EmuBase):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        super().__init__(use_cuda_graph, {"qo": qo_indptr_buf, "indptr": paged_kv_indptr_buf,
+                                          "indices": paged_kv_indices_buf, "last": paged_kv_last_page_len_buf})
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
+             max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
+        self.p = self._store(qo=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
+                             last=paged_kv_last_page_len)
+        if custom_mask is not None:
+            assert custom_mask.dtype == torch.bool and not causal
+        mask = None if custom_mask is None else custom_mask.clone()
+        self.p.update(bs=qo_indptr.numel() - 1, causal=causal, mask=mask,
+                      window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
+                      scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
+
+    def run(self, q, paged_kv_cache, **kw):
+        p = self.p
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        moff = 0
+        for i in range(p["bs"]):
+            q0, q1 = int(p["qo"][i]), int(p["qo"][i + 1])
+            K, V = self._paged_rows(paged_kv_cache, i)
+            L = K.shape[0]
+            mask = None
+            if p["mask"] is not None:
+                mask = p["mask"][moff:moff + (q1 - q0) * L]
+                moff += (q1 - q0) * L
+            vis = _visible(q1 - q0, L, p["causal"], p["window"], mask)
+            out[q0:q1] = _attend(q[q0:q1], K, V, vis, p["scale"], p["cap"])
+        if p["mask"] is not None:
+            assert moff == p["mask"].numel(), "custom mask length != sum(qo_len * kv_len)"
+        return out.to(q.dtype)
+
+
+class EmuRaggedWrapper(_EmuBase):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        super().__init__(use_cuda_graph)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
+             use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+             rope_theta=None, q_data_type="float16", kv_data_type=None, non_blocking=True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
+             disable_split_kv=False):
+        self.p = self._store(qo=qo_indptr, kv=kv_indptr)
+        mask = None if custom_mask is None else custom_mask.clone()
+        self.p.update(bs=qo_indptr.numel() - 1, causal=causal, mask=mask, window=window_left,
+                      cap=logits_soft_cap or 0.0,
+                      scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
+
+    def run(self, q, k, v, **kw):
+        p = self.p
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        moff = 0
+        for i in range(p["bs"]):
+            q0, q1, k0, k1 = int(p["qo"][i]), int(p["qo"][i + 1]), int(p["kv"][i]), int(p["kv"][i + 1])
+            mask = None
+            if p["mask"] is not None:
+                mask = p["mask"][moff:moff + (q1 - q0) * (k1 - k0)]
+                moff += (q1 - q0) * (k1 - k0)
+            vis = _visible(q1 - q0, k1 - k0, p["causal"], p["window"], mask)
+            out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], vis, p["scale"], p["cap"])
+        return out.to(q.dtype)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    mod = H.fake_module("flashinfer", "0.5.0", BatchDecodeWithPagedKVCacheWrapper=EmuDecodeWrapper,
+                        BatchPrefillWithPagedKVCacheWrapper=EmuPagedPrefillWrapper,
+                        BatchPrefillWithRaggedKVCacheWrapper=EmuRaggedWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    import importlib.metadata as im
+
+    real = im.version
+    monkeypatch.setattr(im, "version", lambda n: (_ for _ in ()).throw(im.PackageNotFoundError(n))
+                        if n == "flashinfer-python" else real(n))
+    return mod
+
+
+def _build(pb, fake, deterministic=False):
+    from attnplug_flashinfer.backend import FlashInferBackend
+
+    c = pb.cache
+    ctx = BuildContext(AttentionConfig(deterministic=deterministic), H.host("cuda", LIB, **SM90), dtype="float16",
+                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
+                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
+    return FlashInferBackend(ctx)
+
+
+def _check(pb, out):
+    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=3e-3)
+
+
+CASES = {
+    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
+    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
+    "verify": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa"])
+def test_emulated_backend_matches_reference(fake_flashinfer, case, page_size, variant):
+    mode, prefix, ext = CASES[case]
+    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1)}.get(variant, {})
+    pb = H.make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
+    be = _build(pb, fake_flashinfer)
+    be.init_forward_metadata(pb.batch)
+    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    _check(pb, out)
+    kc, vc = expected_cache_after(pb.k_before, pb.v_before, pb.k, pb.v, pb.batch.out_cache_loc)
+    assert torch.equal(pb.cache.k_buffers[0], kc) and torch.equal(pb.cache.v_buffers[0], vc)
+
+
+@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
+def test_emulated_ragged_path_without_cache_write(fake_flashinfer, case):
+    mode, prefix, ext = CASES[case]
+    pb = H.make_problem(mode, prefix, ext, page_size=16, tree_mask=True, sliding_window=6, seed=3)
+    be = _build(pb, fake_flashinfer)
+    be.init_forward_metadata(pb.batch)
+    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False)
+    _check(pb, out)
+    assert torch.equal(pb.cache.k_buffers[0], pb.k_before)  # nothing written
+
+
+def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinfer):
+    pb = H.make_problem(ForwardMode.EXTEND, [3, 9], [5, 2], page_size=4)
+    be = _build(pb, fake_flashinfer)
+    be.init_forward_metadata(pb.batch)
+    for _ in range(3):
+        out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    _check(pb, out)
+    (wrapper,) = be._eager.values()
+    assert wrapper.plan_calls == 1
+
+
+def test_deterministic_plans_fixed_split(fake_flashinfer, monkeypatch):
+    seen = {}
+    orig = EmuDecodeWrapper.plan
+
+    def spy(self, *a, **kw):
+        seen.update(kw)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(EmuDecodeWrapper, "plan", spy)
+    pb = H.make_problem(ForwardMode.DECODE, [4, 8], [1, 1], page_size=4)
+    be = _build(pb, fake_flashinfer, deterministic=True)
+    be.init_forward_metadata(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    assert seen["fixed_split_size"] == 2048
+
+
+def test_cuda_graph_verify_capture_and_replay(fake_flashinfer):
+    pb = H.make_problem(ForwardMode.TARGET_VERIFY, [4, 20], [3, 3], page_size=4, tree_mask=True, seed=1)
+    be = _build(pb, fake_flashinfer)
+    be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=12)
+    be.init_forward_metadata_capture_cuda_graph(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    pb2 = H.make_problem(ForwardMode.TARGET_VERIFY, [9, 2], [3, 3], page_size=4, tree_mask=True, seed=2)
+    be.kv_cache = pb2.cache
+    be.init_forward_metadata_replay_cuda_graph(pb2.batch)
+    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    with pytest.raises(Exception, match="covers decode and target_verify"):
+        be.init_forward_metadata_capture_cuda_graph(H.make_problem(ForwardMode.EXTEND, [1], [2], page_size=4).batch)
+
+
+def test_cuda_graph_capture_then_replay_reads_fixed_buffers(fake_flashinfer):
+    pb = H.make_problem(ForwardMode.DECODE, [4, 20], [1, 1], page_size=4, seed=1)
+    be = _build(pb, fake_flashinfer)
+    be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
+    be.init_forward_metadata_capture_cuda_graph(pb.batch)
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    # replay: same batch size, other lengths and pages (the same wrapper, re-planned into its buffers)
+    pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, seed=2)
+    be.kv_cache = pb2.cache
+    be.init_forward_metadata_replay_cuda_graph(pb2.batch)
+    wrapper = be._graph_wrappers[(2, "decode")]
+    assert wrapper.use_cuda_graph and wrapper.p["indptr"].data_ptr() == be._graph_buffers["kv_indptr"].data_ptr()
+    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    with pytest.raises(Exception, match="no CUDA graph was captured for batch size 3"):
+        be.init_forward_metadata_replay_cuda_graph(
+            H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)
+
+
+def test_forward_guards(fake_flashinfer):
+    pb = H.make_problem(ForwardMode.EXTEND, [2], [3], page_size=4)
+    be = _build(pb, fake_flashinfer)
+    with pytest.raises(MetadataNotInitializedError):
+        be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    be.init_forward_metadata(pb.batch)
+    bad = LayerSpec(0, 4, 2, 96)
+    assert any("head_dim=96" in r for r in be.not_supported_reasons(bad))
+    q96 = torch.zeros(5, 4, 96, dtype=torch.float16)
+    with pytest.raises(NotSupportedError, match="head_dim=96"):
+        be.forward(q96[:3], None, None, bad, pb.batch)
+    with pytest.raises(ShapeError, match="q.dtype=torch.float32"):
+        be.forward(pb.q.float(), pb.k.float(), pb.v.float(), pb.layer, pb.batch)
+    idle = ForwardBatch.idle()
+    be.init_forward_metadata(idle)
+    assert be.forward(pb.q[:0], pb.k[:0], pb.v[:0], pb.layer, idle).shape == (0, 4, 64)
+
+
+# ---------------------------------------------------------------------------
+# (3) builders against independent expectations
+# ---------------------------------------------------------------------------
+
+
+def _expected_page_table(r2t, rows, lens, ps):
+    """Independent: walk every position, keep each page the first time it appears."""
+    indptr, indices, last = [0], [], []
+    for r, n in zip(rows, lens):
+        pages = list(dict.fromkeys(int(r2t[r, j]) // ps for j in range(n)))
+        indices += pages
+        indptr.append(indptr[-1] + len(pages))
+        last.append(n - ps * (len(pages) - 1))
+    return indptr, indices, last
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_kv_matches_independent_walk(page_size):
+    pb = H.make_problem(ForwardMode.EXTEND, [0, 5, 17, 3, 16], [4, 1, 6, 9, 16], page_size=page_size, seed=7)
+    b = pb.batch
+    p = M.paged_kv(pb.cache.req_to_token, b.req_pool_indices, b.seq_lens_cpu, page_size)
+    ei, ex, el = _expected_page_table(pb.cache.req_to_token, b.req_pool_indices.tolist(), b.seq_lens_cpu, page_size)
+    assert p.kv_indptr.tolist() == ei and p.kv_indices.tolist() == ex and p.kv_last_page_len.tolist() == el
+    assert p.kv_indptr.dtype == p.kv_indices.dtype == p.kv_last_page_len.dtype == torch.int32
+    assert all(1 <= x <= page_size for x in el)
+    M.check_page_table(pb.cache.req_to_token, b.req_pool_indices, b.seq_lens_cpu, page_size)
+    lay = M.build_layout(b, pb.cache.req_to_token, page_size)
+    assert lay.qo_indptr.tolist() == [0, 4, 5, 11, 20, 36] and lay.kind == "prefill"
+
+
+def test_paged_kv_hand_case_and_misaligned_table():
+    r2t = torch.zeros(2, 8, dtype=torch.int64)
+    r2t[1, :6] = torch.tensor([28, 29, 30, 31, 8, 9])  # pages 7 then 2, page size 4
+    p = M.paged_kv(r2t, torch.tensor([1]), [6], 4)
+    assert (p.kv_indptr.tolist(), p.kv_indices.tolist(), p.kv_last_page_len.tolist()) == ([0, 2], [7, 2], [2])
+    r2t[1, 5] = 11  # position 5 must be offset 1 of page 2 (slot 9)
+    with pytest.raises(ShapeError, match=r"req_to_token\[1, 5\]"):
+        M.check_page_table(r2t, torch.tensor([1]), [6], 4)
+    with pytest.raises(ShapeError, match="kv_lens >= 1"):
+        M.paged_kv(r2t, torch.tensor([1]), [0], 4)
+
+
+def test_verify_mask_and_ragged_index_layout():
+    tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    m = M.verify_custom_mask([2], 3, tree)
+    expect = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    assert m.reshape(3, 5).int().tolist() == expect
+    mw = M.verify_custom_mask([2], 3, tree, window=1)  # query positions 2,3,4 see j >= p-1
+    assert mw.reshape(3, 5).int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    r2t = torch.arange(20).reshape(2, 10)
+    idx = M.ragged_gather_index(r2t, torch.tensor([1, 0]), [2, 0], [1, 2], num_slots=100)
+    assert idx.tolist() == [10, 11, 100, 101, 102]
+
+
+def test_version_and_page_size_guards():
+    assert M.parse_version("0.5.0rc1+cu128") == (0, 5, 0) and M.parse_version("0.6.18") == (0, 6, 18)
+    M.check_library_version("0.5.0", "0.5.0")
+    with pytest.raises(RuntimeError, match=r"flashinfer-python >= 0.5.0, found 0.4.1"):
+        M.check_library_version("0.4.1", "0.5.0")
+    with pytest.raises(ShapeError, match="page_size=0"):
+        M.check_page_size(0)
+    assert M.window_left(LayerSpec(0, 2, 1, 64)) == -1 and M.window_left(LayerSpec(0, 2, 1, 64, sliding_window=7)) == 7
+    assert M.logits_soft_cap(LayerSpec(0, 2, 1, 64, logit_cap=30.0)) == 30.0
+
+
+# ---------------------------------------------------------------------------
+# (1)(2) registration, availability, light import
+# ---------------------------------------------------------------------------
+
+
+def _registry(*dists):
+    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
+
+
+def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
+    reg = _registry(DIST)
+    (rec,) = [p for p in reg.plugins if p.distribution == DIST]
+    assert rec.status == "loaded", rec.error
+    d = reg.get("flashinfer")
+    assert d.distribution == DIST and d.library == "flashinfer-python" and d.min_library_version == "0.5.0"
+    assert d.capabilities is attnplug_flashinfer.CAPABILITIES
+    cpu = H.host("cpu", {"torch": "2.13.0"})
+    avail = reg.availability("flashinfer", cpu)
+    assert not avail and any("flashinfer-python" in r for r in avail.reasons)
+    assert any("cuda" in r for r in avail.reasons)
+    with pytest.raises(BackendUnavailableError, match="flashinfer-python"):
+        reg.build("flashinfer", BuildContext(AttentionConfig(), cpu))
+
+
+@pytest.mark.parametrize("host_kw, available", [
+    (dict(platform="cuda", compute_capability=(9, 0), libraries=LIB), True),
+    (dict(platform="cuda", compute_capability=(8, 0), libraries=LIB), True),
+    (dict(platform="cuda", compute_capability=(10, 0), libraries=LIB), True),
+    (dict(platform="cuda", compute_capability=(7, 5), libraries=LIB), False),
+    (dict(platform="cuda", compute_capability=(9, 0), libraries={}), False),
+    (dict(platform="cuda", compute_capability=None, libraries=LIB), False),
+    (dict(platform="rocm", gfx_arch="gfx942", libraries=LIB), False),
+    (dict(platform="cpu", libraries=LIB), False),
+])
+def test_available_exactly_on_sm80_plus_with_the_library(host_kw, available):
+    from attnplug import HostInfo
+
+    reg = _registry(DIST)
+    assert bool(reg.availability("flashinfer", HostInfo(**host_kw))) is available
+
+
+def test_priority_per_host():
+    from attnplug import HostInfo
+
+    d = _registry(DIST).get("flashinfer")
+    assert d.priority_on(HostInfo(platform="cuda", compute_capability=(9, 0))) == 50
+    assert d.priority_on(HostInfo(platform="rocm")) is None and d.priority_on(HostInfo()) is None
+
+
+def test_descriptor_imports_neither_torch_nor_flashinfer():
+    mods = H.modules_after_discovery(DIST, "attnplug_flashinfer")
+    assert "attnplug_flashinfer" in mods
+    assert not {"torch", "flashinfer"} & mods
+
+
+def test_library_floor_problem_names_the_library():
+    from attnplug import HostInfo
+
+    d = _registry(DIST).get("flashinfer")
+    old = HostInfo(platform="cuda", compute_capability=(9, 0), libraries={"flashinfer-python": "0.4.1"})
+    assert "flashinfer-python >= 0.5.0, found 0.4.1" in d.library_floor_problem(old)
+    assert d.library_floor_problem(H.host("cuda", LIB, **SM90)) is None
+
+
+# ---------------------------------------------------------------------------
+# (5) resolution: no gpt-oss override from flashinfer; the diffusion-LM forcing rule
+# ---------------------------------------------------------------------------
+
+
+def test_gpt_oss_declares_no_flashinfer_override_and_default_fill_picks_it_on_cuda():
+    reg = _registry(DIST, "attnplug-torch-native")
+    res = trace(AttentionConfig(), arch="GptOssForCausalLM", host=H.host("cuda", LIB, **SM90), registry=reg)
+    assert res.ok, res.error
+    assert not [r for r in res.records if r.source == DIST and "arch" in r.pass_name]
+    assert res.pair == ("flashinfer", "flashinfer")
+    cpu = resolve(AttentionConfig(), arch="GptOssForCausalLM", host=H.host("cpu", LIB), registry=reg)
+    assert cpu.pair == ("torch_native", "torch_native")
+
+
+def test_diffusion_lm_forces_flashinfer_with_cuda_graphs():
+    reg = _registry(DIST, "attnplug-torch-native")
+    cfg = AttentionConfig(extra={"diffusion_lm": True})
+    res = resolve(cfg, arch="LLaDAModelLM", host=H.host("cuda", LIB, **SM90), registry=reg)
+    assert res.pair == ("flashinfer", "flashinfer") and res.config.cuda_graph is True
+    assert any(r.source == DIST and r.rule == "diffusion_lm_flashinfer" for r in res.records)
+    off_cuda = resolve(cfg, host=H.host("cpu", {}), registry=reg)
+    assert off_cuda.pair == ("torch_native", "torch_native")
+    # the user's backend is never overridden; the forced CUDA graphs then rule torch_native out, in words
+    pinned = trace(cfg.replace(attention_backend="torch_native"), host=H.host("cuda", LIB, **SM90), registry=reg)
+    assert pinned.pair == ("torch_native", "torch_native")
+    assert "CUDA-graph capture is not claimed" in str(pinned.error) and "flashinfer" in str(pinned.error)

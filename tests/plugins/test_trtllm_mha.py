@@ -1,0 +1,256 @@
+"""attnplug-trtllm-mha on a CPU host: descriptor, availability, page-size rule, metadata, and kernel emulators.
+
+The trtllm-gen kernels need a Blackwell GPU (SM100/SM103), so here the
+metadata is checked against expectations built independently in this file
+and by two EMULATORS of the GPU kernels written from flashinfer's documented
+contract of ``trtllm_batch_decode_with_kv_cache`` and
+``trtllm_batch_context_with_kv_cache``: a ``(k_cache, v_cache)`` pair laid out
+``HND`` (``[pages, kv_heads, page_size, dim]``) read through ``block_tables``
+up to ``seq_lens``; decode has one query per request; the context kernel
+takes ``cum_seq_lens_q``/``cum_seq_lens_kv`` and masks causally, aligned
+bottom-right; ``window_left``, ``bmm1_scale`` (the softmax scale),
+``bmm2_scale`` and ``sinks``. The real backend class runs with the emulators
+in place of flashinfer and must match ``attnplug.testing.reference``: this
+proves the metadata and the call's arguments, not the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnplug_trtllm_mha
+import _fa3_family_helpers as H
+from attnplug import AttentionConfig, BuildContext, ForwardMode
+from attnplug.errors import BackendUnavailableError, ConfigError, NotSupportedError
+from attnplug.resolution import resolve
+from attnplug_trtllm_mha import metadata as M
+from attnplug_trtllm_mha.backend import TrtllmMHABackend, load_kernels
+
+DIST = "attnplug-trtllm-mha"
+FI = {"flashinfer_python": "0.6.3"}
+
+
+# -- (4) the emulators ---------------------------------------------------------------
+def _read_hnd(kv_cache, block_tables, b, sk):
+    k_cache, v_cache = kv_cache
+    assert k_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3]
+    ps = k_cache.shape[2]  # HND: [pages, kv_heads, page_size, dim]
+    assert math.ceil(sk / ps) <= block_tables.shape[1], "block_tables too narrow"
+    j = torch.arange(sk)
+    pages = block_tables[b, j // ps].long()
+    return k_cache[pages, :, j % ps], v_cache[pages, :, j % ps]  # [sk, kv_heads, dim]
+
+
+
+def emulate_decode(*, query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0,
+                   bmm2_scale=1.0, window_left=-1, out_dtype=None, sinks=None, **unexpected):
+    """EMULATOR of ``flashinfer.decode.trtllm_batch_decode_with_kv_cache`` (GPU-only), float64: query row ``b``
+    attends to the ``seq_lens[b]`` keys of request ``b`` read through ``block_tables`` from the HND pages."""
+    assert not unexpected, f"unexpected kernel arguments {sorted(unexpected)}"
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert workspace_buffer.dtype == torch.uint8 and int(workspace_buffer.abs().sum()) == 0
+    B = seq_lens.numel()
+    assert query.shape[0] == B and block_tables.shape[0] == B and int(seq_lens.max()) <= max_seq_len
+    out = torch.zeros(B, query.shape[1], kv_cache[1].shape[-1], dtype=torch.float64)
+    for b in range(B):
+        K, V = _read_hnd(kv_cache, block_tables, b, int(seq_lens[b]))
+        out[b:b + 1] = H.attend64(query[b:b + 1], K, V, scale=bmm1_scale, causal=True, left=window_left,
+                                  sinks=sinks) * bmm2_scale
+    return out.to(out_dtype or query.dtype)
+
+
+def emulate_context(*, query, kv_cache, workspace_buffer, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale,
+                    bmm2_scale, batch_size, cum_seq_lens_q, cum_seq_lens_kv, window_left=-1, out_dtype=None,
+                    sinks=None, **unexpected):
+    """EMULATOR of ``flashinfer.prefill.trtllm_batch_context_with_kv_cache`` (GPU-only), float64: request ``b``'s
+    queries are rows ``cum_seq_lens_q[b] …``; its keys the ``seq_lens[b]`` tokens of its pages; causal bottom-right."""
+    assert not unexpected, f"unexpected kernel arguments {sorted(unexpected)}"
+    assert cum_seq_lens_q.dtype == torch.int32 and cum_seq_lens_kv.dtype == torch.int32
+    assert batch_size == seq_lens.numel() == cum_seq_lens_q.numel() - 1
+    assert cum_seq_lens_kv[1:].sub(cum_seq_lens_kv[:-1]).tolist() == seq_lens.tolist()
+    assert int(cum_seq_lens_q[-1]) == query.shape[0]
+    out = torch.zeros(query.shape[0], query.shape[1], kv_cache[1].shape[-1], dtype=torch.float64)
+    for b in range(batch_size):
+        q0, q1 = int(cum_seq_lens_q[b]), int(cum_seq_lens_q[b + 1])
+        sk = int(seq_lens[b])
+        assert q1 - q0 <= max_q_len and sk <= max_kv_len
+        K, V = _read_hnd(kv_cache, block_tables, b, sk)
+        out[q0:q1] = H.attend64(query[q0:q1], K, V, scale=bmm1_scale, causal=True, left=window_left,
+                                sinks=sinks) * bmm2_scale
+    return out.to(out_dtype or query.dtype)
+
+
+def build(p, host=None):
+    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype="float32",
+                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
+                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    return TrtllmMHABackend(ctx, kernels=(emulate_decode, emulate_context), workspace_bytes=1024)
+
+
+def run(p, save=True, backend=None):
+    backend = backend or build(p)
+    backend.init_forward_metadata(p.batch)
+    fwd = backend.forward_decode if p.batch.forward_mode is ForwardMode.DECODE else backend.forward_extend
+    return fwd(p.q, p.k, p.v, p.layer, p.batch, save_kv_cache=save)
+
+
+# -- (1) registration and availability ------------------------------------------------
+def test_registers_through_entry_point_and_is_unavailable_here():
+    reg = H.registry(DIST)
+    desc = reg.get("trtllm_mha")
+    assert desc.distribution == DIST and desc.library == "flashinfer-python" and desc.min_library_version == "0.6.0"
+    avail = reg.availability("trtllm_mha")
+    assert not avail and any("flashinfer-python" in r and "not installed" in r for r in avail.reasons)
+
+
+@pytest.mark.parametrize("host, ok", [
+    (H.cuda_host(100, **FI), True),
+    (H.cuda_host(103, **FI), True),
+    (H.cuda_host(90, **FI), False),
+    (H.cuda_host(120, **FI), False),
+    (H.cuda_host(100), False),
+    (H.cuda_host(100, flashinfer="0.6.3"), False),  # the old distribution name is not flashinfer-python
+    (H.rocm_host(**FI), False),
+    (H.cpu_host(True, **FI), False),
+])
+def test_available_exactly_on_the_right_hardware(host, ok):
+    avail = H.registry(DIST).availability("trtllm_mha", host)
+    assert bool(avail) is ok, avail.reasons
+
+
+def test_library_floor():
+    desc = H.registry(DIST).get("trtllm_mha")
+    assert "found 0.5.2" in desc.library_floor_problem(H.cuda_host(100, flashinfer_python="0.5.2"))
+
+
+def test_descriptor_imports_neither_torch_nor_flashinfer():
+    mods = H.imports_after("attnplug_trtllm_mha")
+    assert not mods & {"torch", "flashinfer"}, mods
+
+
+def test_loading_the_kernels_here_fails_in_words():
+    with pytest.raises(BackendUnavailableError, match="flashinfer"):
+        load_kernels()
+
+
+# -- (3) metadata ------------------------------------------------------------------------
+@pytest.mark.parametrize("ps", [1, 16])
+def test_metadata_layout(ps):
+    p = H.make_problem(prefix=(0, 21, 17, 5), ext=(7, 3, 1, 30), page_size=ps)
+    meta = M.build_metadata(p.batch, p.cache.req_to_token, ps)
+    assert meta.seq_lens.tolist() == p.seq and meta.seq_lens.dtype == torch.int32
+    assert meta.cum_seq_lens_q.tolist() == [0, 7, 10, 11, 41]
+    assert meta.cum_seq_lens_kv.tolist() == [0, 7, 31, 49, 84]
+    assert (meta.max_q_len, meta.max_kv_len, meta.batch_size) == (30, 35, 4)
+    width = math.ceil(35 / ps)
+    for b, (r, s) in enumerate(zip(p.rows, p.seq)):
+        want = H.pages_of(p.cache, r, s)
+        assert meta.block_tables[b].tolist() == want + [0] * (width - len(want))
+
+
+def test_hnd_view_is_a_view_of_the_slots():
+    p = H.make_problem(prefix=(0,), ext=(3,), page_size=16)
+    kb, _ = p.cache.get_kv(0)
+    view = M.hnd_view(kb, 16)
+    assert view.data_ptr() == kb.data_ptr() and tuple(view.shape) == (kb.shape[0] // 16, kb.shape[1], 16, kb.shape[2])
+    assert torch.equal(view[3, 1, 5], kb[3 * 16 + 5, 1])
+
+
+# -- (4) backend + emulators vs the float64 reference ---------------------------------------------
+@pytest.mark.parametrize("ps", [16, 32, 64])
+@pytest.mark.parametrize("features", [{}, {"window": 6}, {"sinks": True}])
+def test_extend_with_prefix(ps, features):
+    p = H.make_problem(prefix=(0, 21, 70, 5), ext=(7, 3, 1, 30), page_size=ps, **features)
+    H.assert_close(run(p), p.expected)
+
+
+@pytest.mark.parametrize("ps", [16, 64])
+def test_decode(ps):
+    p = H.make_problem(mode=ForwardMode.DECODE, prefix=(15, 16, 40, 0), ext=(1, 1, 1, 1), page_size=ps,
+                       window=5, sinks=True)
+    H.assert_close(run(p), p.expected)
+
+
+def test_chain_target_verify_and_draft_extend():
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED):
+        p = H.make_problem(mode=mode, prefix=(9, 33), ext=(3, 3), page_size=16)
+        H.assert_close(run(p), p.expected)
+
+
+def test_bfloat16_gqa():
+    p = H.make_problem(prefix=(3, 40), ext=(4, 9), page_size=32, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2)
+    H.assert_close(run(p), p.expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_kv_cache_write(save):
+    p = H.make_problem(prefix=(3, 12), ext=(4, 9), page_size=16)
+    H.assert_close(run(p, save=save), p.expected)
+    kb, vb = p.cache.get_kv(0)
+    loc = p.batch.out_cache_loc
+    if save:
+        assert torch.equal(kb[loc], p.k) and torch.equal(vb[loc], p.v)
+        kb[loc], vb[loc] = p.before[0][loc], p.before[1][loc]
+    assert torch.equal(kb, p.before[0]) and torch.equal(vb, p.before[1])
+
+
+def test_cuda_graph_buffers_feed_the_kernel():
+    p = H.make_problem(mode=ForwardMode.DECODE, prefix=(15, 40), ext=(1, 1), page_size=16)
+    b = build(p)
+    b.init_cuda_graph_state(8, 8)
+    b.init_forward_metadata_capture_cuda_graph(p.batch)
+    assert b._guard.require(p.batch).block_tables.data_ptr() == b._graph["block_tables"].data_ptr()
+    H.assert_close(b.forward_decode(p.q, p.k, p.v, p.layer, p.batch), p.expected)
+
+
+# -- (5) overrides and the page-size rule ----------------------------------------------------
+@pytest.mark.parametrize("sm, want", [(100, ("trtllm_mha", "trtllm_mha")), (103, ("trtllm_mha", "trtllm_mha"))])
+def test_gpt_oss_override_on_blackwell(sm, want):
+    host = H.cuda_host(sm, **FI)
+    res = resolve(AttentionConfig(), arch="GptOssForCausalLM", host=host, registry=H.registry(DIST, host))
+    assert res.pair == want and res.config.page_size == 64
+
+
+@pytest.mark.parametrize("host", [H.cuda_host(90, **FI), H.cpu_host(True, **FI), H.rocm_host(**FI)])
+def test_gpt_oss_override_elsewhere_does_not_pick_trtllm(host):
+    assert attnplug_trtllm_mha.gpt_oss_on_blackwell(host, AttentionConfig()) == {}
+    res = resolve(AttentionConfig(), arch="GptOssForCausalLM", host=host, registry=H.registry(DIST, host))
+    assert "trtllm_mha" not in res.pair
+
+
+def test_page_size_rule_keeps_a_supported_user_page_size_and_refuses_others():
+    host = H.cuda_host(100, **FI)
+    reg = H.registry(DIST, host)
+    res = resolve(AttentionConfig(attention_backend="trtllm_mha", page_size=32), host=host, registry=reg)
+    assert res.config.page_size == 32
+    with pytest.raises(ConfigError, match=r"page_size=8"):
+        resolve(AttentionConfig(attention_backend="trtllm_mha", page_size=8), host=host, registry=reg)
+    res = resolve(AttentionConfig(attention_backend="trtllm_mha"), host=host, registry=reg)
+    assert res.config.page_size == 64
+
+
+# -- (6) guards ------------------------------------------------------------------------------
+def test_page_size_guard_at_build():
+    p = H.make_problem(prefix=(0,), ext=(3,), page_size=1)
+    with pytest.raises(NotSupportedError, match=r"page_size=1.*16/32/64"):
+        build(p)
+
+
+def test_unclaimed_features_are_refused():
+    from attnplug import LayerSpec
+
+    p = H.make_problem(prefix=(0, 4), ext=(3, 2), page_size=16, cap=2.0)
+    b = build(p)
+    assert any("logit_cap" in r for r in b.not_supported_reasons(p.layer))
+    assert any("head_dim=96" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 96)))
+    b.init_forward_metadata(p.batch)
+    with pytest.raises(NotSupportedError, match="logit_cap"):
+        b.forward_extend(p.q, p.k, p.v, p.layer, p.batch)
+    t = H.make_problem(mode=ForwardMode.TARGET_VERIFY, prefix=(5,), ext=(2,), custom_mask=True)
+    b = build(t)
+    b.init_forward_metadata(t.batch)
+    with pytest.raises(NotSupportedError, match="custom draft mask"):
+        b.forward_extend(t.q, t.k, t.v, t.layer, t.batch)
