@@ -1,0 +1,251 @@
+"""Triton kernels of the ``triton`` backend: paged attention over ``req_to_token``.
+
+Imported only when the backend is built (``attnplug_triton.backend``). Set
+``TRITON_INTERPRET=1`` *before* the first ``import triton`` to run them in
+Triton's interpreter on CPU tensors.
+
+One kernel serves every forward mode. A program owns one request, one KV head
+and a block of that request's new tokens (``BLOCK_M``; 1 in decode), and
+processes the query heads of the KV head's group together: its tile rows are
+``(token, group head)`` pairs, so a K/V block is loaded once for the whole
+group (GQA/MQA without expanding K/V). Keys come in two runs, in position
+order:
+
+* the cached prefix, positions ``0 … P-1``, read from the paged cache through
+  ``req_to_token[request, position]`` (``P`` = ``extend_prefix_lens``, or
+  ``encoder_lens`` for cross-attention);
+* the new tokens, positions ``P …``, read from this forward's ``k``/``v``
+  arguments (so the result does not depend on whether, or in which dtype,
+  they were written to the cache), under the causal mask, the target-verify
+  custom mask and the sliding window.
+
+Scores are ``scale * q·k`` accumulated in float32 (``tl.dot`` in the input
+dtype for fp16/bf16, IEEE fp32 for fp32), optionally soft-capped, and reduced
+with an online softmax.
+
+Split-KV (decode): the key positions of a request are cut into splits of a
+fixed ``split_len``; the program of split ``s`` covers positions
+``[s * split_len, (s + 1) * split_len)`` and stores an unnormalised partial
+(accumulator, running max, running sum), empty for a split past the request's
+keys, and ``_combine_kernel`` merges them, adding the sink to the denominator.
+Decode always takes this path, even with one split, so a request's arithmetic
+does not depend on how many splits the longest request of its batch needs.
+Extend programs (``STORE_PARTIALS=False``) normalise and store directly.
+Because the split length and block sizes are fixed per backend and layer
+shape (never derived from the batch), a request's output is bit-identical
+alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp, accurate in float32 for every x (no libdevice, works in the interpreter)
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _attend_block(
+    q, k, v, acc, m_i, l_i, visible, scale, cap,
+    HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """One key block: online-softmax update of ``acc``/``m_i``/``l_i``."""
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if HAS_CAP:
+        s = cap * _tanh(s / cap)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_kernel(
+    Q, K_new, V_new, K_cache, V_cache, Req_to_token, Out, Part_acc, Part_m, Part_l, Sinks, Mask,
+    Req, Q_start, Prefix_len, Ext_len,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
+    stride_mask_b, stride_mask_a,
+    scale, cap, window, split_len, num_splits,
+    D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STORE_PARTIALS: tl.constexpr, IS_CROSS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    mblock = pid2 // num_splits  # a runtime value: no recompilation as sequences grow
+    split = pid2 % num_splits
+
+    req = tl.load(Req + i)
+    q_start = tl.load(Q_start + i)
+    P = tl.load(Prefix_len + i)  # keys read from the cache (cached prefix, or the encoder tokens)
+    E = tl.load(Ext_len + i)  # new tokens (queries) of this request
+    a0 = mblock * BLOCK_M
+
+    rows = tl.arange(0, BLOCK_R)
+    tok = a0 + rows // G  # the row's token, counted from the request's first new token
+    head = kvh * G + rows % G
+    row_ok = (rows < BLOCK_M * G) & (tok < E)
+    qpos = P + tok  # the row's position
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(
+        Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    if FP32_DOT:  # fp32 models; and bf16 in the interpreter, whose tl.dot cannot multiply bf16
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+
+    # keys this program may see: [lo, hi) by position, cut to its split
+    a_last = tl.minimum(a0 + BLOCK_M, E)  # one past the block's last token
+    if IS_CROSS:
+        lo = 0
+        hi = P
+    else:
+        hi = P + a_last
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(P + a0 - window, 0)
+    s_lo = split * split_len
+    s_hi = s_lo + split_len
+    lo = tl.maximum(lo, s_lo)
+    hi = tl.minimum(hi, s_hi)
+    hi = tl.where(a0 < E, hi, lo)  # a block past the request's tokens sees nothing (still stores its partial)
+
+    # 1) the cached run: positions [lo, min(hi, P)) through req_to_token
+    c_hi = tl.minimum(hi, P)
+    for n0 in range(lo, c_hi, BLOCK_N):
+        kpos = n0 + offs_n
+        k_ok = kpos < c_hi
+        slot = tl.load(Req_to_token + req * stride_r2t + kpos, mask=k_ok, other=0)
+        k = tl.load(
+            K_cache + slot[:, None] * stride_kcs + kvh * stride_kch + offs_d[None, :],
+            mask=k_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        ).to(q.dtype)
+        v = tl.load(
+            V_cache + slot[:, None] * stride_vcs + kvh * stride_vch + offs_dv[None, :],
+            mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        ).to(q.dtype)
+        visible = row_ok[:, None] & k_ok[None, :]
+        if not IS_CROSS:
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] >= qpos[:, None] - window)
+        acc, m_i, l_i = _attend_block(q, k, v, acc, m_i, l_i, visible, scale, cap, HAS_CAP, FP32_DOT)
+
+    # 2) the new run: positions [max(lo, P), hi) from this forward's k/v, causal
+    if not IS_CROSS:
+        n_lo = tl.maximum(lo, P)
+        for n0 in range(n_lo, hi, BLOCK_N):
+            kpos = n0 + offs_n
+            k_ok = kpos < hi
+            t = q_start + (kpos - P)
+            k = tl.load(
+                K_new + t[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
+                mask=k_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+            ).to(q.dtype)
+            v = tl.load(
+                V_new + t[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+            ).to(q.dtype)
+            visible = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] >= qpos[:, None] - window)
+            if HAS_MASK:
+                bits = tl.load(
+                    Mask + i * stride_mask_b + tok[:, None] * stride_mask_a + (kpos - P)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0,
+                )
+                visible = visible & (bits != 0)
+            acc, m_i, l_i = _attend_block(q, k, v, acc, m_i, l_i, visible, scale, cap, HAS_CAP, FP32_DOT)
+
+    if not STORE_PARTIALS:
+        if HAS_SINKS:
+            sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_f = tl.maximum(m_i, sink)
+            w = tl.exp(m_i - m_f)
+            l_i = l_i * w + tl.exp(sink - m_f)
+            acc = acc * w[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+            out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
+    else:
+        t_row = q_start + tok
+        tl.store(
+            Part_acc + split * stride_ps + t_row[:, None] * stride_pt + head[:, None] * stride_ph
+            + offs_dv[None, :],
+            acc, mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
+        tl.store(Part_m + split * stride_ms + t_row * stride_mt + head, m_i, mask=row_ok)
+        tl.store(Part_l + split * stride_ms + t_row * stride_mt + head, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    Part_acc, Part_m, Part_l, Sinks, Out,
+    stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh, num_splits,
+    H: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Merge the split partials of one token (all heads): out = sum(w acc) / (sum(w l) + sink term)."""
+    t = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h_ok = offs_h < H
+    tile_ok = h_ok[:, None] & (offs_dv[None, :] < DV)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(Part_m + s * stride_ms + t * stride_mt + offs_h, mask=h_ok,
+                                  other=float("-inf")))
+    if HAS_SINKS:
+        sink = tl.load(Sinks + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    num = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(num_splits):
+        ms = tl.load(Part_m + s * stride_ms + t * stride_mt + offs_h, mask=h_ok, other=float("-inf"))
+        ls = tl.load(Part_l + s * stride_ms + t * stride_mt + offs_h, mask=h_ok, other=0.0)
+        a = tl.load(Part_acc + s * stride_ps + t * stride_pt + offs_h[:, None] * stride_ph + offs_dv[None, :],
+                    mask=tile_ok, other=0.0)
+        w = tl.exp(ms - m_safe)
+        num = num + w[:, None] * a
+        den = den + w * ls
+    if HAS_SINKS:
+        den = den + tl.exp(sink - m_safe)
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=tile_ok)
+
+
+#: Whether these kernels run in Triton's interpreter. Triton decides when ``@triton.jit`` runs,
+#: i.e. when this module is first imported, from ``TRITON_INTERPRET`` at that moment.
+INTERPRETED: bool = type(_attn_kernel).__name__ == "InterpretedFunction"
