@@ -23,7 +23,7 @@ PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
 
 #: Distributions whose versions every ``HostInfo`` records (plugins may ask for more).
 KNOWN_KERNEL_LIBRARIES: tuple[str, ...] = (
-    "torch", "triton", "flash-attn", "flash-attn-3", "flashinfer-python", "flashinfer", "aiter",
+    "torch", "triton", "pytorch-triton", "pytorch-triton-rocm", "flash-attn", "flash-attn-3", "flashinfer-python", "flashinfer", "aiter",
     "sgl-kernel", "intel-extension-for-pytorch", "numpy",
 )
 

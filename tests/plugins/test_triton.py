@@ -144,6 +144,9 @@ def test_registers_through_its_entry_point():
                  "set TRITON_INTERPRET=1 to run them in Triton's interpreter on CPU"]),
     (XPU, "1", []),
     (A100_NO_TRITON, None, ["kernel library 'triton' is not installed (pip install triton)"]),
+    # ROCm and nightly torch wheels bring the triton module as differently named distributions
+    (HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"pytorch-triton-rocm": "3.4.0"}), None, []),
+    (HostInfo(platform="cuda", compute_capability=(9, 0), libraries={"pytorch-triton": "3.5.0"}), None, []),
     (CPU_NO_TRITON, "1", ["kernel library 'triton' is not installed (pip install triton)"]),
 ], ids=lambda x: getattr(x, "platform", x))
 def test_availability_rules(monkeypatch, host, env, reasons):

@@ -58,7 +58,16 @@ CAPABILITIES = Capabilities(
     devices=("cpu", "cuda", "rocm"),
 )
 
-_triton_missing = library_missing(LIBRARY, "pip install triton")
+#: Distributions that provide the ``triton`` module: PyPI's, and the builds that ROCm and
+#: nightly torch wheels depend on under other names.
+TRITON_DISTRIBUTIONS = (LIBRARY, "pytorch-triton", "pytorch-triton-rocm")
+_library_missing = library_missing(LIBRARY, "pip install triton")
+
+
+def _triton_missing(host: Any) -> list[str]:
+    if any(host.library_version(d) is not None for d in TRITON_DISTRIBUTIONS):
+        return []
+    return _library_missing(host)
 
 
 def interpreter_enabled(environ: Any = None) -> bool:
