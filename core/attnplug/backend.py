@@ -9,10 +9,11 @@ wrappers can forward every one of them without ``hasattr``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, ClassVar
 
 from .capabilities import Capabilities, support_reasons
-from .errors import MetadataNotInitializedError
+from .errors import MetadataNotInitializedError, NotSupportedError
 from .modes import ForwardMode
 
 #: Methods every backend must implement.
@@ -58,6 +59,32 @@ class AttentionBackend:
     def children(self) -> tuple["AttentionBackend", ...]:
         """Backends this one contains (containers and wrappers override)."""
         return ()
+
+    def layer_reasons(self, layer: Any) -> list[str]:
+        """Why ``layer`` cannot run here whatever the forward (``require_supported`` memoises it).
+        Default: ``not_supported_reasons(layer)``; a backend may narrow it to its own checks."""
+        return self.not_supported_reasons(layer)
+
+    def require_supported(self, layer: Any) -> None:
+        """Raise ``NotSupportedError`` when ``layer`` cannot run here.
+
+        For backends that check layers inside ``forward``: the verdict is computed
+        once per layer object (a ``LayerSpec`` is frozen) and memoised, so each
+        later forward of that layer pays one dictionary lookup.
+        """
+        verdicts = self.__dict__.get("_layer_verdicts")
+        if verdicts is None:
+            verdicts = self.__dict__["_layer_verdicts"] = weakref.WeakKeyDictionary()
+        try:
+            reasons = verdicts.get(layer)
+        except TypeError:  # a layer object that cannot be weakly referenced: check every time
+            reasons = tuple(self.layer_reasons(layer))
+        else:
+            if reasons is None:
+                reasons = verdicts[layer] = tuple(self.layer_reasons(layer))
+        if reasons:
+            name = self.prefill_attention_backend_str or type(self).__name__
+            raise NotSupportedError(name, reasons)
 
     # -- required ------------------------------------------------------
     def init_forward_metadata(self, batch: Any) -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .capabilities import Capabilities
 from .host import HostInfo
 
 #: ``probe(host) -> reasons``; an empty list means available.
 Probe = Callable[[HostInfo], "list[str]"]
-Priority = "Mapping[str, int] | Callable[[HostInfo], int | None]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +97,7 @@ class BackendDescriptor:
         have = host.library_version(self.library)
         if have is None:
             return None  # absence is an availability matter, reported by the probe
-        if _version_tuple(have) < _version_tuple(self.min_library_version):
+        if version_tuple(have) < version_tuple(self.min_library_version):
             return (
                 f"backend {self.name!r} ({self.distribution}) needs {self.library} >= "
                 f"{self.min_library_version}, found {have}"
@@ -156,16 +155,19 @@ def library_missing(distribution: str, install_hint: str = "") -> Probe:
     return probe
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numeric release segments: ``"0.5.0rc1+cu128"`` -> ``(0, 5, 0)``,
+    ``"0.1.10.post1"`` -> ``(0, 1, 10)``. Enough to compare against a floor."""
     out: list[int] = []
-    for part in v.split("+", 1)[0].split("."):
+    for part in text.split("+", 1)[0].split("."):
         digits = ""
         for ch in part:
-            if ch.isdigit():
-                digits += ch
-            else:
+            if not ch.isdigit():
                 break
-        out.append(int(digits) if digits else 0)
-        if not part.isdigit():
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
             break
     return tuple(out)

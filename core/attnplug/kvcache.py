@@ -12,7 +12,8 @@ offset in its page is ``i % page_size``.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 
@@ -77,6 +78,33 @@ class PagedKVCache:
             )
         kb[loc] = k.to(kb.dtype)
         vb[loc] = v.to(vb.dtype)
+
+    @contextlib.contextmanager
+    def staged(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        *,
+        keep: bool = True,
+    ) -> Iterator[None]:
+        """Write ``k``/``v`` at ``loc`` (when given) for the duration of the block.
+
+        With ``keep=False`` the rows at ``loc`` are restored afterwards, so the
+        cache is unchanged on return: how a ``save_kv_cache=False`` forward runs
+        a kernel that reads the new K/V only from the cache (or writes them itself).
+        """
+        kb, vb = self.get_kv(layer_id)
+        old = None if keep else (kb[loc].clone(), vb[loc].clone())
+        if k is not None:
+            self.set_kv(layer_id, loc, k, v)
+        try:
+            yield
+        finally:
+            if old is not None:
+                kb[loc] = old[0]
+                vb[loc] = old[1]
 
     # -- slot assignment helpers (engines have their own; tests, doctor and benchmarks use these) --
     def assign_pages(

@@ -82,3 +82,18 @@ def test_paged_cache_assigns_scattered_pages_and_writes_slots():
         cache.set_kv(0, torch.tensor([0]), torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))
     with pytest.raises(RuntimeError, match="out of KV-cache pages"):
         PageAllocator(2).alloc(3)
+
+
+def test_staged_write_keeps_or_restores_the_rows():
+    cache = PagedKVCache(1, num_pages=4, num_kv_heads=1, head_dim=2, page_size=2)
+    loc = torch.tensor([1, 3])
+    k = torch.ones(2, 1, 2)
+    with cache.staged(0, loc, k, 2 * k, keep=False):
+        assert torch.equal(cache.get_kv(0)[0][loc], k)  # visible to the kernel inside the block
+    assert cache.get_kv(0)[0].abs().sum() == 0 and cache.get_kv(0)[1].abs().sum() == 0
+    with cache.staged(0, loc, keep=False):  # a kernel that writes the rows itself
+        cache.get_kv(0)[0][loc] = 5.0
+    assert cache.get_kv(0)[0].abs().sum() == 0
+    with cache.staged(0, loc, k, 2 * k):
+        pass
+    assert torch.equal(cache.get_kv(0)[1][loc], 2 * k)

@@ -15,6 +15,7 @@ from attnplug import (
     LayerSpec,
     MetadataGuard,
     MetadataNotInitializedError,
+    NotSupportedError,
 )
 from attnplug.backend import PROTOCOL_METHODS, REQUIRED_METHODS
 
@@ -150,3 +151,30 @@ def test_metadata_guard_rejects_forward_before_init():
     assert g.require(b1) == {"m": 1}
     with pytest.raises(MetadataNotInitializedError):
         g.require(b2)
+
+
+def test_require_supported_memoises_the_verdict_per_layer_object():
+    class Picky(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.checks = 0
+
+        def layer_reasons(self, layer):
+            self.checks += 1
+            return ["sinks are not claimed"] if layer.sinks is not None else []
+
+    b = Picky()
+    for _ in range(3):
+        b.require_supported(LAYER)  # every forward of this layer
+    assert b.checks == 1
+    sinky = LayerSpec(layer_id=1, num_heads=4, num_kv_heads=2, head_dim=8, sinks=torch.zeros(4))
+    for _ in range(2):
+        with pytest.raises(NotSupportedError, match="Picky.*sinks are not claimed"):
+            b.require_supported(sinky)
+    assert b.checks == 2
+
+
+def test_require_supported_defaults_to_the_declared_capabilities():
+    window = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4)
+    with pytest.raises(NotSupportedError, match="sliding_window=4 is not claimed"):
+        Recorder().require_supported(window)

@@ -31,7 +31,7 @@ import torch
 
 from attnplug.backend import AttentionBackend, MetadataGuard
 from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, NotSupportedError
+from attnplug.errors import AttnplugError
 from attnplug.modes import ForwardMode
 
 from . import CAPABILITIES, MIN_LIBRARY_VERSION, NAME
@@ -74,6 +74,9 @@ class AiterBackend(AttentionBackend):
         self._graph: dict[Any, dict[str, torch.Tensor]] | None = None
         self._graph_bs: set[int] = set()
 
+    def layer_reasons(self, layer: Any) -> list[str]:
+        return md.layer_problems(layer)
+
     def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
         reasons = super().not_supported_reasons(layer, ctx)
         return reasons + [r for r in md.layer_problems(layer) if r not in reasons]
@@ -94,9 +97,7 @@ class AiterBackend(AttentionBackend):
     # -- forward -------------------------------------------------------
     def _run(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
         lay: md.ForwardLayout = self._guard.require(batch)
-        problems = md.layer_problems(layer)
-        if problems:
-            raise NotSupportedError(NAME, problems)
+        self.require_supported(layer)  # md.layer_problems, memoised per layer
         md.check_dtype(q.dtype)
         check_qkv(q, k, v, layer, batch.num_tokens)
         kc, vc = self.kv_cache.get_kv(layer.layer_id)

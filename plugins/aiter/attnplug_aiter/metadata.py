@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from attnplug.descriptor import version_tuple as parse_version
 from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 
@@ -250,23 +251,6 @@ def check_dtype(dtype: torch.dtype, field: str = "q.dtype") -> None:
 def check_gfx(gfx_arch: str | None) -> None:
     if gfx_arch not in SUPPORTED_GFX:
         raise RuntimeError(f"aiter: gfx_arch={gfx_arch!r}; aiter's kernels are built for {', '.join(SUPPORTED_GFX)}")
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.1.10.post1+rocm7.0"`` -> ``(0, 1, 10)``: the leading numeric release segments."""
-    out: list[int] = []
-    for part in text.split("+", 1)[0].split("."):
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        out.append(int(digits))
-        if digits != part:
-            break
-    return tuple(out)
 
 
 def check_library_version(version: str, floor: str, library: str = "aiter") -> None:

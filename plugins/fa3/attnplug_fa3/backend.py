@@ -15,8 +15,7 @@ cache is unchanged on return.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -51,21 +50,6 @@ def load_kernel() -> tuple[str, Kernel]:
 def create(ctx: Any) -> tuple[str, "FA3Backend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, FA3Backend(ctx)
-
-
-@contextlib.contextmanager
-def kv_written(cache: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               keep: bool) -> Iterator[None]:
-    """The new K/V at ``loc`` for the duration of the block; with ``keep=False`` the old rows come back after."""
-    kb, vb = cache.get_kv(layer_id)
-    old = None if keep else (kb[loc].clone(), vb[loc].clone())
-    cache.set_kv(layer_id, loc, k, v)
-    try:
-        yield
-    finally:
-        if old is not None:
-            kb[loc] = old[0]
-            vb[loc] = old[1]
 
 
 class FA3Backend(AttentionBackend):
@@ -178,7 +162,7 @@ class FA3Backend(AttentionBackend):
         if meta.num_tokens == 0:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
         cache = self._cache()
-        with kv_written(cache, layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
+        with cache.staged(layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
             return self._attend(q, layer, meta)
 
     def _attend(self, q: torch.Tensor, layer: Any, meta: FA3Metadata) -> torch.Tensor:

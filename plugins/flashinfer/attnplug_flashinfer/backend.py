@@ -31,7 +31,7 @@ import torch
 
 from attnplug.backend import AttentionBackend, MetadataGuard
 from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, NotSupportedError
+from attnplug.errors import AttnplugError
 from attnplug.modes import ForwardMode
 
 from . import CAPABILITIES, MIN_LIBRARY_VERSION, NAME
@@ -83,6 +83,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_mode: tuple[int, str] | None = None
 
     # -- description ---------------------------------------------------
+    def layer_reasons(self, layer: Any) -> list[str]:
+        return md.layer_problems(layer)
+
     def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
         reasons = super().not_supported_reasons(layer, ctx)
         return reasons + [r for r in md.layer_problems(layer) if r not in reasons]
@@ -168,9 +171,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _run(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
         plans: _Plans = self._guard.require(batch)
-        problems = md.layer_problems(layer)
-        if problems:
-            raise NotSupportedError(NAME, problems)
+        self.require_supported(layer)  # md.layer_problems, memoised per layer
         md.check_dtype(q.dtype)
         check_qkv(q, k, v, layer, batch.num_tokens)
         lay = plans.layout

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from attnplug.descriptor import version_tuple as parse_version
 from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 
@@ -281,23 +282,6 @@ def layer_problems(layer: Any) -> list[str]:
 def check_dtype(dtype: torch.dtype, field: str = "q.dtype") -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise ShapeError(f"flashinfer: {field}={dtype} (supported: float16, bfloat16)")
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.5.0rc1+cu128"`` -> ``(0, 5, 0)``: the leading numeric release segments."""
-    out: list[int] = []
-    for part in text.split("+", 1)[0].split("."):
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        out.append(int(digits))
-        if digits != part:
-            break
-    return tuple(out)
 
 
 def check_library_version(version: str, floor: str, library: str = "flashinfer-python") -> None:

@@ -15,15 +15,14 @@ the call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from attnplug.backend import AttentionBackend, MetadataGuard
 from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
+from attnplug.errors import AttnplugError, BackendUnavailableError, ShapeError
 
 from . import CAPABILITIES, LIBRARY, NAME
 from .metadata import AmxMetadata, build_metadata, window_arg
@@ -67,19 +66,6 @@ def load_ops() -> Ops:
 def create(ctx: Any) -> tuple[str, "IntelAmxBackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, IntelAmxBackend(ctx)
-
-
-@contextlib.contextmanager
-def rows_restored(cache: Any, layer_id: int, loc: torch.Tensor, restore: bool) -> Iterator[None]:
-    """With ``restore``, the cache rows at ``loc`` come back after the block (the decode op writes them)."""
-    kb, vb = cache.get_kv(layer_id)
-    old = (kb[loc].clone(), vb[loc].clone()) if restore else None
-    try:
-        yield
-    finally:
-        if old is not None:
-            kb[loc] = old[0]
-            vb[loc] = old[1]
 
 
 class IntelAmxBackend(AttentionBackend):
@@ -133,9 +119,7 @@ class IntelAmxBackend(AttentionBackend):
         if k is None:
             raise ShapeError(f"{NAME}: k and v are None for layer {layer.layer_id}; "
                              f"cross-attention is not supported, self-attention needs the new K/V")
-        reasons = [r for r in self.not_supported_reasons(layer)]
-        if reasons:
-            raise NotSupportedError(NAME, reasons)
+        self.require_supported(layer)  # memoised per layer: not re-derived every forward
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
         if meta.num_tokens == 0:
             return out
@@ -149,7 +133,7 @@ class IntelAmxBackend(AttentionBackend):
             tail = (False, window_arg(layer.sliding_window), None, sinks)
         scale, cap = float(layer.scaling), float(layer.logit_cap or 0.0)
         if meta.decode:
-            with rows_restored(cache, layer.layer_id, batch.out_cache_loc, restore=not save_kv_cache):
+            with cache.staged(layer.layer_id, batch.out_cache_loc, keep=save_kv_cache):  # the op writes them
                 self.ops.decode(q.contiguous(), kb, vb, out, k.to(kb.dtype), v.to(vb.dtype), batch.out_cache_loc,
                                 meta.attn_logits(layer.num_heads, layer.v_head_dim), r2t, meta.req_pool_indices,
                                 meta.seq_lens, scale, cap, *tail)

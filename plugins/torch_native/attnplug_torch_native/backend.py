@@ -440,10 +440,10 @@ class TorchNativeBackend(AttentionBackend):
         index = keys.block_index(per_block)
         for b0 in range(0, B, per_block):
             b1 = min(B, b0 + per_block)
-            c, r0, r1 = b1 - b0, b0 * Hkv, b1 * Hkv
+            r0, r1 = b0 * Hkv, b1 * Hkv
             n = r1 - r0
             idx = index[b0 * L:b1 * L]
-            # [L, c, Hkv, D] workspace; row (request, kv_head) is an [L, D] matrix at stride D
+            # [L, requests in block, Hkv, D] workspace; row (request, kv_head) is an [L, D] matrix at stride D
             K = self._gather("dec.k", ktok, idx).as_strided((n, L, D), (D, n * D, 1))
             S = self.workspace.get("dec.s", (n, G, L), _F32)
             torch.baddbmm(S, qs[r0:r1], K.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # scaled scores
@@ -486,7 +486,7 @@ class TorchNativeBackend(AttentionBackend):
 
     # -- extend: keys assembled once per layer, bounded loop over requests --
     def _extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ExtendMetadata) -> torch.Tensor:
-        H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
+        H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
         T = meta.num_tokens
         out = q.new_empty((T, H, Dv))

@@ -13,8 +13,7 @@ default, as SGLang uses) is shared by every layer.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -43,21 +42,6 @@ def load_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
 def create(ctx: Any) -> tuple[str, "TrtllmMHABackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, TrtllmMHABackend(ctx)
-
-
-@contextlib.contextmanager
-def kv_written(cache: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               keep: bool) -> Iterator[None]:
-    """The new K/V at ``loc`` for the duration of the block; with ``keep=False`` the old rows come back after."""
-    kb, vb = cache.get_kv(layer_id)
-    old = None if keep else (kb[loc].clone(), vb[loc].clone())
-    cache.set_kv(layer_id, loc, k, v)
-    try:
-        yield
-    finally:
-        if old is not None:
-            kb[loc] = old[0]
-            vb[loc] = old[1]
 
 
 class TrtllmMHABackend(AttentionBackend):
@@ -157,7 +141,7 @@ class TrtllmMHABackend(AttentionBackend):
             raise NotSupportedError(NAME, ["target-verify with a custom draft mask is not claimed"])
         if meta.num_tokens == 0:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        with kv_written(self._cache(), layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
+        with self._cache().staged(layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
             return self._attend(q, layer, meta)
 
     def _attend(self, q: torch.Tensor, layer: Any, meta: TrtllmMetadata) -> torch.Tensor:
