@@ -43,6 +43,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = dataclasses.field(default_factory=list)
     extend_seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
+    req_pool_indices_cpu: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -77,6 +78,12 @@ class ForwardBatch:
         **kw: Any,
     ) -> "ForwardBatch":
         prefix, ext = _i64(prefix_lens), _i64(extend_lens)
+        for field, t in (("extend_prefix_lens", prefix), ("extend_seq_lens", ext)):
+            if t.dim() != 1:
+                raise ShapeError(f"ForwardBatch.{field} has shape {tuple(t.shape)}, expected (batch,)")
+            bad = [(i, x) for i, x in enumerate(t.tolist()) if x < 0]
+            if bad:
+                raise ShapeError(f"ForwardBatch.{field}[{bad[0][0]}]={bad[0][1]} (expected >= 0)")
         positions = kw.pop("positions", None)
         if positions is None:
             positions = torch.cat(
@@ -97,6 +104,13 @@ class ForwardBatch:
         b = self.batch_size
         _expect_1d("req_pool_indices", self.req_pool_indices, b)
         _expect_1d("seq_lens", self.seq_lens, b)
+        for field in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens", "extend_seq_lens",
+                      "positions", "encoder_lens"):
+            _expect_int(field, getattr(self, field))
+        rows = self.req_pool_indices.tolist()
+        for i, r in enumerate(rows):
+            if r < 0:
+                raise ShapeError(f"ForwardBatch.req_pool_indices[{i}]={r} (expected a row index >= 0)")
         seq = self.seq_lens.tolist()
         if mode.is_decode():
             prefix = [s - 1 for s in seq]
@@ -122,8 +136,15 @@ class ForwardBatch:
         _expect_1d("out_cache_loc", self.out_cache_loc, total)
         if self.positions is not None:
             _expect_1d("positions", self.positions, total)
+        if self.num_tokens and int(self.out_cache_loc.min()) < 0:
+            t = int((self.out_cache_loc < 0).nonzero()[0, 0])
+            raise ShapeError(f"ForwardBatch.out_cache_loc[{t}]={int(self.out_cache_loc[t])} (expected a slot >= 0)")
         if self.encoder_lens is not None:
             _expect_1d("encoder_lens", self.encoder_lens, b)
+            enc = self.encoder_lens.tolist()
+            for i, e in enumerate(enc):
+                if e < 0:
+                    raise ShapeError(f"ForwardBatch.encoder_lens[{i}]={e} (expected >= 0)")
         if mode.is_target_verify():
             d = self.spec_num_draft_tokens
             if d is None or any(e != d for e in ext):
@@ -135,6 +156,7 @@ class ForwardBatch:
                     f"spec_custom_mask has shape {tuple(self.spec_custom_mask.shape)}, expected ({b}, {d}, {d})"
                 )
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
+        self.req_pool_indices_cpu = rows
         return self
 
 
@@ -166,5 +188,14 @@ def _expect_1d(name: str, t: Any, n: int) -> None:
         raise ShapeError(f"ForwardBatch.{name} has shape {shape}, expected ({n},)")
 
 
+def _expect_int(name: str, t: Any) -> None:
+    dt = getattr(t, "dtype", None)
+    if dt is not None and (dt.is_floating_point or dt.is_complex or dt == torch.bool):
+        raise ShapeError(f"ForwardBatch.{name} has dtype {dt}, expected an integer tensor")
+
+
 def _i64(x: Any) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.int64)
+    t = torch.as_tensor(x)
+    if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise ShapeError(f"index/length values must be integers, got dtype {t.dtype}")
+    return t.to(torch.int64)

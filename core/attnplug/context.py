@@ -36,8 +36,26 @@ class BuildContext:
     max_context_len: int = 4096
     is_draft: bool = False
     layers: tuple[LayerSpec, ...] = ()
+    #: largest single workspace (bytes) a backend may allocate for one call; larger work is
+    #: chunked or refused with ``ResourceLimitError`` naming this field
+    max_workspace_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "page_size", "max_batch_size",
+                     "max_context_len", "max_workspace_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BuildContext.{name}={value!r} (expected a positive integer)")
+        if self.v_head_dim is not None and (
+            isinstance(self.v_head_dim, bool) or not isinstance(self.v_head_dim, int) or self.v_head_dim < 1
+        ):
+            raise ValueError(f"BuildContext.v_head_dim={self.v_head_dim!r} (expected a positive integer or None)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"BuildContext.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not isinstance(self.is_draft, bool):
+            raise ValueError(f"BuildContext.is_draft={self.is_draft!r} (expected True or False)")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "kv_cache_dtype", dtype_name(self.kv_cache_dtype or self.dtype))
         if self.v_head_dim is None:

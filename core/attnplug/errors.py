@@ -76,3 +76,7 @@ class MetadataNotInitializedError(AttnplugError, RuntimeError):
 
 class NoForwardContextError(AttnplugError, RuntimeError):
     """Model code asked for the current backend outside any forward (or outside this runner's)."""
+
+
+class ResourceLimitError(AttnplugError, MemoryError):
+    """Work would exceed a documented size limit; names the limit and the setting that raises it."""

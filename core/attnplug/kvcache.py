@@ -7,18 +7,32 @@ Per layer, one K and one V buffer indexed by *slot*: ``k[layer]`` is
 ``p*page_size … p*page_size + page_size - 1``. ``req_to_token[r, i]`` is the
 slot of request ``r``'s token at position ``i``; within a request, positions
 ``i`` and ``i+1`` in the same page occupy consecutive slots, so a position's
-offset in its page is ``i % page_size``.
+offset in its page is ``i % page_size``. A position no page was assigned to holds
+``UNASSIGNED`` (-1), so reading it is an error rather than a silent read of slot 0.
+
+Bounds: every slot index written or read goes through a check — per call in
+``set_kv``/``staged`` (host code), once per forward in ``check_batch`` (backends,
+which then write with ``checked=False``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from .dtypes import dtype_name, torch_dtype
 from .errors import ShapeError
+
+#: ``req_to_token`` value of a position that has no slot yet
+UNASSIGNED = -1
+
+
+def _positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name}={value!r} (expected a positive integer)")
+    return value
 
 
 class PagedKVCache:
@@ -36,11 +50,14 @@ class PagedKVCache:
         max_requests: int = 64,
         max_context_len: int = 4096,
     ) -> None:
-        if page_size < 1 or num_pages < 1 or num_layers < 1:
-            raise ValueError(
-                f"PagedKVCache needs num_layers, num_pages and page_size >= 1 "
-                f"(got {num_layers}, {num_pages}, {page_size})"
-            )
+        for field, value in (
+            ("num_layers", num_layers), ("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim), ("page_size", page_size), ("max_requests", max_requests),
+            ("max_context_len", max_context_len),
+        ):
+            _positive_int("PagedKVCache", field, value)
+        if v_head_dim is not None:
+            _positive_int("PagedKVCache", "v_head_dim", v_head_dim)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -59,23 +76,148 @@ class PagedKVCache:
             torch.zeros(self.num_slots, num_kv_heads, self.v_head_dim, dtype=self.dtype, device=self.device)
             for _ in range(num_layers)
         ]
-        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int64, device=self.device)
+        #: ``[max_requests, max_context_len]`` int64: slot of (request row, position); ``UNASSIGNED`` where none
+        self.req_to_token = torch.full(
+            (max_requests, max_context_len), UNASSIGNED, dtype=torch.int64, device=self.device
+        )
 
     @property
     def max_context_len(self) -> int:
+        """Positions per request row of ``req_to_token``."""
         return self.req_to_token.shape[1]
 
+    @property
+    def max_requests(self) -> int:
+        """Request rows of ``req_to_token``."""
+        return self.req_to_token.shape[0]
+
+    # -- checks ------------------------------------------------------------------
+    def check_layer_id(self, layer_id: int) -> None:
+        """``layer_id`` is an integer in ``[0, num_layers)`` (negative ids never wrap)."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+            raise ShapeError(
+                f"layer_id={layer_id!r} is out of range for this KV cache (expected 0 <= layer_id < "
+                f"num_layers={self.num_layers})"
+            )
+
+    def check_layer_rows(self, layer: object) -> None:
+        """The cache rows of ``layer`` match its KV heads and head dims."""
+        want_k = (layer.num_kv_heads, layer.head_dim)  # type: ignore[attr-defined]
+        want_v = (layer.num_kv_heads, layer.v_head_dim)  # type: ignore[attr-defined]
+        if (self.num_kv_heads, self.head_dim) != want_k or (self.num_kv_heads, self.v_head_dim) != want_v:
+            raise ShapeError(
+                f"kv_cache rows for layer {layer.layer_id} are k {(self.num_kv_heads, self.head_dim)} / "  # type: ignore[attr-defined]
+                f"v {(self.num_kv_heads, self.v_head_dim)}, expected {want_k} / {want_v} "
+                f"(num_kv_heads, head_dim / v_head_dim)"
+            )
+
+    def check_slots(self, loc: torch.Tensor, field: str = "out_cache_loc") -> None:
+        """Every slot in ``loc`` is in ``[0, num_slots)``; the error names ``field``, the value and the bound."""
+        if loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+            raise ShapeError(f"{field} has dtype {loc.dtype}, expected an integer tensor of slot indices")
+        if loc.numel() == 0:
+            return
+        lo, hi = int(loc.min()), int(loc.max())
+        if lo < 0 or hi >= self.num_slots:
+            bad = lo if lo < 0 else hi
+            where = int((loc == bad).nonzero()[0, 0])
+            raise ShapeError(
+                f"{field}[{where}]={bad} is out of range (expected 0 <= slot < num_slots={self.num_slots})"
+            )
+
+    def check_batch(self, batch: object, *, new_tokens_mapped: bool = False) -> None:
+        """Every index ``batch`` will use is in bounds for this cache (one pass; call once per forward).
+
+        Checks ``req_pool_indices`` against the rows, ``out_cache_loc`` against the slots,
+        ``seq_lens``/``encoder_lens`` against ``max_context_len``, and that every position a
+        request reads from the cache (its cached prefix; its encoder tokens; with
+        ``new_tokens_mapped`` also its new tokens, which must map to ``out_cache_loc``) holds a
+        real slot. Errors name the field, the request, the bad value and the bound.
+        """
+        b: Any = batch
+        req = b.req_pool_indices
+        if req.dtype.is_floating_point or req.dtype == torch.bool:
+            raise ShapeError(f"req_pool_indices has dtype {req.dtype}, expected an integer tensor")
+        rows = b.req_pool_indices_cpu if getattr(b, "req_pool_indices_cpu", None) is not None else req.tolist()
+        for i, r in enumerate(rows):
+            if not 0 <= r < self.max_requests:
+                raise ShapeError(
+                    f"req_pool_indices[{i}]={r} is out of range (expected 0 <= row < "
+                    f"max_requests={self.max_requests} rows of req_to_token)"
+                )
+        self.check_slots(b.out_cache_loc, "out_cache_loc")
+        L = self.max_context_len
+        for i, s in enumerate(b.seq_lens_cpu):
+            if s > L:
+                raise ShapeError(f"request {i}: seq_lens={s} exceeds max_context_len={L} of the KV cache")
+        enc = None
+        if b.encoder_lens is not None:
+            enc = [int(x) for x in b.encoder_lens.tolist()]
+            for i, e in enumerate(enc):
+                if not 0 <= e <= L:
+                    raise ShapeError(f"request {i}: encoder_lens={e} is out of range (expected 0 <= len <= {L})")
+        if not rows:
+            return
+        # cached positions each request reads: [0, prefix) (and [0, enc) for cross-attention)
+        read = list(b.extend_prefix_lens_cpu)
+        if enc is not None:
+            read = [max(p, e) for p, e in zip(read, enc)]
+        upto = [s if new_tokens_mapped else p for s, p in zip(b.seq_lens_cpu, read)]
+        width = max(upto, default=0)
+        if width:
+            dev = self.req_to_token.device
+            idx = torch.as_tensor(rows, dtype=torch.int64, device=dev)
+            table = self.req_to_token.index_select(0, idx)[:, :width]
+            lens = torch.as_tensor(upto, dtype=torch.int64, device=dev)
+            used = torch.arange(width, device=dev)[None, :] < lens[:, None]
+            bad = used & ((table < 0) | (table >= self.num_slots))
+            if bool(bad.any()):
+                i, pos = (int(x) for x in bad.nonzero()[0])
+                val = int(table[i, pos])
+                what = "is unassigned (-1)" if val == UNASSIGNED else f"is out of range (num_slots={self.num_slots})"
+                raise ShapeError(
+                    f"request {i} (req_to_token row {rows[i]}): position {pos} < seq/prefix length {upto[i]} "
+                    f"maps to slot {val}, which {what}; assign pages for every position a forward reads"
+                )
+        if new_tokens_mapped and b.num_tokens:
+            starts = [0]
+            for e in b.extend_seq_lens_cpu:
+                starts.append(starts[-1] + e)
+            dev = self.req_to_token.device
+            mapped = torch.cat([
+                self.req_to_token[r, p:s] for r, p, s in zip(rows, b.extend_prefix_lens_cpu, b.seq_lens_cpu)
+            ])
+            if not torch.equal(mapped, b.out_cache_loc.to(dev)):
+                t = int((mapped != b.out_cache_loc.to(dev)).nonzero()[0, 0])
+                i = max(j for j in range(len(rows)) if starts[j] <= t)
+                raise ShapeError(
+                    f"request {i}: new token {t} is written to out_cache_loc[{t}]={int(b.out_cache_loc[t])} but "
+                    f"req_to_token maps its position to slot {int(mapped[t])}; this backend reads new tokens "
+                    f"through req_to_token, so map them before the forward"
+                )
+
+    # -- access --------------------------------------------------------------------
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V buffers of one layer: ``[num_slots, num_kv_heads, head_dim / v_head_dim]``."""
+        self.check_layer_id(layer_id)
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` (``[n, heads, dim]``) into the slots ``loc`` (``[n]``) of one layer."""
-        kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        if k.shape[1:] != kb.shape[1:] or v.shape[1:] != vb.shape[1:]:
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               checked: bool = True) -> None:
+        """Write ``k``/``v`` (``[n, heads, dim]``) into the slots ``loc`` (``[n]``) of one layer.
+
+        ``checked=False`` skips the slot-range check (one reduction) for callers that validated
+        ``loc`` already, as ``PagedBackend`` does once per forward.
+        """
+        kb, vb = self.get_kv(layer_id)
+        if k.shape[1:] != kb.shape[1:] or v.shape[1:] != vb.shape[1:] or k.shape[0] != loc.shape[0] \
+                or v.shape[0] != loc.shape[0]:
             raise ShapeError(
-                f"KV-cache write for layer {layer_id}: k {tuple(k.shape)} / v {tuple(v.shape)} "
-                f"do not match cache rows {tuple(kb.shape[1:])} / {tuple(vb.shape[1:])}"
+                f"KV-cache write for layer {layer_id}: k {tuple(k.shape)} / v {tuple(v.shape)} at "
+                f"{tuple(loc.shape)} slots do not match cache rows {tuple(kb.shape[1:])} / {tuple(vb.shape[1:])}"
             )
+        if checked:
+            self.check_slots(loc, "loc")
         kb[loc] = k.to(kb.dtype)
         vb[loc] = v.to(vb.dtype)
 
@@ -88,23 +230,27 @@ class PagedKVCache:
         v: torch.Tensor | None = None,
         *,
         keep: bool = True,
+        checked: bool = True,
     ) -> Iterator[None]:
         """Write ``k``/``v`` at ``loc`` (when given) for the duration of the block.
 
-        With ``keep=False`` the rows at ``loc`` are restored afterwards, so the
-        cache is unchanged on return: how a ``save_kv_cache=False`` forward runs
-        a kernel that reads the new K/V only from the cache (or writes them itself).
+        The rows at ``loc`` are restored afterwards when ``keep=False`` (how a
+        ``save_kv_cache=False`` forward runs a kernel that reads the new K/V only from the
+        cache) and whenever the block raises, so a failed forward leaves the cache as it was.
         """
         kb, vb = self.get_kv(layer_id)
-        old = None if keep else (kb[loc].clone(), vb[loc].clone())
+        if checked:
+            self.check_slots(loc, "loc")
+        old = (kb[loc].clone(), vb[loc].clone())
         if k is not None:
-            self.set_kv(layer_id, loc, k, v)
+            self.set_kv(layer_id, loc, k, v, checked=False)  # type: ignore[arg-type]
         try:
             yield
-        finally:
-            if old is not None:
-                kb[loc] = old[0]
-                vb[loc] = old[1]
+        except BaseException:
+            kb[loc], vb[loc] = old
+            raise
+        if not keep:
+            kb[loc], vb[loc] = old
 
     # -- slot assignment helpers (engines have their own; tests, doctor and benchmarks use these) --
     def assign_pages(
@@ -125,12 +271,31 @@ class PagedKVCache:
             raise ValueError(f"request {req_index} needs {needed} pages for {length} tokens, got {len(pages)}")
         if length > self.max_context_len:
             raise ValueError(f"length {length} exceeds max_context_len={self.max_context_len}")
+        self._check_row(req_index)
+        if not 0 <= start <= length:
+            raise ValueError(f"request {req_index}: start={start} must satisfy 0 <= start <= length={length}")
+        bad = [p for p in list(pages)[:needed] if not 0 <= int(p) < self.num_pages]
+        if bad:
+            raise ValueError(f"request {req_index}: page {bad[0]} is out of range (num_pages={self.num_pages})")
         pos = torch.arange(start, length, device=self.device)
         page_ids = torch.as_tensor(list(pages), dtype=torch.int64, device=self.device)
         self.req_to_token[req_index, start:length] = page_ids[pos // ps] * ps + pos % ps
 
+    def release(self, req_index: int) -> None:
+        """Forget every slot of request row ``req_index`` (its positions become ``UNASSIGNED``)."""
+        self._check_row(req_index)
+        self.req_to_token[req_index].fill_(UNASSIGNED)
+
     def slots(self, req_index: int, start: int, end: int) -> torch.Tensor:
+        """Slots of positions ``start … end-1`` of request row ``req_index`` (a view of ``req_to_token``)."""
+        self._check_row(req_index)
         return self.req_to_token[req_index, start:end]
+
+    def _check_row(self, req_index: int) -> None:
+        if isinstance(req_index, bool) or not isinstance(req_index, int) or not 0 <= req_index < self.max_requests:
+            raise ValueError(
+                f"request row {req_index!r} is out of range (expected 0 <= row < max_requests={self.max_requests})"
+            )
 
 
 class PageAllocator:

@@ -1,9 +1,15 @@
 """Kernel module of ``template_sdpa``: imported only when the backend is built.
 
-A deliberately simple, correct implementation: one request at a time, K/V
-gathered from the paged cache through ``req_to_token``, masks built from
-positions, ``torch.nn.functional.scaled_dot_product_attention`` for the math.
-Replace the loop with your kernel library; keep the protocol.
+A deliberately simple, correct implementation on the core's ``PagedBackend``,
+which already did the shared work before ``compute_extend`` runs: metadata
+looked up, the batch's indices checked against the cache, q/k/v shapes and
+dtype checked, the layer's support verdict taken, and it writes the new K/V
+after this method returns (so a forward that raises writes nothing). What is
+left is the kernel: one request at a time, the cached prefix gathered through
+``req_to_token`` (only slots the request owns, so garbage elsewhere in the
+cache never enters), masks built from positions,
+``torch.nn.functional.scaled_dot_product_attention`` for the math. Replace
+the loop with your kernel library; keep the protocol.
 """
 
 from __future__ import annotations
@@ -13,8 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from attnplug import AttentionBackend, BuildContext, MetadataGuard, NotSupportedError
-from attnplug.batch import check_qkv
+from attnplug import BuildContext, PagedBackend
 
 from . import CAPABILITIES, NAME
 
@@ -26,49 +31,31 @@ class _Request(NamedTuple):
     start: int  # offset of its first token in q/k/v
 
 
-class TemplateSDPABackend(AttentionBackend):
+class TemplateSDPABackend(PagedBackend):
     capabilities = CAPABILITIES
-
-    def __init__(self, ctx: BuildContext) -> None:
-        if ctx.kv_cache is None:
-            raise ValueError(f"{NAME} needs BuildContext.kv_cache (got None)")
-        self.kv_cache = ctx.kv_cache
-        self._meta = MetadataGuard(NAME)
+    backend_name = NAME
+    new_kv_source = "args"  # the kernel reads this forward's K/V from its arguments
 
     # once per forward, shared by every layer
-    def init_forward_metadata(self, batch: Any) -> None:
+    def build_metadata(self, batch: Any) -> list[_Request]:
         requests, start = [], 0
-        rows = batch.req_pool_indices.tolist()
-        for row, prefix, new in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
+        for row, prefix, new in zip(batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu,
+                                    batch.extend_seq_lens_cpu):
             requests.append(_Request(row, prefix, new, start))
             start += new
-        self._meta.set(batch, requests)
+        return requests
 
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._attend(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._attend(q, k, v, layer, batch, save_kv_cache)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
-                save_kv_cache: bool) -> torch.Tensor:
-        requests = self._meta.require(batch)
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        reasons = self.not_supported_reasons(layer)
-        if reasons:
-            raise NotSupportedError(NAME, reasons)
-        if k is None:
-            raise NotSupportedError(NAME, ["k/v are required (cross-attention is not claimed)"])
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = self.kv_cache.get_kv(layer.layer_id)
+    # every mode: decode is an extend of one token
+    def compute_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
+                       requests: list[_Request]) -> torch.Tensor:
+        k_cache, v_cache = self.cache.get_kv(layer.layer_id)
         group = layer.num_heads // layer.num_kv_heads
-        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        out = self.empty_output(q, layer)
         for i, r in enumerate(requests):
             if r.new == 0:
                 continue
             new = slice(r.start, r.start + r.new)
-            slots = self.kv_cache.req_to_token[r.row, : r.prefix]
+            slots = self.cache.req_to_token[r.row, : r.prefix]
             keys = torch.cat([k_cache[slots].to(q.dtype), k[new]])  # [n, kv_heads, d]
             vals = torch.cat([v_cache[slots].to(q.dtype), v[new]])
             mask = self._mask(r, layer, batch, i, q.device)

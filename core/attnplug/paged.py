@@ -1,0 +1,199 @@
+"""``PagedBackend``: the forward skeleton every backend over the canonical paged cache shares.
+
+A backend author subclasses ``PagedBackend`` and implements only what is
+specific to a kernel:
+
+* ``build_metadata(batch)`` — this forward's kernel inputs, built once and
+  shared by every layer (default: nothing beyond the batch);
+* ``compute_extend(q, k, v, layer, batch, meta)`` — every extend-shaped mode
+  (EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2);
+* ``compute_decode(...)`` — DECODE (default: ``compute_extend``).
+
+The base does the rest, once, in this order:
+
+1. **per forward** (``init_forward_metadata``): the mode is claimed; every index
+   the forward will use is in bounds — ``req_pool_indices`` against the
+   ``req_to_token`` rows, ``out_cache_loc`` against the slots, ``seq_lens`` /
+   ``encoder_lens`` against ``max_context_len``, and every cached position a
+   request reads maps to a real slot (an unassigned ``-1`` or a wild entry is an
+   error naming the request, the position and the value). These need a
+   reduction over the batch, so they run here once, never per layer;
+2. **per layer** (``forward``): structural checks that need no reduction —
+   ``layer_id`` in range, q/k/v shapes, a claimed dtype, one device, cache rows
+   that match the layer, ``k``/``v`` present for self-attention, and the
+   layer-support verdict (memoised per layer object);
+3. the **KV write**, placed so that a forward that raises writes nothing:
+   ``new_kv_source = "args"`` (the kernel takes this forward's K/V from its
+   arguments): compute first, write after it returned; ``"cache"`` (the kernel
+   reads them from the cache): write, compute, and restore the overwritten rows
+   if the kernel raises or ``save_kv_cache=False``;
+4. **compute**: ``compute_decode`` or ``compute_extend``, chosen by the batch's
+   mode (not by which protocol method was called).
+
+Output contract: a forward returns a fresh ``[tokens, num_heads, v_head_dim]``
+tensor in the query dtype that the caller owns; no later layer or forward
+writes into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from .backend import AttentionBackend, MetadataGuard
+from .batch import check_qkv
+from .capabilities import support_reasons
+from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
+from .modes import ForwardMode
+
+__all__ = ["PagedBackend"]
+
+
+class PagedBackend(AttentionBackend):
+    """Base class of backends over ``PagedKVCache``; see the module docstring for the steps."""
+
+    #: name used in errors before the registry stamps the backend (set it to the canonical name)
+    backend_name: ClassVar[str] = ""
+    #: where the kernel reads this forward's new K/V: ``"args"`` or ``"cache"`` (see module docstring)
+    new_kv_source: ClassVar[str] = "args"
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.kv_cache = ctx.kv_cache
+        self.device = torch.device(ctx.device if ctx.kv_cache is None else ctx.kv_cache.device)
+        #: bound on any one workspace a kernel allocates (``BuildContext.max_workspace_bytes``)
+        self.max_workspace_bytes = int(getattr(ctx, "max_workspace_bytes", 4 << 30))
+        self._guard = MetadataGuard(self.name)
+        #: how many times metadata was built (tests: once per forward, whatever the layer count)
+        self.metadata_builds = 0
+        self._claimed_dtypes = frozenset(type(self).capabilities.dtypes)
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The stamp once built through the registry; the class's ``backend_name`` before."""
+        return self.prefill_attention_backend_str or type(self).backend_name or type(self).__name__
+
+    @property
+    def cache(self) -> Any:
+        """The engine's ``PagedKVCache`` (an error naming the backend when it was built without one)."""
+        if self.kv_cache is None:
+            raise AttnplugError(
+                f"{self.name} was built without a KV cache (BuildContext.kv_cache is None); "
+                f"build it with the engine's PagedKVCache to run forwards"
+            )
+        return self.kv_cache
+
+    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+        """Generic reasons from the declared capabilities, under ``ctx`` or else the build context."""
+        return super().not_supported_reasons(layer, self.ctx if ctx is None else ctx)
+
+    def layer_reasons(self, layer: Any) -> list[str]:
+        return super().not_supported_reasons(layer)
+
+    # -- to implement ----------------------------------------------------------
+    def build_metadata(self, batch: Any) -> Any:
+        """This forward's kernel inputs (called once per forward, never for IDLE). Default: ``None``."""
+        return None
+
+    def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> Any:
+        """Attention for an extend-shaped batch; returns ``[tokens, num_heads, v_head_dim]``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement compute_extend")
+
+    def compute_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> Any:
+        """Attention for a DECODE batch. Default: ``compute_extend`` (one kernel for every mode)."""
+        return self.compute_extend(q, k, v, layer, batch, meta)
+
+    # -- per forward -------------------------------------------------------------
+    def init_forward_metadata(self, batch: Any) -> None:
+        """Validate the batch against the cache (once per forward), then build the metadata."""
+        mode = batch.forward_mode
+        meta = None
+        if mode is not ForwardMode.IDLE:
+            if not type(self).capabilities.supports_mode(mode):
+                raise NotSupportedError(self.name, support_reasons(type(self).capabilities, mode=mode))
+            self.check_batch(batch)
+            meta = self.build_metadata(batch)
+        self.metadata_builds += 1
+        self._guard.set(batch, meta)
+
+    def check_batch(self, batch: Any) -> None:
+        """Every index this forward uses is in bounds (one pass, on the batch's device)."""
+        cache = self.cache
+        cache.check_batch(batch, new_tokens_mapped=type(self).new_kv_source == "cache")
+
+    # -- per layer -----------------------------------------------------------------
+    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._forward(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        return self._forward(q, k, v, layer, batch, save_kv_cache)
+
+    def _forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> Any:
+        meta = self._guard.require(batch)
+        if batch.forward_mode is ForwardMode.IDLE:
+            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+        self.check_forward(q, k, v, layer, batch)
+        compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
+        write = bool(save_kv_cache) and k is not None and not layer.is_cross_attention and batch.num_tokens > 0
+        cache = self.kv_cache
+        if type(self).new_kv_source == "cache" and k is not None and not layer.is_cross_attention:
+            with cache.staged(layer.layer_id, batch.out_cache_loc, k, v, keep=write, checked=False):
+                return compute(q, k, v, layer, batch, meta)
+        out = compute(q, k, v, layer, batch, meta)
+        if write:
+            cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v, checked=False)
+        return out
+
+    def check_forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
+        """Structural checks of one layer's call (no reductions, no device sync)."""
+        cache = self.cache
+        cache.check_layer_id(layer.layer_id)
+        if q.dtype not in self._claimed_torch_dtypes():
+            raise NotSupportedError(
+                self.name, [f"dtype={str(q.dtype).replace('torch.', '')} "
+                            f"(supported: {', '.join(type(self).capabilities.dtypes)})"]
+            )
+        if k is None and v is None and not layer.is_cross_attention:
+            raise ShapeError(
+                f"{self.name}: k and v are None for self-attention layer {layer.layer_id}; "
+                f"only cross-attention layers may omit them"
+            )
+        check_qkv(q, k, v, layer, batch.num_tokens)
+        if q.device.type != cache.device.type or (k is not None and k.device.type != cache.device.type):
+            raise ShapeError(
+                f"{self.name}: q/k/v are on {q.device}, the KV cache of layer {layer.layer_id} on {cache.device}"
+            )
+        cache.check_layer_rows(layer)
+        if layer.is_cross_attention and batch.encoder_lens is None:
+            raise ShapeError(f"cross-attention layer {layer.layer_id} but ForwardBatch.encoder_lens is None")
+        self.require_supported(layer)
+
+    def _claimed_torch_dtypes(self) -> frozenset[Any]:
+        dts = self.__dict__.get("_claimed_torch")
+        if dts is None:
+            dts = self.__dict__["_claimed_torch"] = frozenset(
+                getattr(torch, n) for n in self._claimed_dtypes if hasattr(torch, n)
+            )
+        return dts
+
+    # -- helpers for kernels ---------------------------------------------------------
+    def check_workspace(self, nbytes: int, what: str) -> None:
+        """Refuse, before allocating, a workspace larger than ``max_workspace_bytes``.
+
+        Kernels call this where the work cannot be chunked further; the error names the
+        limit and the setting that raises it.
+        """
+        if nbytes > self.max_workspace_bytes:
+            raise ResourceLimitError(
+                f"{self.name}: {what} needs {nbytes / 2**30:.2f} GiB, above the workspace limit of "
+                f"{self.max_workspace_bytes / 2**30:.2f} GiB (BuildContext.max_workspace_bytes); "
+                f"raise the limit or split the batch"
+            )
+
+    @staticmethod
+    def empty_output(q: Any, layer: Any, num_tokens: int | None = None) -> Any:
+        """A fresh ``[tokens, num_heads, v_head_dim]`` output in the query dtype."""
+        n = q.shape[0] if num_tokens is None else num_tokens
+        return q.new_empty((n, layer.num_heads, layer.v_head_dim))
