@@ -12,67 +12,73 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+#: The public surface: what a host engine and a backend author need (see docs/api.md).
+#: Everything else lives in namespaces imported on purpose: ``attnplug.errors`` (every
+#: exception), ``attnplug.speculative``, ``attnplug.guard``, ``attnplug.resolution``,
+#: ``attnplug.dtypes`` and ``attnplug.testing`` (the conformance suite and reference).
 _EXPORTS: dict[str, str] = {
-    "AttentionBackend": "backend",
-    "OPTIONAL_METHODS": "backend",
-    "MetadataGuard": "backend",
-    "PagedBackend": "paged",
+    # configuration and choice (hosts)
     "AttentionConfig": "config",
     "add_attention_args": "config",
     "config_from_args": "config",
     "ForwardMode": "modes",
-    "half_for_mode": "selector",
     "backend_name_for_mode": "selector",
-    "Capabilities": "capabilities",
-    "support_reasons": "capabilities",
-    "LayerSpec": "layer",
-    "BuildContext": "context",
-    "HostInfo": "host",
-    "detect_host": "host",
-    "BackendDescriptor": "descriptor",
-    "Availability": "descriptor",
-    "module_missing": "descriptor",
-    "hookimpl": "hookspecs",
+    "half_for_mode": "selector",
+    "resolve": "resolution",
     "Registry": "registry",
     "default_registry": "registry",
-    "HybridBackend": "hybrid",
-    "BackendWrapper": "wrapper",
-    "stamp": "stamps",
-    "copy_stamps": "stamps",
+    "HostInfo": "host",
+    "detect_host": "host",
+    # one forward (hosts and backends)
+    "BuildContext": "context",
+    "LayerSpec": "layer",
     "ForwardBatch": "batch",
     "PagedKVCache": "kvcache",
     "PageAllocator": "kvcache",
-    "AttnplugError": "errors",
-    "ResourceLimitError": "errors",
-    "PluginError": "errors",
-    "BackendConflictError": "errors",
-    "UnknownBackendError": "errors",
-    "BackendUnavailableError": "errors",
-    "NotSupportedError": "errors",
-    "ShapeError": "errors",
-    "MetadataNotInitializedError": "errors",
-    "ConfigError": "errors",
-    "NoForwardContextError": "errors",
-    "build_draft_backends": "speculative",
-    "DraftBackends": "speculative",
-    "MultiStepDraftBackend": "speculative",
-    "SidecarWrapper": "speculative",
-    "kernel_for_forward": "speculative",
-    "draft_backend_name": "speculative",
-    "target_verify_backend_name": "speculative",
-    "current_backend": "forward_context",
-    "ForwardFrame": "forward_context",
+    # writing a backend
+    "AttentionBackend": "backend",
+    "PagedBackend": "paged",
+    "BackendWrapper": "wrapper",
+    "HybridBackend": "hybrid",
+    "Capabilities": "capabilities",
+    "BackendDescriptor": "descriptor",
+    "Availability": "descriptor",
+    "module_missing": "descriptor",
     "library_missing": "descriptor",
-    "assert_no_base_field_reads": "guard",
-    "find_base_field_reads": "guard",
-    "GuardError": "guard",
+    "version_tuple": "descriptor",
+    "hookimpl": "hookspecs",
+    # errors (the rest are in attnplug.errors)
+    "AttnplugError": "errors",
+    "ShapeError": "errors",
+    "NotSupportedError": "errors",
 }
+
+#: Namespaces that are public as a whole (a plugin may import any of their names).
+PUBLIC_NAMESPACES: tuple[str, ...] = (
+    "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
+    "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
+)
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+#: Names that were top-level before the surface was trimmed; still resolvable so old imports
+#: keep working, but not public (not in ``__all__``): import them from their module instead.
+_MOVED: dict[str, str] = {
+    "OPTIONAL_METHODS": "backend", "MetadataGuard": "backend", "support_reasons": "capabilities",
+    "stamp": "stamps", "copy_stamps": "stamps", "ResourceLimitError": "errors",
+    "PluginError": "errors", "BackendConflictError": "errors", "UnknownBackendError": "errors",
+    "BackendUnavailableError": "errors", "MetadataNotInitializedError": "errors", "ConfigError": "errors",
+    "NoForwardContextError": "errors", "build_draft_backends": "speculative", "DraftBackends": "speculative",
+    "MultiStepDraftBackend": "speculative", "SidecarWrapper": "speculative",
+    "kernel_for_forward": "speculative", "draft_backend_name": "speculative",
+    "target_verify_backend_name": "speculative", "current_backend": "forward_context",
+    "ForwardFrame": "forward_context", "assert_no_base_field_reads": "guard",
+    "find_base_field_reads": "guard", "GuardError": "guard",
+}
+
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _EXPORTS.get(name) or _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'attnplug' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

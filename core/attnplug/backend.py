@@ -92,9 +92,11 @@ class AttentionBackend:
         raise NotImplementedError(f"{type(self).__name__} does not implement init_forward_metadata")
 
     def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Attention for an extend-shaped batch (every mode but DECODE and IDLE); writes the new K/V unless ``save_kv_cache=False``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward_extend")
 
     def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Attention for a DECODE batch (one new token per request); writes the new K/V unless ``save_kv_cache=False``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward_decode")
 
     # -- dispatch ------------------------------------------------------

@@ -46,6 +46,7 @@ class Capabilities:
         object.__setattr__(self, "kv_cache_dtypes", tuple(dtype_name(d) for d in self.kv_cache_dtypes))
 
     def supports_mode(self, mode: ForwardMode) -> bool:
+        """Whether forwards of ``mode`` are claimed (verify and draft-extend are opt-in)."""
         if mode is ForwardMode.TARGET_VERIFY:
             return self.speculative_verify
         if mode is ForwardMode.DRAFT_EXTEND or mode is ForwardMode.DRAFT_EXTEND_V2:
@@ -53,6 +54,7 @@ class Capabilities:
         return True
 
     def to_dict(self) -> dict[str, Any]:
+        """The claims as JSON-ready data (tuples become lists)."""
         d = dataclasses.asdict(self)
         for k, v in d.items():
             if isinstance(v, tuple):

@@ -67,4 +67,5 @@ class BuildContext:
             )
 
     def replace(self, **changes: Any) -> "BuildContext":
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

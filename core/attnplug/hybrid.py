@@ -47,9 +47,11 @@ class HybridBackend(AttentionBackend):
         return self._half(batch).forward(q, k, v, layer, batch, save_kv_cache)
 
     def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Routed to the half ``half_for_mode`` names for the batch."""
         return self._half(batch).forward_extend(q, k, v, layer, batch, save_kv_cache)
 
     def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Routed to the half ``half_for_mode`` names for the batch."""
         return self._half(batch).forward_decode(q, k, v, layer, batch, save_kv_cache)
 
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:

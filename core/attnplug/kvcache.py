@@ -309,6 +309,7 @@ class PageAllocator:
         self._free = order
 
     def alloc(self, n: int) -> list[int]:
+        """``n`` free page ids (an error when fewer are left)."""
         if n > len(self._free):
             raise RuntimeError(f"out of KV-cache pages: asked for {n}, {len(self._free)} free")
         out, self._free = self._free[:n], self._free[n:]

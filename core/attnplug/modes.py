@@ -28,21 +28,27 @@ class ForwardMode(enum.Enum):
         return self in _EXTEND_LIKE
 
     def is_decode(self) -> bool:
+        """DECODE."""
         return self is ForwardMode.DECODE
 
     def is_idle(self) -> bool:
+        """IDLE (no tokens on this rank)."""
         return self is ForwardMode.IDLE
 
     def is_decode_or_idle(self) -> bool:
+        """DECODE or IDLE: served by the decode half."""
         return self is ForwardMode.DECODE or self is ForwardMode.IDLE
 
     def is_mixed(self) -> bool:
+        """MIXED (prefills and decodes in one extend-shaped batch)."""
         return self is ForwardMode.MIXED
 
     def is_target_verify(self) -> bool:
+        """TARGET_VERIFY."""
         return self is ForwardMode.TARGET_VERIFY
 
     def is_draft_extend(self, include_v2: bool = True) -> bool:
+        """DRAFT_EXTEND or DRAFT_EXTEND_V2."""
         if include_v2:
             return self is ForwardMode.DRAFT_EXTEND or self is ForwardMode.DRAFT_EXTEND_V2
         return self is ForwardMode.DRAFT_EXTEND

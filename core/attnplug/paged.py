@@ -125,9 +125,11 @@ class PagedBackend(AttentionBackend):
 
     # -- per layer -----------------------------------------------------------------
     def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Run the skeleton (checks, KV write, compute); the kernel is chosen by the batch mode."""
         return self._forward(q, k, v, layer, batch, save_kv_cache)
 
     def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Run the skeleton (checks, KV write, compute); the kernel is chosen by the batch mode."""
         return self._forward(q, k, v, layer, batch, save_kv_cache)
 
     def _forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> Any:

@@ -426,7 +426,7 @@ class Registry:
         if prefill is None or decode is None:
             raise AttnplugError(
                 f"the attention pair is not resolved (prefill={prefill!r}, decode={decode!r}); "
-                f"run attnplug.resolve() first or set --attention-backend"
+                f"run attnplug.resolve(config) first or set --attention-backend"
             )
         host = ctx.host
         p, d = self.canonical(prefill, host), self.canonical(decode, host)

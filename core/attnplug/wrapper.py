@@ -36,9 +36,11 @@ class BackendWrapper(AttentionBackend):
         return self.inner.forward(q, k, v, layer, batch, save_kv_cache)
 
     def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Forwarded to the inner backend."""
         return self.inner.forward_extend(q, k, v, layer, batch, save_kv_cache)
 
     def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        """Forwarded to the inner backend."""
         return self.inner.forward_decode(q, k, v, layer, batch, save_kv_cache)
 
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:

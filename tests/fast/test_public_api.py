@@ -1,0 +1,118 @@
+"""The public surface is small, documented, and the only thing plugins, the template and examples use."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import attnplug
+
+ROOT = Path(__file__).resolve().parents[2]
+API_DOC = (ROOT / "docs" / "api.md").read_text()
+PUBLIC = set(attnplug.__all__)
+
+
+def _is_public_module(mod: str) -> bool:
+    return mod == "attnplug" or any(mod == ns or mod.startswith(ns + ".") for ns in attnplug.PUBLIC_NAMESPACES)
+
+
+def _violations(path: Path) -> list[str]:
+    out = []
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+            node.module == "attnplug" or node.module.startswith("attnplug.")
+        ):
+            if node.module == "attnplug":
+                out += [f"{path.relative_to(ROOT)}:{node.lineno}: attnplug.{a.name}"
+                        for a in node.names if a.name not in PUBLIC]
+            elif not _is_public_module(node.module):
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}")
+        elif isinstance(node, ast.Import):
+            out += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}" for a in node.names
+                    if a.name.startswith("attnplug.") and not _is_public_module(a.name)]
+    return out
+
+
+def _consumer_files() -> list[Path]:
+    files = []
+    for folder in ("plugins", "contrib_backends", "examples"):
+        files += [p for p in (ROOT / folder).rglob("*.py") if "build" not in p.parts and "/tests/" not in str(p)]
+    return sorted(files)
+
+
+def test_the_top_level_surface_is_small() -> None:
+    assert 20 <= len(PUBLIC - {"__version__"}) <= 35, sorted(PUBLIC)
+    for name in PUBLIC - {"__version__"}:
+        getattr(attnplug, name)  # every name resolves
+
+
+@pytest.mark.parametrize("path", _consumer_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_consumers_import_only_the_public_surface(path: Path) -> None:
+    assert _violations(path) == []
+
+
+def test_the_checker_catches_a_private_import(tmp_path: Path) -> None:
+    bad = ROOT / "examples" / "_tmp_private_import_probe.py"
+    bad.write_text("from attnplug.batch import check_qkv\nfrom attnplug import MetadataGuard\nimport attnplug.registry\n")
+    try:
+        assert len(_violations(bad)) == 3
+    finally:
+        bad.unlink()
+
+
+def _section(name: str) -> str:
+    m = re.search(rf"^### `{re.escape(name)}`\n(.*?)(?=^### |^## |\Z)", API_DOC, re.S | re.M)
+    return m.group(1) if m else ""
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC - {"__version__"}))
+def test_every_public_name_has_an_api_entry(name: str) -> None:
+    assert _section(name), f"docs/api.md has no '### `{name}`' entry"
+
+
+def _public_members(cls: type) -> list[str]:
+    names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("attnplug"):
+            names += [n for n, v in vars(klass).items() if not n.startswith("_")
+                      and (callable(v) or isinstance(v, (property, classmethod, staticmethod)))]
+    return sorted(set(names))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PUBLIC if inspect.isclass(getattr(attnplug, n, None))
+                                        and not issubclass(getattr(attnplug, n), Exception)
+                                        and n != "ForwardMode"))
+def test_every_field_and_method_is_documented(name: str) -> None:
+    cls = getattr(attnplug, name)
+    text = _section(name)
+    if name in ("PagedBackend", "BackendWrapper", "HybridBackend"):
+        text += _section("AttentionBackend")
+    missing = [m for m in _public_members(cls) if f"`{m}" not in text and f" {m}(" not in text]
+    assert missing == [], f"docs/api.md entry for {name} lacks: {missing}"
+
+
+def test_kv_cache_instance_attributes_are_documented() -> None:
+    cache = attnplug.PagedKVCache(1, 2, 1, 4)
+    missing = [a for a in vars(cache) if not a.startswith("_") and f"`{a}`" not in _section("PagedKVCache")]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PUBLIC if inspect.isclass(getattr(attnplug, n, None))))
+def test_every_public_method_has_a_docstring(name: str) -> None:
+    cls = getattr(attnplug, name)
+    missing = []
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("attnplug"):
+            continue
+        for n, v in vars(klass).items():
+            if n.startswith("_") or not inspect.isfunction(v):
+                continue
+            if not inspect.getdoc(getattr(cls, n)):
+                missing.append(f"{klass.__name__}.{n}")
+    assert missing == []
