@@ -18,7 +18,14 @@ from attnplug.cli import doctor_cmd
 from attnplug.registry import PluginSource, Registry, in_process_source
 from tests.dists_resolution import doctor_plugins as P
 
-ALL_MODES = ["extend", "extend+prefix", "decode", "mixed", "target_verify", "draft_extend", "idle"]
+ALL_MODES = ["extend_noprefix", "extend_prefix", "extend_ragged", "extend_single_token", "extend_prefix_midpage",
+             "decode", "target_verify", "target_verify_custom_mask", "draft_extend", "draft_extend_v2", "mixed",
+             "idle"]
+
+
+def _modes(backend_report):
+    return [m["mode"].split(" ")[0].split(":", 1)[1] for m in backend_report["modes"]
+            if m["mode"].startswith("mode:")]
 
 
 def make_registry(*modules_and_dists, failing: bool = False) -> Registry:
@@ -50,12 +57,16 @@ def test_correct_backend_passes_every_mode():
     assert report["ok"] and report["failed"] == []
     (b,) = report["backends"]
     assert b["status"] == "ok" and b["effective_name"] == "simple_torch"
-    assert [m["mode"] for m in b["modes"]] == ALL_MODES
+    assert _modes(b) == ALL_MODES
+    claims = {m["mode"].split(" ")[0] for m in b["modes"]}
+    assert {"heads:gqa4", "heads:mqa", "feature:window5", "feature:softcap", "feature:softcap_window"} <= claims
+    assert not any("sinks" in c or "cross" in c for c in claims)  # not claimed: not checked
     assert all(m["ok"] for m in b["modes"])
     assert b["max_error"] < 1e-4
-    assert report["default_pair"] == {"prefill": "simple_torch", "decode": "simple_torch", "ok": True, "error": None}
+    assert report["default_pair"] == {"prefill": "simple_torch", "decode": "simple_torch", "ok": True,
+                                      "error": None, "explanation": None}
     text = doctor_cmd.render(report)
-    assert "backend" in text and "modes checked" in text and "max error" in text
+    assert "backend" in text and "claims checked" in text and "max error" in text
     assert "default pair: prefill=simple_torch decode=simple_torch" in text
     assert text.endswith("doctor: all checks passed")
 
@@ -66,20 +77,32 @@ def test_wrong_backend_fails_with_nonzero_exit(use_registry, capsys):
     use_registry(make_registry((P.good_plugin(), "attnplug-simple"), (P.wrong_plugin(), "attnplug-wrong")))
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
-    assert "no_causal_mask FAILED [cpu, float32, page_size=4] in extend: max |error|" in out
-    assert "above tolerance" in out
+    assert "no_causal_mask FAILED [cpu, float32, page_size=16] in mode:extend_noprefix (extend_noprefix): " \
+           "output: max abs error" in out
     assert "doctor: FAILED: no_causal_mask" in out
     row = next(line for line in out.splitlines() if line.startswith("no_causal_mask"))
-    assert "extend!" in row and "FAILED" in row and "attnplug-wrong" in row
+    assert "modes!" in row and "FAILED" in row and "attnplug-wrong" in row
+
+
+@pytest.mark.parametrize("name", sorted(P.WRONG_CLAIMS))
+def test_a_backend_breaking_a_claimed_feature_fails_naming_it(name):
+    reg = make_registry((P.wrong_claim_plugin(name), "attnplug-wrong-claim"))
+    report = doctor_cmd.diagnose(reg)
+    assert report["failed"] == [name] and not report["ok"]
+    failing = {m["mode"].split(" ")[0] for m in report["backends"][0]["modes"] if not m["ok"]}
+    claim = P.WRONG_CLAIMS[name][1]
+    assert failing and all(claim in label for label in failing), failing
+    text = doctor_cmd.render(report)
+    assert f"{name} FAILED" in text and f"feature:{claim}" in text
 
 
 def test_decode_only_bug_is_caught_in_decode():
     # the mask only matters when a query sees several keys: decode is right, extend-like modes are wrong
     reg = make_registry((P.wrong_plugin(), "attnplug-wrong"))
     report = doctor_cmd.diagnose(reg)
-    modes = {m["mode"]: m["ok"] for m in report["backends"][0]["modes"]}
-    assert modes["decode"] and modes["idle"]
-    assert not modes["extend"] and not modes["target_verify"]
+    modes = {m["mode"].split(" ")[0]: m["ok"] for m in report["backends"][0]["modes"]}
+    assert modes["mode:decode"] and modes["mode:idle"]
+    assert not modes["mode:extend_noprefix"] and not modes["mode:target_verify"]
 
 
 def test_unavailable_backend_is_shown_not_failed():
@@ -113,11 +136,41 @@ def test_failed_plugin_load_is_shown_and_strict_makes_it_fatal(use_registry, cap
     assert main(["doctor", "--strict"]) == 1
 
 
-def test_no_default_pair_is_a_failure(use_registry, capsys):
+def test_no_volunteer_for_default_is_explained_not_failed(use_registry, capsys):
+    """Only a third-party backend chosen by name (no default priority) and a GPU one: doctor
+    checks the usable backend and explains the missing default."""
     from attnplug.cli.main import main
 
-    use_registry(make_registry((P.unavailable_plugin(), "attnplug-gpu")))
-    assert main(["doctor"]) == 1
+    mod = types.ModuleType("by_name_only")
+
+    @hookimpl
+    def attnplug_register_backends(register):
+        register(BackendDescriptor(name="by_name", factory=lambda ctx: ("by_name", P.SimpleTorchBackend(ctx)),
+                                   capabilities=P.CAPS))
+
+    mod.attnplug_register_backends = attnplug_register_backends
+    use_registry(make_registry((P.unavailable_plugin(), "attnplug-gpu"), (mod, "attnplug-third-party")))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "default pair: none: no installed backend declares a default priority for a cpu host; " \
+           "choose one by name, e.g. --attention-backend by_name" in out
+    assert "doctor: all checks passed" in out
+
+
+def test_a_default_that_fails_to_resolve_is_a_failure(use_registry, capsys):
+    """A backend volunteers as the default here, but resolution fails: that is a failure."""
+    from attnplug.cli.main import main
+
+    use_registry(make_registry((P.good_plugin(), "attnplug-simple")))
+    import attnplug.resolution as res_mod
+
+    failed = types.SimpleNamespace(pair=(None, None), ok=False, error=RuntimeError("an override raised"))
+    real_trace = res_mod.trace
+    res_mod.trace = lambda *a, **k: failed
+    try:
+        assert main(["doctor"]) == 1
+    finally:
+        res_mod.trace = real_trace
     assert "default pair: NOT RESOLVED" in capsys.readouterr().out
 
 
@@ -136,8 +189,9 @@ def test_modes_not_claimed_are_not_checked():
 
     mod.attnplug_register_backends = attnplug_register_backends
     report = doctor_cmd.diagnose(make_registry((mod, "attnplug-nospec")))
-    assert [m["mode"] for m in report["backends"][0]["modes"]] == ["extend", "extend+prefix", "decode", "mixed",
-                                                                     "idle"]
+    assert _modes(report["backends"][0]) == ["extend_noprefix", "extend_prefix", "extend_ragged",
+                                             "extend_single_token", "extend_prefix_midpage", "decode", "mixed",
+                                             "idle"]
 
 
 def test_json_and_backend_filter(use_registry, capsys):

@@ -1,12 +1,16 @@
 """``attnplug doctor``: check this host end to end.
 
 Discovers plugins, shows the host, resolves the default pair, then builds
-every available backend (a small ``BuildContext`` over a ``PagedKVCache``)
-and runs one small forward in every mode it claims -- extend, extend over a
-cached prefix, decode, mixed, target-verify, draft-extend, idle -- against
-the float64 reference. Exit status 1 when a backend that claims availability
+every available backend and checks what it claims: a quick subset of the
+conformance suite (``claim_cases``: every forward mode, each head layout,
+each claimed feature -- window, soft-cap, sinks, verify, cross-attention --
+and every claimed dtype), built by the suite's own harness and compared with
+the float64 reference. A backend that ignores a claimed feature fails with
+that feature named. Exit status 1 when a backend that claims availability
 fails (build error, forward error, wrong KV-cache write, error above
-tolerance) or when no default pair resolves here.
+tolerance) or when the default pair fails to resolve although some
+installed backend volunteers as a default here; with none volunteering,
+doctor explains that and still checks every backend.
 
 torch is imported inside ``check_backend`` only (``attnplug doctor --help``
 stays light).
@@ -73,27 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also exit 1 when a plugin failed to load or the registry reports a problem")
 
 
-# -- scenarios -------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    label: str
-    mode: str  # ForwardMode value
-    prefix: tuple[int, ...]
-    extend: tuple[int, ...]
-    needs: str | None = None  # capability flag the mode needs
-
-
-SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("extend", "extend", (0, 0), (5, 3)),
-    Scenario("extend+prefix", "extend", (6, 3), (3, 4)),
-    Scenario("decode", "decode", (7, 4), (1, 1)),
-    Scenario("mixed", "mixed", (0, 5), (4, 1)),
-    Scenario("target_verify", "target_verify", (5, 3), (3, 3), needs="speculative_verify"),
-    Scenario("draft_extend", "draft_extend", (4, 6), (2, 3), needs="draft_extend"),
-    Scenario("idle", "idle", (), ()),
-)
-
-
 def _device_for(host: Any, devices: tuple[str, ...]) -> str:
     if host.platform in ("cuda", "rocm") and host.platform in devices:
         return "cuda"  # torch names ROCm devices "cuda" too
@@ -111,8 +94,50 @@ def _pick(values: Any, preferred: tuple[Any, ...]) -> Any:
     return values[0]
 
 
+# -- what doctor checks ------------------------------------------------------
+def claim_cases(caps: Any, name: str) -> list[tuple[str, Any]]:
+    """``(claim, case)`` pairs: a quick subset of the conformance suite, one or two cases per claim.
+
+    Every forward mode, each head layout (MHA/GQA/MQA), each claimed feature (window, soft-cap,
+    sinks and their combinations, in extend, decode and verify), cross-attention, a V head dim
+    that differs, and every claimed dtype. Cases come from the suite's own generators
+    (``attnplug.testing.suite.cases``) and are kept only when the suite would run them for these
+    capabilities, so doctor and ``pytest --backend`` can never disagree on what is claimed.
+    """
+    from attnplug.testing.suite import cases as C
+
+    dtype = _pick(caps.dtypes, DTYPE_PREFERENCE)
+    ps = _pick(caps.page_sizes, (16, 64, 1))
+    shape = C.DEFAULT_SHAPE
+    if caps.head_dims is not None and shape.head_dim not in caps.head_dims:
+        shape = dataclasses.replace(shape, head_dim=caps.head_dims[0])
+
+    def case(label: str, scen: str, **kw: Any) -> tuple[str, Any]:
+        c = C.Case("doctor", f"{label}-{scen}", C.scenario(scen, ps), dtype=kw.pop("dtype", dtype),
+                   page_size=ps, shape=kw.pop("shape", shape), **kw)
+        return label, c
+
+    out = [case(f"mode:{scen}", scen) for scen in C.ALL_MODE_SCENARIOS]
+    for lname, h, kv in C.HEAD_LAYOUTS:
+        for scen in ("extend_prefix", "decode"):
+            out.append(case(f"heads:{lname}", scen, shape=dataclasses.replace(shape, name=lname, num_heads=h,
+                                                                            num_kv_heads=kv)))
+    for fname, feat in C.FEATURES.items():
+        for scen in ("extend_prefix", "decode", "target_verify_custom_mask"):
+            out.append(case(f"feature:{fname}", scen, features=feat))
+    for scen in ("cross_extend", "cross_decode"):
+        out.append(case("cross_attention", scen, features=C.Features(cross_attention=True)))
+    dk, dv = C.V_HEAD_DIMS[0]
+    out.append(case("v_head_dim", "decode", shape=C.Shape(f"dk{dk}dv{dv}", 8, 2, dk, dv)))
+    for dt in caps.dtypes:
+        if dt != dtype:
+            for scen in ("extend_prefix", "decode"):
+                out.append(case(f"dtype:{dt}", scen, dtype=dt))
+    return [(label, c) for label, c in out if C.skip_reason(c, caps, name) is None]
+
+
 def check_backend(registry: Any, name: str, host: Any) -> BackendReport:
-    """Build ``name`` and run every claimed mode against the float64 reference."""
+    """Build ``name`` and run a quick subset of the conformance cases for every claim."""
     desc = registry.get(name)
     avail = registry.availability(name, host)
     rep = BackendReport(name, desc.distribution, desc.version, avail.available, list(avail.reasons))
@@ -132,117 +157,56 @@ def check_backend(registry: Any, name: str, host: Any) -> BackendReport:
 
 
 def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None:
-    import torch
-
-    from attnplug.batch import ForwardBatch
-    from attnplug.config import AttentionConfig
-    from attnplug.context import BuildContext
-    from attnplug.kvcache import PageAllocator, PagedKVCache
-    from attnplug.layer import LayerSpec
-    from attnplug.modes import ForwardMode
-    from attnplug.resolution import resolve
-    from attnplug.testing.reference import expected_cache_after, reference_attention
-    from attnplug.testing.tolerances import tolerance_for
+    from attnplug.testing.suite import harness as H
 
     caps = registry.get(name).capabilities
     device = _device_for(host, caps.devices)
-    dtype = _pick(caps.dtypes, DTYPE_PREFERENCE)
-    page_size = _pick(caps.page_sizes, (4, 1, 16))
-    head_dim = _pick(caps.head_dims, (HEAD_DIM, 64, 128))
-    kv_heads = NUM_KV_HEADS if caps.gqa else NUM_HEADS
-    rep.device, rep.dtype, rep.page_size = device, dtype, page_size
-    try:
-        resolved = resolve(AttentionConfig(attention_backend=name, dtype=dtype, page_size=page_size),
-                           host=host, registry=registry).config
-    except Exception as exc:
-        rep.error = f"resolution: {type(exc).__name__}: {exc}"
-        return
-    layer = LayerSpec(layer_id=0, num_heads=NUM_HEADS, num_kv_heads=kv_heads, head_dim=head_dim)
-    max_ctx = 64
-    cache = PagedKVCache(1, num_pages=4 * max_ctx // page_size, num_kv_heads=kv_heads, head_dim=head_dim,
-                         page_size=page_size, dtype=dtype, device=device, max_requests=4, max_context_len=max_ctx)
-    ctx = BuildContext(config=resolved, host=host, device=device, dtype=dtype, num_heads=NUM_HEADS,
-                       num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, kv_cache=cache,
-                       max_batch_size=4, max_context_len=max_ctx, layers=(layer,))
-    try:
-        effective, backend = registry.build(name, ctx)
-    except Exception as exc:
-        rep.error = f"build: {type(exc).__name__}: {exc}"
-        return
-    rep.effective_name = effective
-    tol = tolerance_for(dtype)  # the conformance suite's, stated in one place
-    atol, rtol = tol.atol, tol.rtol
-    gen = torch.Generator().manual_seed(1234)
-    tdtype = getattr(torch, dtype)
-    for sc in SCENARIOS:
-        if sc.needs and not getattr(caps, sc.needs):
-            continue
-        mode = ForwardMode(sc.mode)
+    pairs = claim_cases(caps, name)
+    if pairs:
+        first = pairs[0][1]
+        rep.device, rep.dtype, rep.page_size = device, first.dtype, first.page_size
+    for label, case in pairs:
         try:
-            rep.modes.append(_one_mode(sc, mode, backend, layer, cache, gen, tdtype, device, atol, rtol,
-                                       ForwardBatch, PageAllocator, reference_attention, expected_cache_after))
-        except Exception as exc:
-            rep.modes.append(ModeResult(sc.label, False, error=f"{type(exc).__name__}: {exc}"))
+            problem = H.make_problem(case, device)
+            ctx = problem.context(name).replace(host=host)
+        except Exception as exc:  # the problem itself could not be set up: doctor's fault, say so
+            rep.error = f"setting up {label}: {type(exc).__name__}: {exc}"
+            return
+        try:
+            rep.effective_name, backend = registry.build(name, ctx)
+        except Exception as exc:  # a backend that cannot be built for a claimed case fails as a whole
+            rep.error = f"build: {type(exc).__name__}: {exc}"
+            return
+        try:
+            rep.modes.append(_check_case(label, case, backend, problem, H))
+        except Exception as exc:  # a claimed case that raises is a failed claim
+            rep.modes.append(ModeResult(f"{label} ({case.scenario.name})", False,
+                                        error=f"{type(exc).__name__}: {exc}"))
 
 
-def _one_mode(sc: Scenario, mode: Any, backend: Any, layer: Any, cache: Any, gen: Any, tdtype: Any, device: str,
-              atol: float, rtol: float, ForwardBatch: Any, PageAllocator: Any, reference_attention: Callable[..., Any],
-              expected_cache_after: Callable[..., Any]) -> ModeResult:
+def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any) -> ModeResult:
     import torch
 
-    H, KV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    # garbage everywhere: a backend reading a slot it should not shows up as an error
-    for buf in (cache.k_buffers[0], cache.v_buffers[0]):
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
-    if mode.is_idle():
-        batch = ForwardBatch.idle(device)
-        q = torch.zeros(0, H, D, dtype=tdtype, device=device)
-        k = torch.zeros(0, KV, D, dtype=tdtype, device=device)
-        backend.init_forward_metadata(batch)
-        out = backend.forward(q, k, k.clone(), layer, batch, save_kv_cache=True)
-        ok = tuple(out.shape) == (0, H, layer.v_head_dim)
-        return ModeResult(sc.label, ok, 0.0, atol, None if ok else f"idle output shape {tuple(out.shape)}")
-    reqs = [2, 0]  # pool rows out of order: the backend must go through req_to_token
-    alloc = PageAllocator(cache.num_pages, shuffle=True, seed=len(sc.label))
-    for r, p, e in zip(reqs, sc.prefix, sc.extend):
-        n = p + e
-        cache.assign_pages(r, n, alloc.alloc(-(-n // cache.page_size)))
-    loc = torch.cat([cache.slots(r, p, p + e) for r, p, e in zip(reqs, sc.prefix, sc.extend)])
-    kw: dict[str, Any] = {}
-    if mode.is_target_verify():
-        d = sc.extend[0]
-        mask = torch.tril(torch.ones(d, d, dtype=torch.bool))
-        mask[d - 1, 1] = False  # a tree: the last draft token does not see the second
-        kw = {"spec_num_draft_tokens": d, "spec_custom_mask": mask.expand(len(reqs), d, d).clone().to(device)}
-    if mode.is_decode():
-        seq = [p + e for p, e in zip(sc.prefix, sc.extend)]
-        batch = ForwardBatch.decode(torch.tensor(reqs, device=device), torch.tensor(seq, device=device), loc)
+    from attnplug.testing.reference import expected_cache_after
+    from attnplug.testing.tolerances import tolerance_for
+
+    where = f"{label} ({case.scenario.name})"
+    tol = tolerance_for(case.dtype)
+    out = H.run(backend, problem)
+    H.check_output_shape(out, problem)
+    cmp = H.compare(out, H.expected_output(problem, 0), tol)
+    q, k, v = problem.qkv[0]
+    kb, vb = problem.before[0]
+    if problem.layers[0].is_cross_attention or k is None:
+        want = (kb, vb)
     else:
-        batch = ForwardBatch.extend(torch.tensor(reqs, device=device), torch.tensor(sc.prefix, device=device),
-                                    torch.tensor(sc.extend, device=device), loc, mode=mode, **kw)
-    T = sum(sc.extend)
-    q = torch.randn(T, H, D, generator=gen).to(tdtype).to(device)
-    k = torch.randn(T, KV, D, generator=gen).to(tdtype).to(device)
-    v = torch.randn(T, KV, layer.v_head_dim, generator=gen).to(tdtype).to(device)
-    kc0, vc0 = cache.k_buffers[0].clone(), cache.v_buffers[0].clone()
-    expected = reference_attention(q, k, v, layer, batch, kc0, vc0, cache.req_to_token)
-    backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, layer, batch, save_kv_cache=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    if tuple(out.shape) != tuple(expected.shape):
-        return ModeResult(sc.label, False, error=f"output shape {tuple(out.shape)}, expected {tuple(expected.shape)}")
-    got = out.detach().to(torch.float64).cpu()
-    err = float((got - expected).abs().max()) if got.numel() else 0.0
-    ok = bool(torch.allclose(got, expected, atol=atol, rtol=rtol)) and bool(torch.isfinite(got).all())
-    kc1, vc1 = expected_cache_after(kc0, vc0, k, v, loc)
-    cache_ok = torch.equal(cache.k_buffers[0], kc1) and torch.equal(cache.v_buffers[0], vc1)
-    error = None
-    if not ok:
-        error = f"max |error| {err:.3g} above tolerance (atol={atol}, rtol={rtol})"
+        want = expected_cache_after(kb, vb, k, v, problem.batch.out_cache_loc)
+    cache_ok = all(torch.equal(got, exp) for got, exp in zip((problem.cache.k_buffers[0],
+                                                              problem.cache.v_buffers[0]), want))
+    error = None if cmp.ok else cmp.detail
     if not cache_ok:
         error = (error + "; " if error else "") + "KV-cache write differs from the new k/v at out_cache_loc"
-    return ModeResult(sc.label, ok and cache_ok, err, atol, error)
+    return ModeResult(where, cmp.ok and cache_ok, cmp.max_abs_err, tol.atol, error)
 
 
 # -- the report ------------------------------------------------------------
@@ -254,10 +218,23 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
     host = host or registry.host
     res = trace(AttentionConfig(), host=host, registry=registry)
     default = {"prefill": res.pair[0], "decode": res.pair[1], "ok": res.ok,
-               "error": None if res.ok else f"{type(res.error).__name__}: {res.error}"}
+               "error": None if res.ok else f"{type(res.error).__name__}: {res.error}",
+               "explanation": None}
     names = registry.names() if not only else [registry.canonical(n, host) for n in only]
     backends = [check_backend(registry, n, host) for n in names]
     failed = [b.name for b in backends if b.status == "failed"]
+    default_failure = not res.ok
+    if not res.ok:
+        ranked = [n for n in registry.names() if registry.get(n).priority_on(host) is not None]
+        if not any(registry.availability(n, host) for n in ranked):
+            # Nothing installed volunteers as a default here (e.g. only a third-party backend that
+            # is chosen by name): that is a fact about this install, not a broken backend.
+            default_failure = False
+            usable = [b.name for b in backends if b.status == "ok"]
+            default["explanation"] = (
+                f"no installed backend declares a default priority for a {host.platform} host"
+                + (f"; choose one by name, e.g. --attention-backend {usable[0]}" if usable else "")
+            )
     return {
         "host": host.to_dict(),
         "host_line": host.describe(),
@@ -268,7 +245,7 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
         "default_pair": default,
         "backends": [b.to_dict() for b in backends],
         "failed": failed,
-        "ok": not failed and res.ok,
+        "ok": not failed and not default_failure,
     }
 
 
@@ -285,18 +262,22 @@ def render(report: dict[str, Any]) -> str:
     d = report["default_pair"]
     if d["ok"]:
         lines.append(f"default pair: prefill={d['prefill']} decode={d['decode']}  (attnplug resolve explains it)")
+    elif d.get("explanation"):
+        lines.append(f"default pair: none: {d['explanation']}")
     else:
         lines.append(f"default pair: NOT RESOLVED: {d['error']}")
-    rows = [("backend", "distribution", "version", "available", "modes checked", "max error", "time", "result")]
+    rows = [("backend", "distribution", "version", "available", "claims checked", "max error", "time", "result")]
     for b in report["backends"]:
         avail = "yes" if b["available"] else "no: " + "; ".join(b["reasons"])
-        modes = ",".join(m["mode"] + ("" if m["ok"] else "!") for m in b["modes"]) or "-"
+        modes = _claims_summary(b["modes"])
         err = "-" if b["max_error"] is None else f"{b['max_error']:.2e}"
         secs = "-" if not b["available"] else f"{b['seconds'] * 1000:.0f}ms"
         result = {"ok": "ok", "failed": "FAILED", "skipped": "-"}[b["status"]]
         rows.append((b["name"], b["distribution"], b["version"], avail, modes, err, secs, result))
     avail_col, cap = 3, 40  # the "why not" can be long: cut in the table, spelled out below it
     rows = [r[:avail_col] + (_cut(r[avail_col], cap),) + r[avail_col + 1:] for r in rows]
+    claims_col = 4  # long too: cut in the table; a failing claim is spelled out below it
+    rows = [r[:claims_col] + (_cut(r[claims_col], 56),) + r[claims_col + 1:] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -315,6 +296,19 @@ def render(report: dict[str, Any]) -> str:
     lines.append("doctor: " + ("all checks passed" if report["ok"] else
                                "FAILED: " + (", ".join(report["failed"]) or "no default pair")))
     return "\n".join(lines)
+
+
+def _claims_summary(modes: list[dict[str, Any]]) -> str:
+    """``"41 cases: modes, heads, window, softcap, sinks, cross, dtypes"``; failing claims marked ``!``."""
+    if not modes:
+        return "-"
+    groups: dict[str, bool] = {}
+    for m in modes:
+        label = m["mode"].split(" ", 1)[0]
+        kind, _, detail = label.partition(":")
+        key = {"mode": "modes", "heads": "heads", "dtype": "dtypes"}.get(kind, detail or kind)
+        groups[key] = groups.get(key, True) and m["ok"]
+    return f"{len(modes)} cases: " + ",".join(k + ("" if ok else "!") for k, ok in groups.items())
 
 
 def _cut(text: str, width: int) -> str:
