@@ -292,7 +292,8 @@ def render(report: dict[str, Any]) -> str:
                 if not m["ok"]:
                     lines.append(f"  {b['name']} FAILED{where} in {m['mode']}: {m['error']}")
     if not report["backends"]:
-        lines.append("no backends found: install a plugin, e.g. `pip install attnplug-torch-native`")
+        lines.append("no backends found: install a plugin, e.g. `pip install -c constraints.txt ./plugins/torch_native` "
+                     "from an attnplug checkout (the plugin distributions are not published on PyPI yet)")
     lines.append("doctor: " + ("all checks passed" if report["ok"] else
                                "FAILED: " + (", ".join(report["failed"]) or "no default pair")))
     return "\n".join(lines)
