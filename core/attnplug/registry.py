@@ -125,8 +125,13 @@ class Registry:
         def register(descriptor: BackendDescriptor) -> None:
             staged.append(self._validated(descriptor, src))
 
+        def printed(dist: str, text: str) -> None:
+            record.output += text
+            self.problems.append(output_note(dist, "hook attnplug_register_backends", text))
+
         try:
-            self.call_hook("attnplug_register_backends", only=src.distribution, register=register)
+            self.call_hook("attnplug_register_backends", only=src.distribution, on_output=printed,
+                           register=register)
         except PluginError as exc:
             self._pm.unregister(module)
             record.status, record.error = "failed", exc.detail
@@ -146,6 +151,7 @@ class Registry:
         *,
         only: str | None = None,
         per_plugin: Callable[[str], Mapping[str, Any]] | None = None,
+        on_output: Callable[[str, str], None] | None = None,
         **kwargs: Any,
     ) -> list[tuple[str, Any]]:
         """Call ``hook`` on every loaded plugin implementing it (by distribution; ``only`` one).
@@ -154,7 +160,7 @@ class Registry:
         adds keyword arguments for one plugin (a ``register`` callback bound to
         it). Anything a plugin raises, and a result of the wrong type, is a
         ``PluginError`` naming the distribution and the hook; what it prints
-        goes to stderr, labelled.
+        goes to ``on_output(distribution, text)``, else to stderr, labelled.
         """
         caller = getattr(self._pm.hook, hook)
         impls = [(self._pm.get_name(i.plugin) or "?", i) for i in caller.get_hookimpls()]
@@ -168,8 +174,8 @@ class Registry:
                 call_kwargs.update(per_plugin(dist))
             result, out = call_plugin(dist, f"hook {hook}", impl.function, **call_kwargs)
             if out:
-                if hook == "attnplug_register_backends":
-                    self.problems.append(output_note(dist, f"hook {hook}", out))
+                if on_output is not None:
+                    on_output(dist, out)
                 else:
                     echo_output(dist, f"hook {hook}", out)
             if expected is not None and not expected[1](result):
@@ -276,19 +282,32 @@ class Registry:
     def availability(self, name: str, host: HostInfo | None = None) -> Availability:
         """Whether ``name`` can run on ``host``, with the reasons when not (cached per host)."""
         host = host or self.host
+        if name in self._set_aside:
+            return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
         key = (name, host)
         if key not in self._availability:
             desc = self.get(name)
             try:
+                # the priority function is asked here too, so a malformed one is found before
+                # the backend is chosen, not after
+                desc.priority_on(host)
                 self._availability[key] = desc.check_availability(host)
-            except PluginError as exc:  # the probe answered with the wrong type
+            except PluginError as exc:  # a probe or priority function broke the contract
                 self.set_aside(desc.distribution, exc.detail)
                 return Availability(False, (f"set aside: {exc}",))
         return self._availability[key]
 
+    def settle(self, host: HostInfo | None = None) -> None:
+        """Ask every backend's probe and priority function about ``host`` now, so a plugin that
+        breaks the contract is set aside before anything iterates the names (cached per host)."""
+        for name in self.names():
+            self.availability(name, host)
+
     def priority(self, name: str, host: HostInfo | None = None) -> int | None:
         """``name``'s default priority on ``host``; a priority function that raises or answers
         with the wrong type sets its plugin aside (and counts as no priority)."""
+        if name in self._set_aside:
+            return None
         desc = self.get(name)
         try:
             return desc.priority_on(host or self.host)
@@ -303,9 +322,18 @@ class Registry:
         """What to say when no backend is registered: filtered, failed, or none installed."""
         filtered, failed = self.filtered_plugins(), self.failed_plugins()
         if filtered or failed:
-            parts = [f"{p.distribution} ({p.error})" for p in filtered + failed]
+            parts = [f"{p.distribution} ({p.error})" for p in failed]
+            if filtered:
+                parts.append(self._filtered_summary())
             return "no backends loaded: " + "; ".join(parts)
         return "no backends found: install a plugin, e.g. `pip install attnplug-torch-native`"
+
+    def _filtered_summary(self) -> str:
+        """The filtered plugins, grouped by the variable that removed them."""
+        by_reason: dict[str, list[str]] = {}
+        for p in self.filtered_plugins():
+            by_reason.setdefault(p.error or "filtered", []).append(p.distribution)
+        return "; ".join(f"{', '.join(dists)} ({why})" for why, dists in by_reason.items())
 
     def canonical(self, name: str, host: HostInfo | None = None) -> str:
         """Resolve ``name`` (canonical, alias, deprecated alias or host-dependent) to a canonical name.
@@ -366,6 +394,7 @@ class Registry:
         return None
 
     def _unknown_message(self, name: str, host: HostInfo) -> str:
+        self.settle(host)
         avail = [n for n in self.names() if self.availability(n, host)]
         unavail = [f"{n} ({'; '.join(self.availability(n, host).reasons)})" for n in self.names()
                    if not self.availability(n, host)]
@@ -379,9 +408,8 @@ class Registry:
         failed = self.failed_plugins()
         if failed:
             msg += ". Plugins set aside: " + ", ".join(f"{p.distribution} ({p.error})" for p in failed)
-        filtered = self.filtered_plugins()
-        if filtered:
-            msg += ". Plugins filtered out: " + ", ".join(f"{p.distribution} ({p.error})" for p in filtered)
+        if self.filtered_plugins():
+            msg += ". Plugins filtered out: " + self._filtered_summary()
         return msg + ". Run `attnplug list` for details."
 
     # -- building ------------------------------------------------------

@@ -15,13 +15,13 @@ def collect(registry: Any) -> dict[str, Any]:
     host = registry.host
     # first ask every probe and priority function: a plugin that answers with the wrong type is
     # set aside (its record says why), so the table below only lists what is still registered
-    answers = {name: (registry.availability(name, host), registry.priority(name, host)) for name in registry.names()}
+    registry.settle(host)
     backends = []
     for name in registry.names():
         desc = registry.get(name)
-        avail, priority = answers[name]
+        avail = registry.availability(name, host)
         entry = desc.to_dict()
-        entry.update(available=avail.available, reasons=list(avail.reasons), priority=priority)
+        entry.update(available=avail.available, reasons=list(avail.reasons), priority=registry.priority(name, host))
         backends.append(entry)
     return {
         "host": host.to_dict(),

@@ -70,6 +70,7 @@ def trace(
         registry = default_registry()
     config = AttentionConfig() if config is None else config
     host = host or registry.host
+    registry.settle(host)  # a plugin with a malformed probe/priority is set aside before the passes
     chain = _Chain(config, arch, host, registry)
     try:
         chain.run(passes)
