@@ -74,10 +74,10 @@ class BackendUnavailableError(AttnplugError):
 class NotSupportedError(AttnplugError, ValueError):
     """A backend cannot serve a given layer/configuration (carries the reasons)."""
 
-    def __init__(self, name: str, reasons: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, name: str, reasons: list[str] | tuple[str, ...], what: str = "this layer") -> None:
         self.name = name
         self.reasons = tuple(reasons)
-        super().__init__(f"attention backend {name!r} does not support this layer: " + "; ".join(self.reasons))
+        super().__init__(f"attention backend {name!r} does not support {what}: " + "; ".join(self.reasons))
 
 
 class ShapeError(AttnplugError, ValueError):

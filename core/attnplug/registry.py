@@ -446,7 +446,8 @@ class Registry:
             raise BackendUnavailableError(canonical, avail.reasons, f"Available here: {', '.join(others) or 'none'}")
         problems = self.build_problems(desc, ctx)
         if problems:
-            raise NotSupportedError(canonical, [f"the build context asks for {p}" for p in problems])
+            raise NotSupportedError(canonical, problems, what="the build context it was asked for "
+                                    "(its declared capabilities do not claim it)")
         what = f"loading factory {desc.factory!r} of backend {canonical!r}"
         factory, out = call_plugin(desc.distribution, what, desc.load_factory)
         echo_output(desc.distribution, what, out)
