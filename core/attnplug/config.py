@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from typing import Any, Literal, Mapping
 
+from .dtypes import dtype_name
 from .errors import ConfigError
 
 SpeculativeAttentionMode = Literal["prefill", "decode"]
@@ -57,8 +58,26 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name}={value!r} (expected a non-empty backend name or None)")
-        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
+        if self.page_size is not None and (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)
+                                           or self.page_size < 1):
             raise ConfigError(f"page_size={self.page_size!r} (expected a positive integer)")
+        for name in ("deterministic", "cuda_graph"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "yes", 1, "false": never truthy by accident
+                raise ConfigError(f"{name}={value!r} ({type(value).__name__}; expected True or False)")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ConfigError(f"{name}={value!r} ({type(value).__name__}; expected a dtype name such as "
+                                  f"'float16', or None)")
+            try:
+                dtype_name(value)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={value!r}: {exc}") from None
+        if not isinstance(self.extra, Mapping) or not all(isinstance(k, str) for k in self.extra):
+            raise ConfigError(f"extra={self.extra!r} (expected a mapping with str keys)")
 
     def attention_backends(self) -> tuple[str | None, str | None]:
         """The ``(prefill, decode)`` pair; each half falls back to the base field."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .capabilities import Capabilities
-from .host import HostInfo
+from .errors import PluginError
+from .host import PLATFORMS, HostInfo
+from .isolation import call_plugin, describe_exception, echo_output
 
 #: ``probe(host) -> reasons``; an empty list means available.
 Probe = Callable[[HostInfo], "list[str]"]
@@ -42,7 +44,11 @@ class BackendDescriptor:
     platform (``{"cpu": 10, "cuda": 50}``) or a callable of ``HostInfo``;
     ``None``/missing means "never a default here". ``library`` and
     ``min_library_version``: the kernel-library distribution and its floor.
-    ``distribution`` and ``version`` are filled in by the registry.
+    ``delegates_to``: other distributions' backend names the factory may
+    answer with (an explicit delegation; see ``Registry.build``).
+    ``distribution`` and ``version`` are filled in by the registry. Every
+    field's type is checked when the plugin registers the descriptor
+    (``descriptor_problems``).
     """
 
     name: str
@@ -55,20 +61,39 @@ class BackendDescriptor:
     library: str | None = None
     min_library_version: str | None = None
     description: str = ""
+    #: canonical names of *other* distributions' backends this factory may answer with (a
+    #: declared delegation); without it a factory may only answer names of its own distribution
+    delegates_to: tuple[str, ...] = ()
     distribution: str = ""
     version: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "aliases", tuple(self.aliases))
-        object.__setattr__(self, "deprecated_aliases", tuple(self.deprecated_aliases))
+        # lists become tuples; anything else (a bare string!) is kept as given and refused
+        # by ``descriptor_problems`` at registration, never split into characters
+        for name in ("aliases", "deprecated_aliases", "delegates_to"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
     def all_aliases(self) -> tuple[str, ...]:
         return self.aliases + self.deprecated_aliases
 
     def priority_on(self, host: HostInfo) -> int | None:
+        """The default priority on ``host`` (``None``: never a default there).
+
+        A priority function that raises, or returns anything but an ``int`` or
+        ``None``, is a ``PluginError`` naming this descriptor's distribution.
+        """
         if callable(self.priority):
-            return self.priority(host)
-        return dict(self.priority).get(host.platform)
+            value, out = call_plugin(self.distribution, f"priority function of backend {self.name!r}",
+                                     self.priority, host)
+            echo_output(self.distribution, f"priority function of backend {self.name!r}", out)
+        else:
+            value = dict(self.priority).get(host.platform)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise PluginError(self.distribution, f"backend {self.name!r}: field 'priority' gave {value!r} "
+                              f"({type(value).__name__}) on {host.platform}; expected an int or None")
+        return value
 
     def check_availability(self, host: HostInfo) -> Availability:
         """Run the probe; a probe that raises makes the backend unavailable with that error as the reason."""
@@ -84,10 +109,15 @@ class BackendDescriptor:
                     f"this GPU is {host.compute_capability[0]}.{host.compute_capability[1]}"
                 )
         if self.probe is not None:
+            what = f"availability probe of backend {self.name!r}"
             try:
-                reasons.extend(self.probe(host) or [])
-            except Exception as exc:  # a failing probe is a reason in words, not a crash
-                reasons.append(f"availability probe raised {type(exc).__name__}: {exc}")
+                found, out = call_plugin(self.distribution, what, self.probe, host)
+            except PluginError as exc:  # a failing probe is a reason in words, not a crash
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                reasons.append(f"availability probe raised {describe_exception(cause)}")
+            else:
+                echo_output(self.distribution, what, out)
+                reasons.extend(probe_reasons(self, found))
         return Availability(not reasons, tuple(reasons))
 
     def library_floor_problem(self, host: HostInfo) -> str | None:
@@ -109,7 +139,10 @@ class BackendDescriptor:
             return self.factory
         module_name, _, attr = self.factory.partition(":")
         module = importlib.import_module(module_name)
-        return getattr(module, attr)
+        factory = getattr(module, attr)
+        if not callable(factory):
+            raise TypeError(f"{self.factory!r} is a {type(factory).__name__}, not a callable")
+        return factory
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,12 +151,105 @@ class BackendDescriptor:
             "version": self.version,
             "aliases": list(self.aliases),
             "deprecated_aliases": list(self.deprecated_aliases),
+            "delegates_to": list(self.delegates_to),
             "factory": self.factory if isinstance(self.factory, str) else repr(self.factory),
             "library": self.library,
             "min_library_version": self.min_library_version,
             "description": self.description,
             "capabilities": self.capabilities.to_dict(),
         }
+
+
+def probe_reasons(desc: "BackendDescriptor", found: Any) -> list[str]:
+    """A probe's answer as reasons: ``None`` or a list/tuple of ``str``; anything else is a
+    ``PluginError`` naming the field, the expected type and the distribution."""
+    if found is None:
+        return []
+    if isinstance(found, (list, tuple)) and all(isinstance(r, str) for r in found):
+        return list(found)
+    raise PluginError(desc.distribution, f"backend {desc.name!r}: field 'probe' returned {found!r} "
+                      f"({type(found).__name__}); expected a list of reason strings (empty when available)")
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(v, str) and v for v in value)
+
+
+def _type_of(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def descriptor_problems(d: "BackendDescriptor") -> list[str]:
+    """Every field of ``d`` with the wrong type, as ``"field 'x': expected ..., got ..."``.
+
+    Run by the registry when a plugin registers ``d``: a descriptor with any
+    problem sets its plugin aside. Callables (probe, priority function,
+    factory) are checked again for what they return when they are called.
+    """
+    out: list[str] = []
+
+    def bad(field: str, expected: str, value: Any) -> None:
+        out.append(f"field {field!r}: expected {expected}, got {_type_of(value)}")
+
+    if not isinstance(d.name, str):
+        bad("name", "a str", d.name)
+    if not (callable(d.factory) or (isinstance(d.factory, str) and ":" in d.factory)):
+        bad("factory", "a 'module:function' str or a callable", d.factory)
+    if not isinstance(d.capabilities, Capabilities):
+        bad("capabilities", "an attnplug.Capabilities", d.capabilities)
+    else:
+        out.extend(capabilities_problems(d.capabilities))
+    if d.probe is not None and not callable(d.probe):
+        bad("probe", "a callable probe(host) -> list[str], or None", d.probe)
+    for field in ("aliases", "deprecated_aliases", "delegates_to"):
+        if not _is_names(getattr(d, field)):
+            bad(field, "a tuple of non-empty str names", getattr(d, field))
+    prio = d.priority
+    if prio is None:
+        pass
+    elif isinstance(prio, Mapping):
+        for key, value in prio.items():
+            if key not in PLATFORMS:
+                out.append(f"field 'priority': key {key!r} is not a platform (expected one of {PLATFORMS})")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                bad(f"priority[{key!r}]", "an int or None", value)
+    elif not callable(prio):
+        bad("priority", "a dict {platform: int} or a callable priority(host) -> int | None", prio)
+    for field in ("library", "min_library_version"):
+        value = getattr(d, field)
+        if value is not None and not isinstance(value, str):
+            bad(field, "a str or None", value)
+    if not isinstance(d.description, str):
+        bad("description", "a str", d.description)
+    return out
+
+
+_BOOL_CAPS = ("v_head_dim_differs", "gqa", "mqa", "sliding_window", "logit_softcap", "sinks", "cross_attention",
+              "speculative_verify", "draft_extend", "cuda_graph", "deterministic")
+
+
+def capabilities_problems(caps: Capabilities) -> list[str]:
+    """Fields of a ``Capabilities`` with the wrong type (it is plain data; nothing checks it on construction)."""
+    out: list[str] = []
+
+    def bad(field: str, expected: str) -> None:
+        out.append(f"field 'capabilities.{field}': expected {expected}, got {_type_of(getattr(caps, field))}")
+
+    for field in _BOOL_CAPS:
+        if not isinstance(getattr(caps, field), bool):
+            bad(field, "a bool")
+    for field in ("head_dims", "page_sizes"):
+        value = getattr(caps, field)
+        if value is not None and not (isinstance(value, tuple) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            bad(field, "None (any) or a non-empty tuple of positive ints")
+    if not (isinstance(caps.devices, tuple) and caps.devices and all(d in PLATFORMS for d in caps.devices)):
+        bad("devices", f"a non-empty tuple of platforms from {PLATFORMS}")
+    cc = caps.min_compute_capability
+    if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in cc)):
+        bad("min_compute_capability", "None or (major, minor) ints")
+    return out
 
 
 def module_missing(module: str, install_hint: str = "") -> Probe:

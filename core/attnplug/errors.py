@@ -16,11 +16,24 @@ class ConfigError(AttnplugError, ValueError):
     """An attention configuration value is invalid (names the field)."""
 
 
+class PluginFilterError(ConfigError):
+    """``ATTNPLUG_PLUGINS`` / ``ATTNPLUG_DISABLE_PLUGINS`` is malformed (e.g. set but naming nothing)."""
+
+
+class HostInfoError(ConfigError):
+    """A recorded host (``ATTNPLUG_HOST_JSON``, ``--host-json``, ``HostInfo(...)``) is malformed.
+
+    The message names the source (variable or flag), the file, the field and the expected type.
+    """
+
+
 class PluginError(AttnplugError):
     """A plugin broke its contract. Carries the distribution at fault."""
 
     def __init__(self, distribution: str, message: str) -> None:
         self.distribution = distribution
+        #: the message without the distribution prefix
+        self.detail = message
         super().__init__(f"plugin distribution {distribution!r}: {message}")
 
 
@@ -36,6 +49,7 @@ class BackendConflictError(PluginError):
             f"uninstall one, or filter with ATTNPLUG_DISABLE_PLUGINS",
         )
         self.distribution = second
+        self.detail = str(self)
 
 
 class UnknownBackendError(AttnplugError, KeyError):
@@ -60,10 +74,10 @@ class BackendUnavailableError(AttnplugError):
 class NotSupportedError(AttnplugError, ValueError):
     """A backend cannot serve a given layer/configuration (carries the reasons)."""
 
-    def __init__(self, name: str, reasons: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, name: str, reasons: list[str] | tuple[str, ...], what: str = "this layer") -> None:
         self.name = name
         self.reasons = tuple(reasons)
-        super().__init__(f"attention backend {name!r} does not support this layer: " + "; ".join(self.reasons))
+        super().__init__(f"attention backend {name!r} does not support {what}: " + "; ".join(self.reasons))
 
 
 class ShapeError(AttnplugError, ValueError):

@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import errno
+import gc
 import io
 import os
 import re
+import stat
 import sys
 import tokenize
 from pathlib import Path
@@ -184,6 +187,8 @@ class GuardReport:
     problems: list[ParseProblem]
     unused_allow: list[AllowEntry]
     files_checked: int
+    #: paths skipped while walking a directory (a FIFO or device named ``*.py``, a symlink loop)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -251,6 +256,64 @@ def _key(node: ast.expr) -> str | None:
     return None
 
 
+#: Value nodes ``strings_of`` / ``iter_strings`` / ``callable_of`` can say anything about.
+_FOLDABLE = frozenset({ast.Constant, ast.Name, ast.Attribute, ast.BinOp, ast.JoinedStr, ast.IfExp, ast.NamedExpr,
+                       ast.Tuple, ast.List, ast.Set})
+_BINDING_NODES = frozenset({ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.For, ast.AsyncFor, ast.comprehension,
+                            ast.ClassDef, ast.ImportFrom})
+#: Fields that hold only operator/context singletons (Load, Add, Eq ...): never walked into.
+_LEAF_FIELDS = frozenset({"ctx", "op", "ops"})
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+_READ_NODES = frozenset({ast.Attribute, ast.AugAssign, ast.Subscript, ast.Compare, ast.Call, ast.MatchClass,
+                         ast.MatchMapping})
+
+
+@dataclasses.dataclass
+class _Nodes:
+    """The nodes of one tree the guard looks at, each kind in tree order (parents first)."""
+
+    bindings: list[ast.AST]  # assignments, loops, classes, imports: what constants fold from
+    reads: list[ast.AST]  # where a read can be: attributes, subscripts, calls, compares, patterns
+    strings: list[ast.AST]  # Constant and JoinedStr: where a '#' is not a comment
+
+
+def _all_nodes(tree: ast.AST) -> _Nodes:
+    """Walk ``tree`` once, sorting the nodes the guard needs into lists.
+
+    One loop instead of ``ast.walk``'s generators, and every later pass runs
+    over its own short list: the guard must stay within a small factor of
+    ``ast.parse`` on big files.
+    """
+    nodes = _Nodes([], [], [])
+    route: dict[type, list[ast.AST]] = {t: nodes.bindings for t in _BINDING_NODES}
+    route.update({t: nodes.reads for t in _READ_NODES})
+    route[ast.Constant] = route[ast.JoinedStr] = nodes.strings
+    queue: list[ast.AST] = [tree]
+    append, AST, fields_of, route_get = queue.append, ast.AST, _FIELDS, route.get
+    i = 0
+    while i < len(queue):
+        node = queue[i]
+        i += 1
+        cls = type(node)
+        bucket = route_get(cls)
+        if bucket is not None:
+            bucket.append(node)
+        fields = fields_of.get(cls)
+        if fields is None:
+            fields = fields_of[cls] = tuple(f for f in cls._fields if f not in _LEAF_FIELDS)
+        for name in fields:
+            value = getattr(node, name, None)
+            if type(value) is list:
+                for item in value:
+                    if isinstance(item, AST):
+                        append(item)
+            elif isinstance(value, AST):
+                append(value)
+    return nodes
+
+
 class _Constants:
     """Fold expressions to the set of strings they may hold, from bindings in the file.
 
@@ -259,12 +322,12 @@ class _Constants:
     reviewed false positive (silenced by an allow) to a missed read.
     """
 
-    def __init__(self, tree: ast.AST, attr: str) -> None:
+    def __init__(self, nodes: list[ast.AST], attr: str) -> None:
         self.attr = attr
         self.strings: dict[str, set[str]] = {}
         self.callables: dict[str, str] = {}
         bindings: list[tuple[str, ast.expr, bool]] = []  # (name, value, is_iteration)
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     bindings.extend(_pairs(target, node.value))
@@ -287,6 +350,8 @@ class _Constants:
                 for alias in node.names:
                     if alias.name in _KNOWN_CALLABLES:
                         self.callables[alias.asname or alias.name] = alias.name
+        # only values that can fold to a string or name a callable can change anything
+        bindings = [b for b in bindings if type(b[1]) in _FOLDABLE]
         # Fixpoint: FIELD2 = FIELD1, g = getattr, h = operator.attrgetter ... A few
         # rounds suffice for real chains and bound `s = s + "x"`, which never settles.
         changed, rounds = True, 0
@@ -391,11 +456,25 @@ def _is_namespace_view(node: ast.expr, consts: _Constants) -> bool:
     return isinstance(node, ast.Call) and consts.callable_of(node.func) == "vars"
 
 
-class _Visitor(ast.NodeVisitor):
+class _Visitor:
     def __init__(self, attr: str, consts: _Constants) -> None:
         self.attr = attr
         self.consts = consts
         self.hits: list[tuple[ast.AST, str]] = []
+        self._dispatch = {
+            ast.Attribute: self.visit_Attribute, ast.AugAssign: self.visit_AugAssign,
+            ast.Subscript: self.visit_Subscript, ast.Compare: self.visit_Compare, ast.Call: self.visit_Call,
+            ast.MatchClass: self.visit_MatchClass, ast.MatchMapping: self.visit_MatchMapping,
+        }
+
+    def run(self, nodes: list[ast.AST]) -> list[tuple[ast.AST, str]]:
+        """Every read among ``nodes`` (each node looked at once; no recursion)."""
+        dispatch = self._dispatch
+        for node in nodes:
+            handler = dispatch.get(type(node))
+            if handler is not None:
+                handler(node)
+        return self.hits
 
     def _names_field(self, node: ast.expr | None) -> bool:
         return node is not None and self.attr in self.consts.strings_of(node)
@@ -403,7 +482,6 @@ class _Visitor(ast.NodeVisitor):
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if isinstance(node.ctx, ast.Load) and _attribute_matches(node, self.attr):
             self.hits.append((node, "attribute"))
-        self.generic_visit(node)
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         # `x.attention_backend += s` reads the field before writing it.
@@ -412,12 +490,10 @@ class _Visitor(ast.NodeVisitor):
             self.hits.append((target, "attribute"))
         elif isinstance(target, ast.Subscript) and self._names_field(target.slice):
             self.hits.append((target, "mapping"))
-        self.generic_visit(node)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
         if isinstance(node.ctx, ast.Load) and self._names_field(node.slice):
             self.hits.append((node, "mapping"))
-        self.generic_visit(node)
 
     def visit_Compare(self, node: ast.Compare) -> None:
         # "attention_backend" in vars(x) / in x.__dict__: a presence check, like hasattr.
@@ -427,13 +503,11 @@ class _Visitor(ast.NodeVisitor):
                 self.hits.append((node, "hasattr"))
                 break
             left = right
-        self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
         kind = self._call_kind(node)
         if kind is not None:
             self.hits.append((node, kind))
-        self.generic_visit(node)
 
     def _call_kind(self, node: ast.Call) -> str | None:
         name = self.consts.call_name(node.func)
@@ -457,12 +531,10 @@ class _Visitor(ast.NodeVisitor):
     def visit_MatchClass(self, node: ast.MatchClass) -> None:
         if self.attr in node.kwd_attrs:
             self.hits.append((node, "match"))
-        self.generic_visit(node)
 
     def visit_MatchMapping(self, node: ast.MatchMapping) -> None:
         if any(self._names_field(key) for key in node.keys):
             self.hits.append((node, "match"))
-        self.generic_visit(node)
 
 
 # --------------------------------------------------------------------------- files
@@ -480,38 +552,132 @@ def _read_source(path: Path, display: str) -> tuple[str | None, ParseProblem | N
         return None, ParseProblem(display, 1, 1, f"cannot decode: {exc}")
 
 
-def _allow_comment_lines(source: str) -> set[int]:
-    lines: set[int] = set()
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT and _ALLOW_RE.search(tok.string):
-                lines.add(tok.start[0])
-    except (tokenize.TokenError, SyntaxError):  # pragma: no cover - ast.parse accepted it
-        pass
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+_OTHER_BREAKS = re.compile("[\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _split_lines(source: str) -> list[str]:
+    """Lines as ``ast`` counts them (``\\r\\n``, ``\\r``, ``\\n``; not form feeds), endings kept."""
+    if not _OTHER_BREAKS.search(source):
+        return source.splitlines(keepends=True)  # the same split, in C
+    lines: list[str] = []
+    start = 0
+    for m in _LINE_END.finditer(source):
+        lines.append(source[start:m.end()])
+        start = m.end()
+    if start < len(source):
+        lines.append(source[start:])
     return lines
 
 
+class _Lines:
+    """The source's lines, each encoded to UTF-8 once and only when a finding needs it
+    (``ast`` columns are byte offsets). Every lookup is O(length of that line), so
+    N findings cost O(N + size), never O(N x size)."""
+
+    def __init__(self, source: str) -> None:
+        self.text = _split_lines(source)
+        self._bytes: dict[int, bytes] = {}
+
+    def raw(self, lineno: int) -> bytes:
+        data = self._bytes.get(lineno)
+        if data is None:
+            data = self.text[lineno - 1].encode("utf-8") if 0 < lineno <= len(self.text) else b""
+            self._bytes[lineno] = data
+        return data
+
+    def segment(self, node: ast.AST) -> str | None:
+        start, end = node.lineno, node.end_lineno  # type: ignore[attr-defined]
+        col, end_col = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]
+        if end is None or end_col is None:
+            return None
+        if start == end:
+            return self.raw(start)[col:end_col].decode("utf-8", errors="replace")
+        parts = [self.raw(start)[col:]] + [self.raw(n) for n in range(start + 1, end)] + [self.raw(end)[:end_col]]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def char_col(self, lineno: int, byte_col: int) -> int:
+        return len(self.raw(lineno)[:byte_col].decode("utf-8", errors="replace"))
+
+
+def _allow_comment_lines(nodes: list[ast.AST], lines: _Lines, candidates: set[int]) -> set[int]:
+    """Which ``candidates`` (lines whose text contains the allow marker) carry it in a comment.
+
+    No tokenizer: outside string literals a ``#`` always starts a comment, and
+    the tree knows every string literal's span. Only lines that hold a finding
+    and the marker text are looked at, so the cost stays linear in the file.
+    """
+    if not candidates:
+        return set()
+    strings: dict[int, list[tuple[int, int]]] = {n: [] for n in candidates}
+    for node in nodes:
+        if type(node) is ast.JoinedStr or (type(node) is ast.Constant and isinstance(node.value, (str, bytes))):
+            first, last = node.lineno, node.end_lineno or node.lineno
+            for n in range(first, last + 1):  # each line a literal spans: linear in the file overall
+                if n in strings:
+                    lo = node.col_offset if n == first else 0
+                    hi = (node.end_col_offset or 0) if n == last else 1 << 60
+                    strings[n].append((lo, hi))
+    found: set[int] = set()
+    for n in candidates:
+        raw = lines.raw(n)
+        pos = raw.find(b"#")
+        while pos != -1:
+            if not any(lo <= pos < hi for lo, hi in strings[n]):
+                if _ALLOW_RE.search(raw[pos:].decode("utf-8", errors="replace")):
+                    found.add(n)
+                break
+            pos = raw.find(b"#", pos + 1)
+    return found
+
+
 def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[list[Finding], list[Finding]]:
-    """Parse ``source`` (raises SyntaxError) -> (findings, findings suppressed by a comment)."""
-    tree = ast.parse(source, filename=display)
-    visitor = _Visitor(attr, _Constants(tree, attr))
-    visitor.visit(tree)
-    if not visitor.hits:
-        return [], []
-    allow_lines = _allow_comment_lines(source)
-    lines = source.splitlines()
-    findings: list[Finding] = []
-    suppressed: list[Finding] = []
+    """Parse ``source`` (raises SyntaxError) -> (findings, findings suppressed by a comment).
+
+    Linear in the size of the file (``benchmarks/lint_scaling.py`` measures it
+    against ``ast.parse`` alone).
+    """
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a big tree is hundreds of thousands of objects: no collections while building it
+    try:
+        tree = ast.parse(source, filename=display)
+        nodes = _all_nodes(tree)
+        found = _Visitor(attr, _Constants(nodes.bindings, attr)).run(nodes.reads)
+        if not found:
+            return [], []
+        return _report(found, nodes, source, display, attr, reason)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _report(found: list[tuple[ast.AST, str]], nodes: _Nodes, source: str, display: str, attr: str,
+            reason: str) -> tuple[list[Finding], list[Finding]]:
+    lines = _Lines(source)
+    hits: list[tuple[ast.AST, str]] = []
     seen: set[tuple[int, int, int, int]] = set()
-    for node, kind in visitor.hits:
+    # source order; of two reads starting together, the enclosing one first
+    found = sorted(found, key=lambda h: (h[0].lineno, h[0].col_offset,  # type: ignore[attr-defined]
+                                         -(h[0].end_lineno or 0), -(h[0].end_col_offset or 0)))  # type: ignore[attr-defined]
+    for node, kind in found:
         start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
         key = (start, node.col_offset, end, node.end_col_offset or 0)  # type: ignore[attr-defined]
-        if key in seen:
-            continue
-        seen.add(key)
-        segment = ast.get_source_segment(source, node) or f"<{kind} read of {attr}>"
+        if key not in seen:
+            seen.add(key)
+            hits.append((node, kind))
+    marked = {n for node, _ in hits
+              for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)  # type: ignore[attr-defined]
+              if b"allow-base-field" in lines.raw(n)}
+    allow_lines = _allow_comment_lines(nodes.strings, lines, marked)
+    findings: list[Finding] = []
+    suppressed: list[Finding] = []
+    for node, kind in hits:
+        start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+        segment = lines.segment(node) or f"<{kind} read of {attr}>"
         expr = _one_line(segment)
-        finding = Finding(display, start, _char_col(lines, start, node.col_offset) + 1, expr, reason, kind)  # type: ignore[attr-defined]
+        finding = Finding(display, start, lines.char_col(start, node.col_offset) + 1, expr, reason, kind)  # type: ignore[attr-defined]
         if any(n in allow_lines for n in range(start, end + 1)):
             suppressed.append(finding)
         else:
@@ -520,20 +686,47 @@ def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[li
 
 
 def _one_line(segment: str) -> str:
+    if "\n" not in segment and "\r" not in segment:
+        return segment
+    return _join_lines(segment)
+
+
+def _join_lines(segment: str) -> str:
     """A multi-line read on one line: ``(cfg\\n .attention_backend)`` -> ``cfg.attention_backend``."""
     segment = re.sub(r"(?<=[(\[{])\s*\n\s*|\s*\n\s*(?=[.)\]},])", "", segment)
     return re.sub(r"\s*\n\s*", " ", segment)
 
 
-def _char_col(lines: list[str], lineno: int, byte_col: int) -> int:
-    """ast columns are UTF-8 byte offsets; report characters."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _stat_problem(path: str) -> tuple[str, str | None]:
+    """``("file" | "dir" | "other", why)``: what ``path`` is, following symlinks, and the
+    sentence to report when it cannot be checked (``None`` for a regular file or directory)."""
     try:
-        return len(lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", errors="replace"))
-    except IndexError:  # pragma: no cover
-        return byte_col
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "other", f"{path}: symlink loop (too many levels of symbolic links)"
+        if exc.errno == errno.ENOENT:
+            dangling = os.path.islink(path)
+            return "missing", f"{path}: " + ("dangling symlink" if dangling else "no such file or directory")
+        return "other", f"{path}: cannot read: {exc.strerror or exc}"
+    if stat.S_ISREG(st.st_mode):
+        return "file", None
+    if stat.S_ISDIR(st.st_mode):
+        return "dir", None
+    return "other", f"{path}: {_kind(st.st_mode)}, not a Python source file"
 
 
-def _walk(root: Path) -> Iterator[Path]:
+def _walk(root: Path, skipped: list[str]) -> Iterator[Path]:
+    """``*.py`` regular files under ``root``; anything else named ``*.py`` is noted in ``skipped``
+    (reading a FIFO would block forever) and never opened."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
             d for d in dirnames
@@ -541,7 +734,12 @@ def _walk(root: Path) -> Iterator[Path]:
         )
         for name in sorted(filenames):
             if name.endswith(".py"):
-                yield Path(dirpath) / name
+                path = os.path.join(dirpath, name)
+                kind, why = _stat_problem(path)
+                if kind == "file":
+                    yield Path(path)
+                else:
+                    skipped.append(f"skipped {why}")
 
 
 def _normalise(paths_with_reasons: PathsWithReasons) -> list[tuple[str, str | None]]:
@@ -554,23 +752,32 @@ def _normalise(paths_with_reasons: PathsWithReasons) -> list[tuple[str, str | No
 
 def _same_file(allow_path: str, finding_path: str) -> bool:
     a, f = Path(allow_path), Path(finding_path)
-    try:
-        if a.resolve() == f.resolve():
-            return True
-    except OSError:  # pragma: no cover
-        pass
+    if _real(a) == _real(f):
+        return True
     if a.is_absolute():
         return False
     a_parts = Path(os.path.normpath(a)).parts
-    f_parts = f.resolve().parts
+    f_parts = _real(f).parts
     return len(a_parts) <= len(f_parts) and tuple(f_parts[-len(a_parts):]) == a_parts
 
 
+def _real(path: PathLike) -> Path:
+    """The resolved path; never raises (a symlink loop resolves as far as it can)."""
+    return Path(os.path.realpath(os.fspath(path)))
+
+
 def _files(
-    paths_with_reasons: PathsWithReasons, attr: str, exclude: Iterable[PathLike]
+    paths_with_reasons: PathsWithReasons, attr: str, exclude: Iterable[PathLike], skipped: list[str] | None = None,
 ) -> list[tuple[Path, str, str]]:
-    """(file, display path, reason); a file named more specifically keeps its own reason."""
-    excluded = [Path(os.fspath(e)).resolve() for e in exclude]
+    """(file, display path, reason); a file named more specifically keeps its own reason.
+
+    A path given directly must be a regular file or a directory: a missing
+    path is ``FileNotFoundError``; an empty path, a symlink loop, a FIFO, a
+    device or a socket is a ``GuardError`` saying which. Inside a walked
+    directory those are skipped and listed in ``skipped``.
+    """
+    skipped = [] if skipped is None else skipped
+    excluded = [_real(e) for e in exclude]
 
     def is_excluded(p: Path) -> bool:
         return any(p == e or e in p.parents for e in excluded)
@@ -578,13 +785,18 @@ def _files(
     chosen: dict[Path, tuple[int, int, str, str]] = {}  # resolved -> (specificity, order, display, reason)
     order = 0
     for given, reason in _normalise(paths_with_reasons):
+        if not given:
+            raise GuardError("an empty path was given; name a file or a directory")
+        kind, why = _stat_problem(given)
+        if kind == "missing":
+            raise FileNotFoundError(why)
+        if why is not None:
+            raise GuardError(why)
         root = Path(given)
-        if not root.exists():
-            raise FileNotFoundError(f"no such file or directory: {given}")
-        specificity = len(root.resolve().parts)
-        files = [root] if root.is_file() else list(_walk(root))
+        specificity = len(_real(root).parts)
+        files = [root] if kind == "file" else list(_walk(root, skipped))
         for f in files:
-            resolved = f.resolve()
+            resolved = _real(f)
             if is_excluded(resolved):
                 continue
             current = chosen.get(resolved)
@@ -611,7 +823,10 @@ def check(
     both directly and through a directory keeps the reason of the more specific
     entry. ``exclude`` removes files or whole directories (e.g. the config module
     that defines the field). Raises ``FileNotFoundError`` for a missing path and
-    :class:`GuardError` for a bad ``attr`` or allow entry.
+    :class:`GuardError` for a bad ``attr`` or allow entry, an empty path, or a path
+    given directly that is not a regular file or directory (FIFO, device, socket,
+    symlink loop); such entries met while walking a directory are skipped and
+    listed in ``GuardReport.skipped``.
     """
     if not isinstance(attr, str) or not attr.isidentifier():
         raise GuardError(f"attr={attr!r}: expected an attribute name such as {DEFAULT_ATTR!r}")
@@ -620,7 +835,8 @@ def check(
     findings: list[Finding] = []
     allowed: list[Finding] = []
     problems: list[ParseProblem] = []
-    files = _files(paths_with_reasons, attr, exclude)
+    skipped: list[str] = []
+    files = _files(paths_with_reasons, attr, exclude, skipped)
     for path, display, reason in files:
         source, problem = _read_source(path, display)
         if problem is not None or source is None:
@@ -643,7 +859,7 @@ def check(
             else:
                 findings.append(finding)
     unused = [e for e in entries if e not in used]
-    return GuardReport(attr, findings, allowed, problems, unused, len(files))
+    return GuardReport(attr, findings, allowed, problems, unused, len(files), skipped)
 
 
 def find_base_field_reads(

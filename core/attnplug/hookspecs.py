@@ -9,7 +9,7 @@ backend is built.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 import pluggy
 
@@ -23,8 +23,41 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+class RegisterBackend(Protocol):
+    """The ``register`` callable of ``attnplug_register_backends``."""
+
+    def __call__(self, descriptor: "BackendDescriptor") -> None: ...
+
+
+class RegisterArchOverride(Protocol):
+    """The ``register`` callable of ``attnplug_arch_overrides``."""
+
+    def __call__(
+        self,
+        arch: "str | Iterable[str]",
+        rule: "Callable[[HostInfo, AttentionConfig], Mapping[str, Any] | None]",
+        *,
+        name: str | None = None,
+        precedence: int = 0,
+        description: str | None = None,
+    ) -> None: ...
+
+
+class RegisterResolutionRule(Protocol):
+    """The ``register`` callable of ``attnplug_resolution_rules``."""
+
+    def __call__(
+        self,
+        name: str,
+        stage: str,
+        rule: "Callable[..., Mapping[str, Any] | None]",
+        *,
+        description: str | None = None,
+    ) -> None: ...
+
+
 @hookspec
-def attnplug_register_backends(register: "Callable[[BackendDescriptor], None]") -> None:
+def attnplug_register_backends(register: RegisterBackend) -> None:
     """Register this plugin's backends by calling ``register(descriptor)`` once per backend.
 
     ``register`` validates each descriptor at once and raises ``PluginError``
@@ -37,14 +70,15 @@ def attnplug_register_backends(register: "Callable[[BackendDescriptor], None]") 
 def attnplug_resolve_name(name: str, host: "HostInfo") -> "str | None":
     """Resolve a host-dependent name (e.g. ``"hybrid_cpu"``) to a canonical backend name on ``host``.
 
-    Return ``None`` when ``name`` is not yours. Called at load time, once per
+    Return ``None`` when ``name`` is not yours; anything other than a ``str``
+    or ``None`` is a ``PluginError`` naming this plugin. Called at load time, once per
     (name, host); the answer is cached. Plain aliases need no hook: declare
     them in ``BackendDescriptor.aliases``.
     """
 
 
 @hookspec
-def attnplug_arch_overrides(register: "Callable[..., None]") -> None:
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     """Declare per-architecture overrides for the resolution chain.
 
     Call ``register(arch_or_archs, rule, *, name=None, precedence=0,
@@ -59,7 +93,7 @@ def attnplug_arch_overrides(register: "Callable[..., None]") -> None:
 
 
 @hookspec
-def attnplug_resolution_rules(register: "Callable[..., None]") -> None:
+def attnplug_resolution_rules(register: RegisterResolutionRule) -> None:
     """Declare compatibility-fallback and forcing rules for the resolution chain.
 
     Call ``register(name, stage, rule, *, description=None)``; ``stage`` is
@@ -75,7 +109,10 @@ def attnplug_resolution_rules(register: "Callable[..., None]") -> None:
 def attnplug_check_config(config: "AttentionConfig", host: "HostInfo") -> "list[str] | None":
     """Return problems (sentences) with a resolved ``config`` on ``host``, or ``None``.
 
-    Any problem fails resolution with a ``ValueError`` naming this plugin.
+    Any problem fails resolution with a ``ValueError`` naming this plugin. A
+    return value that is not ``None`` or a list of strings (a bare string, a
+    dict) is a ``PluginError`` naming this plugin, never one problem per
+    character.
     """
 
 

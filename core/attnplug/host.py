@@ -19,6 +19,8 @@ import subprocess
 import sys
 from typing import Any, Iterable, Mapping
 
+from .errors import HostInfoError
+
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
 
 #: Distributions whose versions every ``HostInfo`` records (plugins may ask for more).
@@ -49,8 +51,9 @@ class HostInfo:
     libraries: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.platform not in PLATFORMS:
-            raise ValueError(f"HostInfo.platform={self.platform!r} (expected one of {PLATFORMS})")
+        problems = _field_problems(self)
+        if problems:
+            raise HostInfoError("HostInfo: " + "; ".join(problems))
         if isinstance(self.libraries, Mapping):
             object.__setattr__(self, "libraries", tuple(sorted(self.libraries.items())))
         else:
@@ -106,17 +109,31 @@ class HostInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "HostInfo":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+    def from_dict(cls, data: Any, source: str = "HostInfo") -> "HostInfo":
+        """A host from plain data (a recorded host). Every field is checked with its type; the
+        error names ``source`` (the variable, flag or file), the field and the expected type."""
+        if not isinstance(data, Mapping):
+            raise HostInfoError(f"{source}: expected a JSON object of HostInfo fields, got {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ValueError(f"unknown HostInfo fields {sorted(unknown)} (known: {sorted(known)})")
+            raise HostInfoError(f"{source}: unknown field(s) {unknown} (known: {known})")
         kwargs = dict(data)
-        if kwargs.get("compute_capability") is not None:
-            cc = kwargs["compute_capability"]
-            if isinstance(cc, str):  # "9.0" or "90"
-                cc = cc.split(".") if "." in cc else (cc[:-1], cc[-1])
-            kwargs["compute_capability"] = tuple(int(x) for x in cc)
+        if "libraries" in kwargs and not isinstance(kwargs["libraries"], Mapping):
+            raise HostInfoError(f"{source}: field 'libraries': expected an object {{distribution: version}}, "
+                                f"got {_shown(kwargs['libraries'])}")
+        cc = kwargs.get("compute_capability")
+        if isinstance(cc, str):  # "9.0" or "90"
+            text = cc.strip()
+            parts = text.split(".") if "." in text else [text[:-1], text[-1:]]
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise HostInfoError(f"{source}: field 'compute_capability': expected [major, minor] or "
+                                    f"\"major.minor\", got {_shown(cc)}")
+            kwargs["compute_capability"] = (int(parts[0]), int(parts[1]))
+        for field, value in kwargs.items():
+            problem = _check_field(field, value, from_json=True)
+            if problem:
+                raise HostInfoError(f"{source}: {problem}")
         if "cpu_flags" in kwargs:
             kwargs["cpu_flags"] = frozenset(kwargs["cpu_flags"])
         if "libraries" in kwargs:
@@ -124,9 +141,78 @@ class HostInfo:
         return cls(**kwargs)
 
     @classmethod
-    def from_json_file(cls, path: str) -> "HostInfo":
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+    def from_json_file(cls, path: str, source: str | None = None) -> "HostInfo":
+        """Read a recorded host. ``source`` names where the path came from (``"--host-json"``,
+        ``"ATTNPLUG_HOST_JSON"``); every failure is one ``HostInfoError`` line naming it and the file."""
+        where = f"{source}={path!r}" if source else f"host file {path!r}"
+        if not isinstance(path, str) or not path:
+            raise HostInfoError(f"{where}: expected the path of a JSON file")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            raise HostInfoError(f"{where}: no such file") from None
+        except IsADirectoryError:
+            raise HostInfoError(f"{where}: is a directory, expected a JSON file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HostInfoError(f"{where}: cannot read: {exc}") from None
+        if not text.strip():
+            raise HostInfoError(f"{where}: the file is empty; expected a JSON object of HostInfo fields")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HostInfoError(f"{where}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        return cls.from_dict(data, source=where)
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_field(field: str, value: Any, from_json: bool = False) -> str | None:
+    """The problem with one ``HostInfo`` field's value, or ``None``."""
+    if field == "platform":
+        if not isinstance(value, str) or value not in PLATFORMS:
+            return f"field 'platform': expected one of {list(PLATFORMS)}, got {_shown(value)}"
+    elif field in ("device_name",):
+        if not isinstance(value, str):
+            return f"field {field!r}: expected a str, got {_shown(value)}"
+    elif field == "gfx_arch":
+        if value is not None and not isinstance(value, str):
+            return f"field 'gfx_arch': expected a str or null, got {_shown(value)}"
+    elif field == "device_count":
+        if not _is_int(value) or value < 0:
+            return f"field 'device_count': expected a non-negative int, got {_shown(value)}"
+    elif field == "compute_capability":
+        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2
+                                      and all(_is_int(v) and v >= 0 for v in value)):
+            return f"field 'compute_capability': expected [major, minor] (two ints) or null, got {_shown(value)}"
+    elif field == "cpu_flags":
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)) \
+                or not all(isinstance(f, str) for f in value):
+            return f"field 'cpu_flags': expected a list of str flags, got {_shown(value)}"
+    elif field == "libraries":
+        items = value.items() if isinstance(value, Mapping) else None
+        if items is None and not from_json and isinstance(value, (list, tuple)) and all(
+                isinstance(x, (list, tuple)) and len(x) == 2 for x in value):
+            items = value
+        if items is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in items):
+            return (f"field 'libraries': expected an object {{distribution: version}} of str, "
+                    f"got {_shown(value)}")
+    return None
+
+
+def _field_problems(host: "HostInfo") -> list[str]:
+    out = []
+    for f in dataclasses.fields(host):
+        problem = _check_field(f.name, getattr(host, f.name))
+        if problem:
+            out.append(problem)
+    return out
 
 
 def _norm(name: str) -> str:
@@ -208,7 +294,7 @@ def detect_host(extra_libraries: tuple[str, ...] = ()) -> HostInfo:
     """
     recorded = os.environ.get("ATTNPLUG_HOST_JSON")
     if recorded:
-        return HostInfo.from_json_file(recorded)
+        return HostInfo.from_json_file(recorded, source="ATTNPLUG_HOST_JSON")
     accel = _accelerator_from_torch()
     if accel is None:
         accel = _accelerator_from_tools()

@@ -1,23 +1,28 @@
-"""Discovery of plugins and building of backends.
+"""The backends known to this process: the name table, availability, hooks and building.
 
-``Registry.discover()`` reads the ``attnplug.backends`` entry points (one per
-plugin distribution; de-duplicated; filtered by ``ATTNPLUG_PLUGINS`` and
-``ATTNPLUG_DISABLE_PLUGINS``), imports each light descriptor module, and asks
-it to register its backends through the pluggy hooks. A plugin whose import
-or hook raises is set aside with its distribution, version and error; the
-others keep working. ``default_registry()`` discovers once per process.
+Finding plugins (entry points, the allow/deny environment, importing) is
+:mod:`attnplug.discovery`'s; a loaded module comes here through
+``register_plugin``, which asks it to register its backends. Every call into
+plugin code goes through :mod:`attnplug.isolation` (anything raised or printed
+is the plugin's); every hook is called through :meth:`Registry.call_hook`.
 
-``Registry.build()`` is the only place a backend is constructed: it validates
-the factory's ``(effective_name, backend)`` and writes the stamps.
+A plugin that breaks the contract -- raises while loading, registers a
+malformed descriptor, or later answers with a value of the wrong type from a
+probe or priority function -- is *set aside*: its backends, aliases and hooks
+leave the table, its ``PluginRecord`` says ``failed`` and why (naming the
+field, the expected type and the distribution), and every other plugin keeps
+working. ``default_registry()`` discovers once per process, also under threads.
+
+``Registry.build()`` is the only place a backend is constructed: it checks the
+build context against the backend's declared capabilities, runs the factory,
+validates its ``(effective_name, backend)`` and writes the stamps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.metadata as md
 import os
+import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -25,103 +30,47 @@ import pluggy
 
 from . import hookspecs
 from .backend import AttentionBackend
-from .descriptor import Availability, BackendDescriptor
+from .capabilities import layer_reasons, support_reasons
+from .descriptor import Availability, BackendDescriptor, descriptor_problems
+from .discovery import (  # re-exported: the registry's public names before discovery moved out
+    ENTRY_POINT_GROUP,
+    ENV_ALLOW,
+    ENV_DENY,
+    PluginRecord,
+    PluginSource,
+    entry_point_sources,
+    import_source,
+    in_process_source,
+    load_sources,
+    norm,
+)
 from .errors import (
     AttnplugError,
     BackendConflictError,
     BackendUnavailableError,
+    NotSupportedError,
     PluginError,
     UnknownBackendError,
 )
 from .host import HostInfo, detect_host
+from .isolation import call_plugin, echo_output, output_note
 from .stamps import stamp
 
-ENTRY_POINT_GROUP = "attnplug.backends"
-ENV_ALLOW = "ATTNPLUG_PLUGINS"
-ENV_DENY = "ATTNPLUG_DISABLE_PLUGINS"
+__all__ = [
+    "ENTRY_POINT_GROUP", "ENV_ALLOW", "ENV_DENY", "PluginRecord", "PluginSource", "Registry", "default_registry",
+    "entry_point_sources", "import_source", "in_process_source",
+]
 
 
-@dataclasses.dataclass
-class PluginRecord:
-    """One discovered plugin (an entry point of one distribution)."""
-
-    name: str  # entry-point name
-    distribution: str
-    version: str
-    module: str
-    status: str = "loaded"  # "loaded" | "failed" | "filtered"
-    error: str | None = None
-    backends: list[str] = dataclasses.field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
 
 
-@dataclasses.dataclass(frozen=True)
-class PluginSource:
-    """Where a plugin comes from: an entry point, or an in-process module (tests, built-ins)."""
-
-    name: str
-    distribution: str
-    version: str
-    module: str
-    loader: Callable[[], Any]
-
-
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def _split_env(value: str | None) -> list[str]:
-    return [x.strip() for x in (value or "").split(",") if x.strip()]
-
-
-def entry_point_sources(group: str = ENTRY_POINT_GROUP) -> tuple[list[PluginSource], list[str]]:
-    """Every plugin entry point of ``group``, one per (distribution, entry-point name).
-
-    Only distributions that declare such an entry point have their metadata
-    read. ``importlib.metadata`` keeps the first copy of a distribution found
-    on ``sys.path``; copies shadowed behind it (an editable install next to
-    stale metadata) are reported in the returned notes, never registered twice.
-    """
-    sources: list[PluginSource] = []
-    seen: set[tuple[str, str]] = set()
-    for ep in md.entry_points(group=group):
-        dist = ep.dist
-        dist_name = dist.name if dist is not None else ep.module
-        version = dist.version if dist is not None else "?"
-        key = (_norm(dist_name), ep.name)
-        if key in seen:
-            continue
-        seen.add(key)
-        sources.append(PluginSource(ep.name, dist_name, version, ep.value, ep.load))
-    return sources, _shadowed_copies({s.distribution: s.version for s in sources})
-
-
-def _shadowed_copies(dists: Mapping[str, str]) -> list[str]:
-    """Notes for plugin distributions that have more than one metadata folder on ``sys.path``."""
-    import sys
-    from pathlib import Path
-
-    notes = []
-    for name, version in dists.items():
-        stem = _norm(name).replace("-", "_")
-        copies = []
-        for entry in sys.path:
-            try:
-                base = Path(entry or ".")
-                for info in list(base.glob(f"{stem}-*.dist-info")) + list(base.glob(f"{stem}-*.egg-info")):
-                    if info.is_dir():
-                        copies.append(info)
-            except OSError:
-                continue
-        if len(copies) > 1:
-            others = [c.name for c in copies[1:]]
-            notes.append(
-                f"duplicate metadata for distribution {name!r}: using version {version} found first on "
-                f"sys.path; ignored {', '.join(others)}"
-            )
-    return notes
+#: hook -> (what its implementations may return, a check). Register-style hooks return nothing.
+_HOOK_RESULTS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "attnplug_resolve_name": ("a str or None", lambda v: v is None or isinstance(v, str)),
+    "attnplug_check_config": ("a list of str or None", lambda v: v is None or _is_str_list(v)),
+}
 
 
 class Registry:
@@ -137,10 +86,12 @@ class Registry:
         self.problems: list[str] = []
         #: names/aliases claimed by two distributions: unusable, reported naming both
         self.conflicts: dict[str, BackendConflictError] = {}
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
         self._availability: dict[tuple[str, HostInfo], Availability] = {}
         self._resolved: dict[tuple[str, HostInfo], str] = {}
+        #: name or alias -> (distribution, why) for plugins set aside after registering it
+        self._set_aside: dict[str, tuple[str, str]] = {}
 
     # -- discovery -----------------------------------------------------
     @classmethod
@@ -159,37 +110,13 @@ class Registry:
         return reg
 
     def load_sources(self, sources: list[PluginSource], env: Mapping[str, str] | None = None) -> None:
-        env = {} if env is None else env
-        allow, deny = _split_env(env.get(ENV_ALLOW)), _split_env(env.get(ENV_DENY))
-        known = {_norm(s.name) for s in sources} | {_norm(s.distribution) for s in sources}
-        for var, names in ((ENV_ALLOW, allow), (ENV_DENY, deny)):
-            for n in names:
-                if _norm(n) not in known:
-                    self.problems.append(
-                        f"{var} names {n!r}, which is no installed plugin "
-                        f"(installed: {', '.join(sorted(s.distribution for s in sources)) or 'none'})"
-                    )
-        allow_set, deny_set = {_norm(n) for n in allow}, {_norm(n) for n in deny}
-        for src in sources:
-            keys = {_norm(src.name), _norm(src.distribution)}
-            record = PluginRecord(src.name, src.distribution, src.version, src.module)
-            self.plugins.append(record)
-            if allow and not keys & allow_set:
-                record.status, record.error = "filtered", f"not in {ENV_ALLOW}"
-                continue
-            if keys & deny_set:
-                record.status, record.error = "filtered", f"listed in {ENV_DENY}"
-                continue
-            self._load_one(src, record)
+        """Filter, import and register ``sources`` (see :mod:`attnplug.discovery`)."""
+        load_sources(self, sources, {} if env is None else env)
 
-    def _load_one(self, src: PluginSource, record: PluginRecord) -> None:
+    def register_plugin(self, module: Any, src: PluginSource, record: PluginRecord) -> None:
+        """Add a loaded descriptor module: its hooks, then the backends it registers (all or none)."""
         try:
-            module = src.loader()
-        except Exception as exc:
-            record.status, record.error = "failed", f"import of {src.module!r} raised {type(exc).__name__}: {exc}"
-            return
-        try:
-            self.pm.register(module, name=src.distribution)
+            self._pm.register(module, name=src.distribution)
         except Exception as exc:  # pluggy validation (bad hook signature) or double registration
             record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
             return
@@ -198,25 +125,75 @@ class Registry:
         def register(descriptor: BackendDescriptor) -> None:
             staged.append(self._validated(descriptor, src))
 
-        impls = [i for i in self.pm.hook.attnplug_register_backends.get_hookimpls() if i.plugin is module]
+        def printed(dist: str, text: str) -> None:
+            record.output += text
+            self.problems.append(output_note(dist, "hook attnplug_register_backends", text))
+
         try:
-            for impl in impls:
-                impl.function(register=register)
-        except Exception as exc:
-            self.pm.unregister(module)
-            record.status = "failed"
-            record.error = f"hook attnplug_register_backends raised {type(exc).__name__}: {exc}"
+            self.call_hook("attnplug_register_backends", only=src.distribution, on_output=printed,
+                           register=register)
+        except PluginError as exc:
+            self._pm.unregister(module)
+            record.status, record.error = "failed", exc.detail
             return
         self._commit(staged, src)
         record.backends = [d.name for d in staged if self.descriptors.get(d.name) is d]
 
+    # -- hooks -----------------------------------------------------------
+    def hook_distributions(self, hook: str) -> list[str]:
+        """The distributions of loaded plugins implementing ``hook``, sorted."""
+        caller = getattr(self._pm.hook, hook)
+        return sorted({self._pm.get_name(i.plugin) or "?" for i in caller.get_hookimpls()})
+
+    def call_hook(
+        self,
+        hook: str,
+        *,
+        only: str | None = None,
+        per_plugin: Callable[[str], Mapping[str, Any]] | None = None,
+        on_output: Callable[[str, str], None] | None = None,
+        **kwargs: Any,
+    ) -> list[tuple[str, Any]]:
+        """Call ``hook`` on every loaded plugin implementing it (by distribution; ``only`` one).
+
+        Returns ``(distribution, result)`` pairs. ``per_plugin(distribution)``
+        adds keyword arguments for one plugin (a ``register`` callback bound to
+        it). Anything a plugin raises, and a result of the wrong type, is a
+        ``PluginError`` naming the distribution and the hook; what it prints
+        goes to ``on_output(distribution, text)``, else to stderr, labelled.
+        """
+        caller = getattr(self._pm.hook, hook)
+        impls = [(self._pm.get_name(i.plugin) or "?", i) for i in caller.get_hookimpls()]
+        expected = _HOOK_RESULTS.get(hook)
+        answers: list[tuple[str, Any]] = []
+        for dist, impl in sorted(impls, key=lambda x: x[0]):
+            if only is not None and dist != only:
+                continue
+            call_kwargs = dict(kwargs)
+            if per_plugin is not None:
+                call_kwargs.update(per_plugin(dist))
+            result, out = call_plugin(dist, f"hook {hook}", impl.function, **call_kwargs)
+            if out:
+                if on_output is not None:
+                    on_output(dist, out)
+                else:
+                    echo_output(dist, f"hook {hook}", out)
+            if expected is not None and not expected[1](result):
+                raise PluginError(dist, f"hook {hook} returned {result!r} ({type(result).__name__}); "
+                                  f"expected {expected[0]}")
+            answers.append((dist, result))
+        return answers
+
+    # -- the name table ------------------------------------------------
     def _validated(self, d: Any, src: PluginSource) -> BackendDescriptor:
         if not isinstance(d, BackendDescriptor):
             raise PluginError(src.distribution, f"register() takes a BackendDescriptor, got {type(d).__name__}")
+        problems = descriptor_problems(d)
+        if problems:
+            label = d.name if isinstance(d.name, str) else "?"
+            raise PluginError(src.distribution, f"backend {label!r}: " + "; ".join(problems))
         if not d.name or not d.name.replace("_", "").isalnum() or d.name != d.name.lower():
             raise PluginError(src.distribution, f"backend name {d.name!r} must be lower-case letters, digits, '_'")
-        if isinstance(d.factory, str) and ":" not in d.factory:
-            raise PluginError(src.distribution, f"backend {d.name!r}: factory {d.factory!r} must be 'module:function'")
         return dataclasses.replace(d, distribution=src.distribution, version=src.version)
 
     def _commit(self, staged: list[BackendDescriptor], src: PluginSource) -> None:
@@ -256,6 +233,24 @@ class Registry:
             return self.descriptors[name].distribution
         return self._alias_owner.get(name)
 
+    def set_aside(self, distribution: str, why: str) -> None:
+        """Take a plugin out after it broke the contract: its names, aliases and hooks leave
+        the table; its record says ``failed`` with ``why``."""
+        for name in [n for n, d in self.descriptors.items() if d.distribution == distribution]:
+            del self.descriptors[name]
+            self._set_aside[name] = (distribution, why)
+        for alias in [a for a, owner in self._alias_owner.items() if owner == distribution]:
+            self._aliases.pop(alias, None)
+            del self._alias_owner[alias]
+            self._set_aside[alias] = (distribution, why)
+        plugin = self._pm.get_plugin(distribution)
+        if plugin is not None:
+            self._pm.unregister(plugin)
+        for record in self.plugins:
+            if record.distribution == distribution and record.status == "loaded":
+                record.status, record.error = "failed", why
+        self._resolved.clear()
+
     # -- queries -------------------------------------------------------
     @property
     def host(self) -> HostInfo:
@@ -276,20 +271,69 @@ class Registry:
         try:
             return self.descriptors[name]
         except KeyError:
-            raise UnknownBackendError(self._unknown_message(name, self.host)) from None
+            raise UnknownBackendError(self._unknown_message(name, self._host or self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
         return [p for p in self.plugins if p.status == "failed"]
 
+    def filtered_plugins(self) -> list[PluginRecord]:
+        return [p for p in self.plugins if p.status == "filtered"]
+
     def availability(self, name: str, host: HostInfo | None = None) -> Availability:
+        """Whether ``name`` can run on ``host``, with the reasons when not (cached per host)."""
         host = host or self.host
+        if name in self._set_aside:
+            return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
         key = (name, host)
         if key not in self._availability:
-            self._availability[key] = self.get(name).check_availability(host)
+            desc = self.get(name)
+            try:
+                # the priority function is asked here too, so a malformed one is found before
+                # the backend is chosen, not after
+                desc.priority_on(host)
+                self._availability[key] = desc.check_availability(host)
+            except PluginError as exc:  # a probe or priority function broke the contract
+                self.set_aside(desc.distribution, exc.detail)
+                return Availability(False, (f"set aside: {exc}",))
         return self._availability[key]
+
+    def settle(self, host: HostInfo | None = None) -> None:
+        """Ask every backend's probe and priority function about ``host`` now, so a plugin that
+        breaks the contract is set aside before anything iterates the names (cached per host)."""
+        for name in self.names():
+            self.availability(name, host)
+
+    def priority(self, name: str, host: HostInfo | None = None) -> int | None:
+        """``name``'s default priority on ``host``; a priority function that raises or answers
+        with the wrong type sets its plugin aside (and counts as no priority)."""
+        if name in self._set_aside:
+            return None
+        desc = self.get(name)
+        try:
+            return desc.priority_on(host or self.host)
+        except PluginError as exc:
+            self.set_aside(desc.distribution, exc.detail)
+            return None
 
     def available_names(self, host: HostInfo | None = None) -> list[str]:
         return [n for n in self.names() if self.availability(n, host)]
+
+    def empty_hint(self) -> str:
+        """What to say when no backend is registered: filtered, failed, or none installed."""
+        filtered, failed = self.filtered_plugins(), self.failed_plugins()
+        if filtered or failed:
+            parts = [f"{p.distribution} ({p.error})" for p in failed]
+            if filtered:
+                parts.append(self._filtered_summary())
+            return "no backends loaded: " + "; ".join(parts)
+        return "no backends found: install a plugin, e.g. `pip install attnplug-torch-native`"
+
+    def _filtered_summary(self) -> str:
+        """The filtered plugins, grouped by the variable that removed them."""
+        by_reason: dict[str, list[str]] = {}
+        for p in self.filtered_plugins():
+            by_reason.setdefault(p.error or "filtered", []).append(p.distribution)
+        return "; ".join(f"{', '.join(dists)} ({why})" for why, dists in by_reason.items())
 
     def canonical(self, name: str, host: HostInfo | None = None) -> str:
         """Resolve ``name`` (canonical, alias, deprecated alias or host-dependent) to a canonical name.
@@ -297,6 +341,8 @@ class Registry:
         Deprecated aliases warn with the replacement. Host-dependent names are
         answered by the ``attnplug_resolve_name`` hook once per (name, host).
         """
+        if not isinstance(name, str) or not name:
+            raise UnknownBackendError(f"attention backend name {name!r}: expected a non-empty str")
         if name in self.conflicts:
             raise self.conflicts[name]
         if name in self.descriptors:
@@ -319,15 +365,7 @@ class Registry:
         return self._resolved[key]
 
     def _resolve_by_hook(self, name: str, host: HostInfo) -> str:
-        answers: list[tuple[str, str]] = []
-        for impl in self.pm.hook.attnplug_resolve_name.get_hookimpls():
-            dist = self.pm.get_name(impl.plugin) or "?"
-            try:
-                result = impl.function(name=name, host=host)
-            except Exception as exc:
-                raise PluginError(dist, f"attnplug_resolve_name({name!r}) raised {type(exc).__name__}: {exc}") from exc
-            if result is not None:
-                answers.append((dist, result))
+        answers = [(d, a) for d, a in self.call_hook("attnplug_resolve_name", name=name, host=host) if a is not None]
         if not answers:
             raise UnknownBackendError(self._unknown_message(name, host))
         if len({a for _, a in answers}) > 1:
@@ -340,11 +378,29 @@ class Registry:
             raise PluginError(dist, f"resolved {name!r} to {result!r}, which is not a registered backend name")
         return result
 
+    def why_missing(self, name: str) -> str | None:
+        """When ``name`` is absent because a filter, a conflict or a set-aside plugin removed it: why."""
+        if name in self.conflicts:
+            return str(self.conflicts[name])
+        if name in self._set_aside:
+            dist, why = self._set_aside[name]
+            return f"backend {name!r} belongs to plugin {dist!r}, which was set aside: {why}"
+        key = norm(name)
+        for p in self.plugins:
+            if key in p.keys() and p.status == "filtered":
+                return f"backend {name!r} comes from plugin {p.distribution!r} ({p.name}), which was {p.error}"
+            if key in p.keys() and p.status == "failed":
+                return f"backend {name!r} comes from plugin {p.distribution!r} ({p.name}), which failed to load: {p.error}"
+        return None
+
     def _unknown_message(self, name: str, host: HostInfo) -> str:
+        self.settle(host)
         avail = [n for n in self.names() if self.availability(n, host)]
         unavail = [f"{n} ({'; '.join(self.availability(n, host).reasons)})" for n in self.names()
                    if not self.availability(n, host)]
-        msg = f"unknown attention backend {name!r}. Available here: {', '.join(avail) or 'none'}"
+        why = self.why_missing(name)
+        msg = f"unknown attention backend {name!r}" + (f": {why}" if why else "")
+        msg += f". Available here: {', '.join(avail) or 'none'}"
         if unavail:
             msg += f". Registered but unavailable: {', '.join(unavail)}"
         if self.conflicts:
@@ -352,35 +408,64 @@ class Registry:
         failed = self.failed_plugins()
         if failed:
             msg += ". Plugins set aside: " + ", ".join(f"{p.distribution} ({p.error})" for p in failed)
+        if self.filtered_plugins():
+            msg += ". Plugins filtered out: " + self._filtered_summary()
         return msg + ". Run `attnplug list` for details."
 
     # -- building ------------------------------------------------------
+    def build_problems(self, desc: BackendDescriptor, ctx: Any) -> list[str]:
+        """Why ``desc``'s declared capabilities cannot serve the build context ``ctx`` (the core's
+        ``support_reasons``: dtype, KV-cache dtype, page size, device, head dims, the layers)."""
+        device = str(getattr(ctx, "device", "cpu")).split(":", 1)[0]
+        if device == "cuda" and ctx.host.platform == "rocm":
+            device = "rocm"  # torch names ROCm devices "cuda"
+        caps = desc.capabilities
+        reasons = support_reasons(caps, dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype,
+                                  page_size=ctx.page_size, device=device)
+        if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
+            reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
+        for layer in getattr(ctx, "layers", ()) or ():
+            for reason in layer_reasons(caps, layer):
+                text = f"layer {getattr(layer, 'layer_id', '?')}: {reason}"
+                if reason not in reasons and text not in reasons:
+                    reasons.append(text)
+        return reasons
+
     def build(self, name: str, ctx: Any) -> tuple[str, AttentionBackend]:
-        """Build backend ``name`` for ``ctx``; returns the stamped ``(effective_name, backend)``."""
+        """Build backend ``name`` for ``ctx``; returns the stamped ``(effective_name, backend)``.
+
+        Refuses with ``NotSupportedError`` (the reasons of ``support_reasons``)
+        when ``ctx`` asks for what the backend does not claim.
+        """
         host = ctx.host
         canonical = self.canonical(name, host)
-        desc = self.descriptors[canonical]
+        desc = self.get(canonical)
         avail = self.availability(canonical, host)
         if not avail:
             others = [n for n in self.available_names(host) if n != canonical]
             raise BackendUnavailableError(canonical, avail.reasons, f"Available here: {', '.join(others) or 'none'}")
+        problems = self.build_problems(desc, ctx)
+        if problems:
+            raise NotSupportedError(canonical, problems, what="the build context it was asked for "
+                                    "(its declared capabilities do not claim it)")
+        what = f"loading factory {desc.factory!r} of backend {canonical!r}"
+        factory, out = call_plugin(desc.distribution, what, desc.load_factory)
+        echo_output(desc.distribution, what, out)
+        what = f"factory of backend {canonical!r}"
         try:
-            factory = desc.load_factory()
-        except Exception as exc:
-            raise PluginError(
-                desc.distribution, f"cannot load factory {desc.factory!r} of backend {canonical!r}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        try:
-            result = factory(ctx)
-        except AttnplugError:
-            raise  # already names what is at fault (e.g. NotSupportedError)
-        except Exception as exc:
-            raise PluginError(
-                desc.distribution, f"factory of backend {canonical!r} raised {type(exc).__name__}: {exc}"
-            ) from exc
+            result, out = call_plugin(desc.distribution, what, factory, ctx)
+        except PluginError as exc:
+            if isinstance(exc.__cause__, AttnplugError) and not isinstance(exc.__cause__, PluginError):
+                raise exc.__cause__ from None  # already names what is at fault (e.g. NotSupportedError)
+            raise
+        echo_output(desc.distribution, what, out)
         effective, backend = self.validate_factory_result(result, desc)
         stamp(backend, effective)
+        if getattr(backend, "ctx", None) is None:
+            try:  # what it was built for: not_supported_reasons(layer) answers for it
+                backend.ctx = ctx
+            except AttributeError:  # pragma: no cover - a backend with __slots__ or a read-only ctx
+                pass
         return effective, backend
 
     def validate_factory_result(self, result: Any, desc: BackendDescriptor) -> tuple[str, AttentionBackend]:
@@ -408,6 +493,13 @@ class Registry:
                 desc.distribution,
                 f"{where} effective name {effective!r}, which is not a registered backend "
                 f"(registered: {', '.join(self.names())})",
+            )
+        owner = self.descriptors[effective].distribution
+        if owner != desc.distribution and effective not in desc.delegates_to:
+            raise PluginError(
+                desc.distribution,
+                f"{where} effective name {effective!r}, which belongs to distribution {owner!r}; a factory "
+                f"answers a name of its own distribution, or one it declares in BackendDescriptor.delegates_to",
             )
         if not isinstance(backend, AttentionBackend):
             raise PluginError(
@@ -437,18 +529,30 @@ class Registry:
         return HybridBackend(pb, db, ctx.config.speculative_attention_mode)
 
 
-@functools.lru_cache(maxsize=1)
+_default: Registry | None = None
+_default_lock = threading.Lock()
+
+
 def default_registry() -> Registry:
-    """The process's registry, discovered once from the installed entry points."""
-    return Registry.discover()
+    """The process's registry, discovered once from the installed entry points.
+
+    Thread-safe: threads that ask at once wait for the one discovery.
+    """
+    global _default
+    reg = _default
+    if reg is not None:
+        return reg
+    with _default_lock:
+        if _default is None:
+            _default = Registry.discover()
+        return _default
 
 
-def in_process_source(module: Any, distribution: str, version: str = "0", name: str | None = None) -> PluginSource:
-    """A ``PluginSource`` for a module already imported (tests; hosts embedding a plugin)."""
-    return PluginSource(name or distribution, distribution, version, getattr(module, "__name__", "?"),
-                        lambda: module)
+def _reset_default_registry() -> None:
+    """Forget the process's registry (tests only)."""
+    global _default
+    with _default_lock:
+        _default = None
 
 
-def import_source(module_name: str, distribution: str, version: str = "0") -> PluginSource:
-    return PluginSource(module_name, distribution, version, module_name,
-                        lambda: importlib.import_module(module_name))
+default_registry.cache_clear = _reset_default_registry  # type: ignore[attr-defined]

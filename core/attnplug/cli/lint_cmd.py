@@ -1,7 +1,10 @@
 """``attnplug lint``: the static guard on the command line (stdlib only, imports nothing it checks).
 
 Exit status: 0 clean, 1 reads of the base field found (or stale allow entries
-with ``--strict-allow``), 2 usage error or a file that could not be parsed.
+with ``--strict-allow``), 2 usage error (an empty path, a missing path, a path
+given directly that is a FIFO, device, socket or symlink loop) or a file that
+could not be parsed. Inside a walked directory such non-regular ``*.py``
+entries are skipped with a note on stderr.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for finding in report.findings:
             print(finding.format())
+    for note in report.skipped:
+        print(f"attnplug lint: note: {note}", file=sys.stderr)
     for problem in report.problems:
         print(f"attnplug lint: error: {problem.format()}", file=sys.stderr)
     for entry in report.unused_allow:

@@ -13,12 +13,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect(registry: Any) -> dict[str, Any]:
     host = registry.host
+    # first ask every probe and priority function: a plugin that answers with the wrong type is
+    # set aside (its record says why), so the table below only lists what is still registered
+    registry.settle(host)
     backends = []
     for name in registry.names():
         desc = registry.get(name)
         avail = registry.availability(name, host)
         entry = desc.to_dict()
-        entry.update(available=avail.available, reasons=list(avail.reasons), priority=desc.priority_on(host))
+        entry.update(available=avail.available, reasons=list(avail.reasons), priority=registry.priority(name, host))
         backends.append(entry)
     return {
         "host": host.to_dict(),
@@ -26,6 +29,7 @@ def collect(registry: Any) -> dict[str, Any]:
         "plugins": [p.to_dict() for p in registry.plugins],
         "conflicts": {n: str(e) for n, e in registry.conflicts.items()},
         "problems": list(registry.problems),
+        "empty_hint": registry.empty_hint(),
     }
 
 
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     for msg in data["problems"]:
         print(f"note: {msg}")
     if not data["backends"]:
-        print("no backends found: install a plugin, e.g. `pip install attnplug-torch-native`")
+        print(data["empty_hint"])
     return 0
 
 

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             print(overrides_table(overrides, rules))
         return 0
     try:
-        host = HostInfo.from_json_file(args.host_json) if args.host_json else None
+        host = HostInfo.from_json_file(args.host_json, source="--host-json") if args.host_json is not None else None
         config = config_from_args(args, extra=_extra(args.extra_items))
     except (OSError, ValueError, TypeError) as exc:
         print(f"attnplug resolve: {exc}", file=sys.stderr)

@@ -13,8 +13,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..config import AttentionConfig
-from ..errors import AttnplugError, BackendUnavailableError, ConfigError, PluginError
+from ..errors import AttnplugError, BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
 from ..host import HostInfo
+from .explain import Candidate, Resolution
 from .passes import (
     AUTO,
     CONFIG_FIELDS,
@@ -40,75 +41,6 @@ if TYPE_CHECKING:
     from ..registry import Registry
 
 NAME_FIELDS: frozenset[str] = PAIR_FIELDS | {DRAFT_FIELD}
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One registered backend as resolution saw it on this host."""
-
-    name: str
-    distribution: str
-    version: str
-    priority: int | None
-    available: bool
-    #: half -> why it cannot serve that half (availability and support); empty when it can
-    problems: Mapping[str, tuple[str, ...]]
-    floor_problem: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "distribution": self.distribution, "version": self.version,
-                "priority": self.priority, "available": self.available,
-                "problems": {h: list(p) for h, p in self.problems.items()}, "floor_problem": self.floor_problem}
-
-
-@dataclasses.dataclass(frozen=True)
-class Resolution:
-    """The resolved configuration and how it came to be.
-
-    ``records`` are every declaration in order (``Record.as_tuple()`` is
-    ``(pass name, source distribution, {field: value})``); ``pinned`` the
-    fields the user set (canonical names; ``auto`` as given); ``error`` the exception when resolution failed
-    (``trace`` only; ``resolve`` raises it).
-    """
-
-    config: AttentionConfig
-    user_config: AttentionConfig
-    arch: str | None
-    host: HostInfo
-    records: tuple[Record, ...]
-    pinned: Mapping[str, Any]
-    passes: tuple[tuple[str, str], ...]
-    candidates: tuple[Candidate, ...] = ()
-    conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    error: BaseException | None = None
-
-    @property
-    def pair(self) -> tuple[str | None, str | None]:
-        return self.config.attention_backends()
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def overruled(self) -> list[tuple[Record, str, Any, str]]:
-        """``(record, field, declared value, reason)`` for every declaration the user's choices overruled."""
-        return [(r, f, r.declared.get(f), why) for r in self.records for f, why in r.overruled.items()]
-
-    def rejected(self) -> dict[str, list[str]]:
-        """Every registered backend not in the resolved pair, with the reasons it was not chosen."""
-        from .explain import rejected_reasons
-
-        return rejected_reasons(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        from .explain import to_dict
-
-        return to_dict(self)
-
-    def explain(self) -> str:
-        from .explain import explain_text
-
-        return explain_text(self)
 
 
 def resolve(
@@ -138,6 +70,7 @@ def trace(
         registry = default_registry()
     config = AttentionConfig() if config is None else config
     host = host or registry.host
+    registry.settle(host)  # a plugin with a malformed probe/priority is set aside before the passes
     chain = _Chain(config, arch, host, registry)
     try:
         chain.run(passes)
@@ -192,7 +125,11 @@ class _Chain:
         if not isinstance(value, str):
             raise _plugin_error(source)(f"{field}={value!r} is not a backend name")
         if source == USER:
-            return self.registry.canonical(value, self.host)
+            try:
+                return self.registry.canonical(value, self.host)
+            except UnknownBackendError as exc:
+                flag = "--" + field.replace("_", "-")
+                raise UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}") from None
         try:
             return self.registry.canonical(value, self.host)
         except PluginError:
@@ -316,13 +253,7 @@ class _Chain:
 
     def check_hook(self, cfg: AttentionConfig) -> None:
         found: list[str] = []
-        impls = self.registry.pm.hook.attnplug_check_config.get_hookimpls()
-        for impl in sorted(impls, key=lambda i: self.registry.pm.get_name(i.plugin) or "?"):
-            dist = self.registry.pm.get_name(impl.plugin) or "?"
-            try:
-                problems = impl.function(config=cfg, host=self.host)
-            except Exception as exc:
-                raise PluginError(dist, f"attnplug_check_config raised {type(exc).__name__}: {exc}") from exc
+        for dist, problems in self.registry.call_hook("attnplug_check_config", config=cfg, host=self.host):
             found.extend(f"plugin {dist!r}: {p}" for p in (problems or []))
         if found:
             raise ConfigError("the resolved configuration fails plugin checks: " + "; ".join(found))
@@ -331,7 +262,7 @@ class _Chain:
         return [n for n, _ in ranked(self.registry, self.host)
                 if not serve_problems(self.registry, self.host, n, self.config, half)] + \
             [n for n in self.registry.names()
-             if self.registry.get(n).priority_on(self.host) is None
+             if self.registry.priority(n, self.host) is None
              and not serve_problems(self.registry, self.host, n, self.config, half)]
 
     def deterministic_message(self, half: str, name: str) -> str:
@@ -361,7 +292,7 @@ class _Chain:
         lines = []
         for n in reg.names():
             problems = serve_problems(reg, self.host, n, self.config, half)
-            if reg.get(n).priority_on(self.host) is None:
+            if reg.priority(n, self.host) is None:
                 problems.append(f"no default priority on {self.host.platform}")
             lines.append(f"{n} ({'; '.join(problems) or 'ok'})")
         msg = (f"no attention backend serves the {half} half of this configuration on this host "
@@ -382,7 +313,7 @@ class _Chain:
                 problems = {h: tuple(serve_problems(reg, host, n, self.config, h)) for h in HALVES}
             except ValueError as exc:  # an invalid dtype in the config: say so per backend
                 problems = {h: (str(exc),) for h in HALVES}
-            cands.append(Candidate(n, d.distribution, d.version, d.priority_on(host), avail.available, problems,
+            cands.append(Candidate(n, d.distribution, d.version, reg.priority(n, host), avail.available, problems,
                                    d.library_floor_problem(host)))
         return Resolution(
             config=self.config, user_config=self.user, arch=self.arch, host=host, records=tuple(self.records),

@@ -1,13 +1,83 @@
-"""A resolution, explained: text for people, a dict for ``--json``."""
+"""A resolution and its explanation: ``Resolution``/``Candidate`` (the result the chain
+returns), text for people, a dict for ``--json``.
+
+Imports only ``passes`` (never ``chain``): the chain builds a ``Resolution``;
+this module reads one.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any, Mapping
 
-from .passes import HALVES, PAIR_FIELDS, ArchOverride, ResolutionRule
+from ..config import AttentionConfig
+from ..host import HostInfo
+from .passes import HALVES, PAIR_FIELDS, ArchOverride, Record, ResolutionRule
 
-if TYPE_CHECKING:
-    from .chain import Resolution
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One registered backend as resolution saw it on this host."""
+
+    name: str
+    distribution: str
+    version: str
+    priority: int | None
+    available: bool
+    #: half -> why it cannot serve that half (availability and support); empty when it can
+    problems: Mapping[str, tuple[str, ...]]
+    floor_problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "distribution": self.distribution, "version": self.version,
+                "priority": self.priority, "available": self.available,
+                "problems": {h: list(p) for h, p in self.problems.items()}, "floor_problem": self.floor_problem}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The resolved configuration and how it came to be.
+
+    ``records`` are every declaration in order (``Record.as_tuple()`` is
+    ``(pass name, source distribution, {field: value})``); ``pinned`` the
+    fields the user set (canonical names; ``auto`` as given); ``error`` the exception when resolution failed
+    (``trace`` only; ``resolve`` raises it).
+    """
+
+    config: AttentionConfig
+    user_config: AttentionConfig
+    arch: str | None
+    host: HostInfo
+    records: tuple[Record, ...]
+    pinned: Mapping[str, Any]
+    passes: tuple[tuple[str, str], ...]
+    candidates: tuple[Candidate, ...] = ()
+    conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    error: BaseException | None = None
+
+    @property
+    def pair(self) -> tuple[str | None, str | None]:
+        return self.config.attention_backends()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def overruled(self) -> list[tuple[Record, str, Any, str]]:
+        """``(record, field, declared value, reason)`` for every declaration the user's choices overruled."""
+        return [(r, f, r.declared.get(f), why) for r in self.records for f, why in r.overruled.items()]
+
+    def rejected(self) -> dict[str, list[str]]:
+        """Every registered backend not in the resolved pair, with the reasons it was not chosen."""
+        return rejected_reasons(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def explain(self) -> str:
+        return explain_text(self)
+
+
 
 
 def rejected_reasons(res: "Resolution") -> dict[str, list[str]]:

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from ..capabilities import support_reasons
 from ..config import AttentionConfig
 from ..errors import PluginError
+from ..hookspecs import RegisterArchOverride, RegisterResolutionRule
 from ..host import HostInfo
+from ..isolation import call_plugin, echo_output
 from ..modes import ForwardMode
 from ..selector import half_for_mode
 
@@ -120,13 +122,6 @@ class ResolutionRule:
 
 
 # -- collecting plugin declarations ---------------------------------------
-def _hook_impls(registry: "Registry", hook: str) -> list[tuple[str, Any]]:
-    """``(distribution, impl)`` for every loaded plugin implementing ``hook``, by distribution."""
-    impls = getattr(registry.pm.hook, hook).get_hookimpls()
-    out = [(registry.pm.get_name(impl.plugin) or "?", impl) for impl in impls]
-    return sorted(out, key=lambda x: x[0])
-
-
 def _doc_line(fn: Any) -> str:
     doc = (getattr(fn, "__doc__", None) or "").strip()
     return doc.splitlines()[0] if doc else ""
@@ -135,48 +130,43 @@ def _doc_line(fn: Any) -> str:
 def collect_arch_overrides(registry: "Registry") -> list[ArchOverride]:
     """Every per-architecture override the loaded plugins declare, in application order."""
     found: list[ArchOverride] = []
-    for dist, impl in _hook_impls(registry, "attnplug_arch_overrides"):
+
+    def bound(dist: str) -> dict[str, RegisterArchOverride]:
         def register(arch: str | Iterable[str], rule: Any, *, name: str | None = None,
-                     precedence: int = 0, description: str | None = None, _dist: str = dist) -> None:
-            archs = (arch,) if isinstance(arch, str) else tuple(arch)
+                     precedence: int = 0, description: str | None = None) -> None:
+            archs = (arch,) if isinstance(arch, str) else tuple(arch) if isinstance(arch, (list, tuple)) else ()
             if not archs or not all(isinstance(a, str) and a for a in archs):
-                raise PluginError(_dist, f"attnplug_arch_overrides: arch must be a name or names, got {arch!r}")
+                raise PluginError(dist, f"attnplug_arch_overrides: arch must be a name or names, got {arch!r}")
             if not callable(rule):
-                raise PluginError(_dist, f"attnplug_arch_overrides: rule for {archs} is not callable")
-            if not isinstance(precedence, int):
-                raise PluginError(_dist, f"attnplug_arch_overrides: precedence={precedence!r} must be an int")
+                raise PluginError(dist, f"attnplug_arch_overrides: rule for {archs} is not callable")
+            if not isinstance(precedence, int) or isinstance(precedence, bool):
+                raise PluginError(dist, f"attnplug_arch_overrides: precedence={precedence!r} must be an int")
             label = name or getattr(rule, "__name__", "rule")
-            found.append(ArchOverride(archs, rule, _dist, label, precedence,
+            found.append(ArchOverride(archs, rule, dist, str(label), precedence,
                                       description if description is not None else _doc_line(rule), len(found)))
 
-        try:
-            impl.function(register=register)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(dist, f"hook attnplug_arch_overrides raised {type(exc).__name__}: {exc}") from exc
+        return {"register": register}
+
+    registry.call_hook("attnplug_arch_overrides", per_plugin=bound)
     return sorted(found, key=lambda o: (o.precedence, o.distribution, o.index))
 
 
 def collect_resolution_rules(registry: "Registry") -> list[ResolutionRule]:
     """Every forcing/fallback rule the loaded plugins declare, by stage, distribution, order."""
     found: list[ResolutionRule] = []
-    for dist, impl in _hook_impls(registry, "attnplug_resolution_rules"):
-        def register(name: str, stage: str, rule: Any, *, description: str | None = None,
-                     _dist: str = dist) -> None:
+
+    def bound(dist: str) -> dict[str, RegisterResolutionRule]:
+        def register(name: str, stage: str, rule: Any, *, description: str | None = None) -> None:
             if stage not in STAGES:
-                raise PluginError(_dist, f"resolution rule {name!r}: stage={stage!r} (expected one of {STAGES})")
+                raise PluginError(dist, f"resolution rule {name!r}: stage={stage!r} (expected one of {STAGES})")
             if not callable(rule):
-                raise PluginError(_dist, f"resolution rule {name!r} is not callable")
-            found.append(ResolutionRule(str(name), stage, rule, _dist,
+                raise PluginError(dist, f"resolution rule {name!r} is not callable")
+            found.append(ResolutionRule(str(name), stage, rule, dist,
                                         description if description is not None else _doc_line(rule), len(found)))
 
-        try:
-            impl.function(register=register)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(dist, f"hook attnplug_resolution_rules raised {type(exc).__name__}: {exc}") from exc
+        return {"register": register}
+
+    registry.call_hook("attnplug_resolution_rules", per_plugin=bound)
     return sorted(found, key=lambda r: (STAGES.index(r.stage), r.distribution, r.index))
 
 
@@ -210,7 +200,7 @@ def ranked(registry: "Registry", host: HostInfo) -> list[tuple[str, int]]:
     """Backends with a default priority on ``host``, best first (ties by name)."""
     out = []
     for name in registry.names():
-        prio = registry.get(name).priority_on(host)
+        prio = registry.priority(name, host)
         if prio is not None:
             out.append((name, int(prio)))
     return sorted(out, key=lambda x: (-x[1], x[0]))
@@ -271,12 +261,11 @@ class Pass:
 
 
 def _call_rule(source: str, label: str, fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
+    if source == CORE:
         out = fn()
-    except PluginError:
-        raise
-    except Exception as exc:
-        raise PluginError(source, f"resolution rule {label!r} raised {type(exc).__name__}: {exc}") from exc
+    else:
+        out, printed = call_plugin(source, f"resolution rule {label!r}", fn)
+        echo_output(source, f"resolution rule {label!r}", printed)
     if out is None:
         return {}
     if not isinstance(out, Mapping):
@@ -326,7 +315,7 @@ def run_default_fill(state: State) -> list[Declaration]:
     if not wanted:
         return []
     fields = half_declaration(state.config, wanted)
-    rule = "; ".join(f"{h}: {n} (priority {state.registry.get(n).priority_on(state.host)})"
+    rule = "; ".join(f"{h}: {n} (priority {state.registry.priority(n, state.host)})"
                      for h, n in wanted.items())
     return [Declaration(CORE, f"highest priority serving this configuration on {state.host.platform}: {rule}",
                         fields)]
