@@ -90,6 +90,7 @@ class AttentionConfig:
         return prefill != decode
 
     def replace(self, **changes: Any) -> "AttentionConfig":
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     def explicit_fields(self) -> dict[str, Any]:
@@ -103,6 +104,7 @@ class AttentionConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready data."""
         d = dataclasses.asdict(self)
         d["extra"] = dict(self.extra)
         return d

@@ -76,6 +76,7 @@ class BackendDescriptor:
                 object.__setattr__(self, name, tuple(value))
 
     def all_aliases(self) -> tuple[str, ...]:
+        """Aliases and deprecated aliases together."""
         return self.aliases + self.deprecated_aliases
 
     def priority_on(self, host: HostInfo) -> int | None:
@@ -135,6 +136,7 @@ class BackendDescriptor:
         return None
 
     def load_factory(self) -> Callable[..., Any]:
+        """Import and return the factory named by ``factory`` (``"module:function"``), or the callable itself."""
         if callable(self.factory):
             return self.factory
         module_name, _, attr = self.factory.partition(":")
@@ -145,6 +147,7 @@ class BackendDescriptor:
         return factory
 
     def to_dict(self) -> dict[str, Any]:
+        """The descriptor as JSON-ready data (the probe and factory by name)."""
         return {
             "name": self.name,
             "distribution": self.distribution,

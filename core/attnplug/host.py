@@ -72,6 +72,7 @@ class HostInfo:
         return "amx_bf16" in self.cpu_flags and "amx_tile" in self.cpu_flags
 
     def library_version(self, distribution: str) -> str | None:
+        """Installed version of kernel-library distribution ``name``, or ``None``."""
         key = _norm(distribution)
         for name, version in self.libraries:
             if _norm(name) == key:
@@ -85,6 +86,7 @@ class HostInfo:
         return self.compute_capability[0] * 10 + self.compute_capability[1]
 
     def describe(self) -> str:
+        """One human line: platform, device, compute capability, CPU features, libraries."""
         if self.platform == "cuda":
             where = f"CUDA SM{self.sm()} {self.device_name}".strip()
         elif self.platform == "rocm":
@@ -98,6 +100,7 @@ class HostInfo:
 
     # -- (de)serialisation, for `--host-json` --------------------------
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data; ``HostInfo.from_dict`` reads it back."""
         return {
             "platform": self.platform,
             "device_name": self.device_name,

@@ -260,12 +260,15 @@ class Registry:
         return self._host
 
     def names(self) -> list[str]:
+        """Canonical names of every registered backend, sorted."""
         return sorted(self.descriptors)
 
     def aliases(self) -> dict[str, tuple[str, bool]]:
+        """Alias -> (canonical name, deprecated?)."""
         return dict(self._aliases)
 
     def get(self, name: str) -> BackendDescriptor:
+        """``BackendDescriptor`` of ``name`` (canonical or alias); ``UnknownBackendError`` listing what is installed otherwise."""
         if name in self.conflicts:
             raise self.conflicts[name]
         try:
@@ -274,9 +277,11 @@ class Registry:
             raise UnknownBackendError(self._unknown_message(name, self._host or self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
+        """Plugins set aside (import error, broken hook, malformed value), with distribution and error."""
         return [p for p in self.plugins if p.status == "failed"]
 
     def filtered_plugins(self) -> list[PluginRecord]:
+        """Plugins skipped by ``ATTNPLUG_PLUGINS`` / ``ATTNPLUG_DISABLE_PLUGINS``."""
         return [p for p in self.plugins if p.status == "filtered"]
 
     def availability(self, name: str, host: HostInfo | None = None) -> Availability:
@@ -316,6 +321,7 @@ class Registry:
             return None
 
     def available_names(self, host: HostInfo | None = None) -> list[str]:
+        """Canonical names of the backends available on ``host``."""
         return [n for n in self.names() if self.availability(n, host)]
 
     def empty_hint(self) -> str:
@@ -469,6 +475,7 @@ class Registry:
         return effective, backend
 
     def validate_factory_result(self, result: Any, desc: BackendDescriptor) -> tuple[str, AttentionBackend]:
+        """Check a factory's ``(effective_name, backend)``; ``PluginError`` naming the distribution otherwise."""
         where = f"factory of backend {desc.name!r} returned"
         if result is None:
             raise PluginError(desc.distribution, f"{where} None; it must return (effective_name, backend)")
