@@ -283,20 +283,32 @@ def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinf
     assert wrapper.plan_calls == 1
 
 
-def test_deterministic_plans_fixed_split(fake_flashinfer, monkeypatch):
-    seen = {}
-    orig = EmuDecodeWrapper.plan
-
-    def spy(self, *a, **kw):
-        seen.update(kw)
-        return orig(self, *a, **kw)
-
-    monkeypatch.setattr(EmuDecodeWrapper, "plan", spy)
-    pb = H.make_problem(ForwardMode.DECODE, [4, 8], [1, 1], page_size=4)
+@pytest.mark.parametrize("mode, qlens", [(ForwardMode.DECODE, [1, 1]), (ForwardMode.EXTEND, [2, 3])])
+@pytest.mark.parametrize("save", [True, False])
+def test_deterministic_plans_disable_split_kv_on_the_fa2_path(fake_flashinfer, monkeypatch, mode, qlens, save):
+    """Determinism: every plan gets disable_split_kv=True (CUDA-graph safe, unlike fixed_split_size) and
+    the prefill wrappers are pinned to backend="fa2" (on SM90 "auto" would pick FA3, which ignores it)."""
+    seen, built = [], []
+    for cls in (EmuDecodeWrapper, EmuPagedPrefillWrapper, EmuRaggedWrapper):
+        orig_plan, orig_init = cls.plan, cls.__init__
+        monkeypatch.setattr(cls, "plan", lambda self, *a, _o=orig_plan, **kw: (seen.append(kw), _o(self, *a, **kw))[1])
+        monkeypatch.setattr(cls, "__init__", lambda self, *a, _o=orig_init, _c=cls, **kw:
+                            (built.append((_c, kw)), _o(self, *a, **kw))[1])
+    pb = H.make_problem(mode, [4, 8], qlens, page_size=4)
     be = _build(pb, fake_flashinfer, deterministic=True)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
-    assert seen["fixed_split_size"] == 2048
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save))
+    assert seen and all(kw.get("disable_split_kv") is True and "fixed_split_size" not in kw for kw in seen)
+    assert all(kw.get("backend") == "fa2" for c, kw in built if c is not EmuDecodeWrapper)
+
+
+def test_prefill_backend_is_pinned_for_fp8_kv_and_determinism_only():
+    from attnplug_flashinfer.backend import prefill_backend, split_arguments
+
+    assert prefill_backend("bfloat16", False) == "auto"
+    assert prefill_backend("float8_e4m3fn", False) == "fa2" and prefill_backend("float8_e5m2", False) == "fa2"
+    assert prefill_backend("bfloat16", True) == "fa2"
+    assert split_arguments(False) == {} and split_arguments(True) == {"disable_split_kv": True}
 
 
 def test_cuda_graph_verify_capture_and_replay(fake_flashinfer):
@@ -404,7 +416,7 @@ def test_verify_mask_and_ragged_index_layout():
 
 
 def test_version_and_page_size_guards():
-    assert M.parse_version("0.5.0rc1+cu128") == (0, 5, 0) and M.parse_version("0.6.18") == (0, 6, 18)
+    assert M.parse_version("0.5.0rc1+cu128") < M.parse_version("0.5.0") < M.parse_version("0.6.18")
     M.check_library_version("0.5.0", "0.5.0")
     with pytest.raises(RuntimeError, match=r"flashinfer-python >= 0.5.0, found 0.4.1"):
         M.check_library_version("0.4.1", "0.5.0")
