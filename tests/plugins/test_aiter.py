@@ -31,6 +31,7 @@ from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug_aiter import metadata as M
 
 import _flashinfer_family_helpers as H
+import _library_contracts as C
 
 DIST = "attnplug-aiter"
 LIB = {"amd-aiter": "0.1.10"}
@@ -60,6 +61,7 @@ def _attend(q, K, V, visible, scale, cap, sinks=None):
 CALLS: list[str] = []
 
 
+@C.emulates("aiter.mha_batch_prefill_func", "amd-aiter", "0.1.10")
 def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, logits_soft_cap=0.0, causal=False,
                                window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_lse=False,
@@ -92,6 +94,7 @@ def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices
     return res.to(q.dtype)
 
 
+@C.emulates("aiter.paged_attention_ragged", "amd-aiter", "0.1.10")
 def emu_paged_attention_ragged(out, workspace_buffer, query, key_cache, value_cache, scale, kv_indptr,
                                kv_page_indices, kv_last_page_lens, block_size, max_num_partitions, alibi_slopes,
                                kv_cache_dtype, kv_cache_layout, logits_soft_cap, k_scale, v_scale,

@@ -30,6 +30,7 @@ from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug_flashinfer import metadata as M
 
 import _flashinfer_family_helpers as H
+import _library_contracts as C
 
 DIST = "attnplug-flashinfer"
 LIB = {"flashinfer-python": "0.5.2"}
@@ -109,9 +110,11 @@ class EmuDecodeWrapper(_EmuBase):
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
                  backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buffer, "indices": paged_kv_indices_buffer,
                                           "last": paged_kv_last_page_len_buffer})
 
+    @C.emulates("flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
@@ -122,6 +125,7 @@ class EmuDecodeWrapper(_EmuBase):
         self.p.update(bs=indptr.numel() - 1, window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
                       scale=sm_scale if sm_scale is not None else head_dim ** -0.5, heads=(num_qo_heads, num_kv_heads))
 
+    @C.emulates("flashinfer.BatchDecodeWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, paged_kv_cache, **kw):
         p = self.p
         assert paged_kv_cache[0].shape[1] == p["ps"]
@@ -138,9 +142,11 @@ class EmuPagedPrefillWrapper(_EmuBase):
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph, {"qo": qo_indptr_buf, "indptr": paged_kv_indptr_buf,
                                           "indices": paged_kv_indices_buf, "last": paged_kv_last_page_len_buf})
 
+    @C.emulates("flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
              head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
@@ -157,6 +163,7 @@ class EmuPagedPrefillWrapper(_EmuBase):
                       window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
                       scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
+    @C.emulates("flashinfer.BatchPrefillWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, paged_kv_cache, **kw):
         p = self.p
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -180,8 +187,10 @@ class EmuRaggedWrapper(_EmuBase):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph)
 
+    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
@@ -194,6 +203,7 @@ class EmuRaggedWrapper(_EmuBase):
                       cap=logits_soft_cap or 0.0,
                       scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
+    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, k, v, **kw):
         p = self.p
         out = torch.zeros(q.shape, dtype=torch.float64)

@@ -23,6 +23,7 @@ import torch
 
 import attnplug_trtllm_mha
 import _fa3_family_helpers as H
+import _library_contracts as C
 from attnplug import AttentionConfig, BuildContext, ForwardMode
 from attnplug.errors import BackendUnavailableError, ConfigError, NotSupportedError
 from attnplug.resolution import resolve
@@ -45,6 +46,7 @@ def _read_hnd(kv_cache, block_tables, b, sk):
 
 
 
+@C.emulates("flashinfer.decode.trtllm_batch_decode_with_kv_cache", "flashinfer-python", "0.6.0")
 def emulate_decode(*, query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0,
                    bmm2_scale=1.0, window_left=-1, out_dtype=None, sinks=None, **unexpected):
     """EMULATOR of ``flashinfer.decode.trtllm_batch_decode_with_kv_cache`` (GPU-only), float64: query row ``b``
@@ -62,6 +64,7 @@ def emulate_decode(*, query, kv_cache, workspace_buffer, block_tables, seq_lens,
     return out.to(out_dtype or query.dtype)
 
 
+@C.emulates("flashinfer.prefill.trtllm_batch_context_with_kv_cache", "flashinfer-python", "0.6.0")
 def emulate_context(*, query, kv_cache, workspace_buffer, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale,
                     bmm2_scale, batch_size, cum_seq_lens_q, cum_seq_lens_kv, window_left=-1, out_dtype=None,
                     sinks=None, **unexpected):
