@@ -1,0 +1,78 @@
+"""The recorded signatures cover the versions the plugins claim, and every plugin's probe accepts each
+distribution that provides its module (and never an unrelated one)."""
+
+from __future__ import annotations
+
+import pytest
+
+import _fa3_family_helpers as H
+import _library_contracts as C
+from attnplug import HostInfo
+from attnplug.descriptor import installed_library
+from attnplug.host import module_provider
+
+import attnplug_aiter
+import attnplug_fa3
+import attnplug_flashinfer
+import attnplug_trtllm_mha
+
+FLOORS = [
+    ("fa3", attnplug_fa3.SGL_KERNEL, attnplug_fa3.MIN_SGL_KERNEL),
+    ("fa3 sinks", attnplug_fa3.SGL_KERNEL, attnplug_fa3.MIN_SGL_KERNEL_SINKS),
+    ("flashinfer", attnplug_flashinfer.LIBRARY, attnplug_flashinfer.MIN_LIBRARY_VERSION),
+    ("trtllm_mha", attnplug_trtllm_mha.LIBRARY, attnplug_trtllm_mha.MIN_VERSION),
+    ("aiter", attnplug_aiter.LIBRARY, attnplug_aiter.MIN_LIBRARY_VERSION),
+]
+
+
+@pytest.mark.parametrize("what, library, floor", FLOORS, ids=[f[0] for f in FLOORS])
+def test_signatures_file_names_each_claimed_floor(what, library, floor):
+    assert library in C.recorded(), f"{what}: no signatures recorded for {library!r}"
+    assert floor in C.versions(library), (f"{what}: {library} {floor} (the plugin's floor) is not recorded; "
+                                          f"run scripts/extract_signatures.py after adding it to SOURCES")
+    assert C.source_of(library, floor)
+
+
+@pytest.mark.parametrize("family, library", [("fa3", "sgl-kernel"), ("flashinfer", "flashinfer-python"),
+                                             ("trtllm_mha", "flashinfer-python"), ("aiter", "amd-aiter")])
+def test_descriptors_declare_the_recorded_library(family, library):
+    reg = H.registry(f"attnplug-{family.replace('_', '-')}")
+    assert reg.get(family).library == library
+
+
+@pytest.mark.parametrize("dist", ["sgl-kernel", "sglang-kernel"])
+def test_fa3_is_available_under_either_distribution_name(dist):
+    host = H.cuda_host(90, **{dist.replace("-", "_"): "0.4.10" if dist == "sglang-kernel" else "0.3.21"})
+    reg = H.registry("attnplug-fa3")
+    assert reg.availability("fa3", host), reg.availability("fa3", host).reasons
+    assert reg.get("fa3").library_floor_problem(host) is None
+    old = H.cuda_host(90, sglang_kernel="0.2.9")
+    assert "sgl-kernel (installed as sglang-kernel) >= 0.3.0, found 0.2.9" in reg.get("fa3").library_floor_problem(old)
+
+
+@pytest.mark.parametrize("dist", ["sgl-kernel", "sglang-kernel", "sglang-kernel-cpu"])
+def test_intel_amx_is_available_under_every_distribution_name(dist):
+    host = H.cpu_host(True, **{dist.replace("-", "_"): "0.4.10"})
+    assert H.registry("attnplug-intel-amx").availability("intel_amx", host)
+
+
+def test_aiter_needs_amd_aiter_and_never_counts_pypi_aiter():
+    reg = H.registry("attnplug-aiter")
+    wrong = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"aiter": "0.1.10"})
+    assert not reg.availability("aiter", wrong)
+    assert reg.get("aiter").library_floor_problem(wrong) is None  # absent, not old: the probe says so
+    right = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": "0.1.10"})
+    assert reg.availability("aiter", right)
+
+
+def test_installed_library_reads_the_distribution_that_is_there():
+    host = HostInfo(libraries={"sglang-kernel": "0.4.10"})
+    assert installed_library(host, "sgl-kernel") == ("sglang-kernel", "0.4.10")
+    assert installed_library(host, "amd-aiter") is None
+
+
+def test_module_provider_finds_the_owner_on_disk_and_not_another_distribution():
+    import importlib.metadata as im
+
+    assert module_provider("pluggy", ("pytest", "pluggy")) == ("pluggy", im.version("pluggy"))
+    assert module_provider("pluggy", ("pytest",)) is None
