@@ -40,6 +40,7 @@ def check_versions(library_versions: list[tuple[str, str]], run_at: Any) -> dict
     """For each ``(library, version)``: ``run_at(library, version)`` returns ``(refusals, calls)``. A refused
     combination is fine (the plugin said no in words); an accepted one must bind and meet every
     precondition. Returns ``{"library version": refusals}`` so callers can assert which were refused."""
+    assert library_versions, "no recorded signatures for the library the plugin declares"
     verdicts: dict[str, list[str]] = {}
     failures: list[str] = []
     for library, version in library_versions:

@@ -12,7 +12,7 @@ import _flashinfer_family_helpers as H
 import _library_contracts as C
 from _drive import check_versions, forward, unchecked
 from attnplug import AttentionConfig, BuildContext, ForwardMode
-from attnplug.descriptor import version_key
+from packaging.version import Version as version_key
 from attnplug_aiter import LIBRARY, MIN_LIBRARY_VERSION
 
 import test_aiter as T
@@ -30,7 +30,7 @@ def _calls(monkeypatch, pb, save=True):
                         paged_attention_ragged=rec.wrap(RAGGED, unchecked(T.emu_paged_attention_ragged)))
     monkeypatch.setitem(sys.modules, "aiter", mod)
     # mocked: which installed distribution owns the module (no ROCm build here)
-    monkeypatch.setattr(B, "library_provider", lambda dists: (LIBRARY, MIN_LIBRARY_VERSION))
+    monkeypatch.setattr(B, "library_provider", lambda dists: (LIBRARY, MIN_LIBRARY_VERSION), raising=False)
     c = pb.cache
     ctx = BuildContext(AttentionConfig(), H.host("rocm", {LIBRARY: MIN_LIBRARY_VERSION}, gfx_arch="gfx942"),
                        dtype="bfloat16", num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads,

@@ -11,13 +11,14 @@ import _fa3_family_helpers as H
 import _library_contracts as C
 from _drive import check_versions, forward, unchecked
 from attnplug import AttentionConfig, BuildContext, ForwardMode, LayerSpec
-from attnplug.descriptor import version_key
-from attnplug_fa3 import MIN_SGL_KERNEL, SGL_KERNEL
+from packaging.version import Version as version_key
+from attnplug_fa3 import SGL_KERNEL
 from attnplug_fa3.backend import FA3Backend
 
 import test_fa3
 
 QUAL = "sgl_kernel.flash_attn.flash_attn_with_kvcache"
+MIN_SGL_KERNEL = H.registry("attnplug-fa3").get("fa3").min_library_version  # the floor the plugin declares
 SUPPORTED = [(lib, v) for lib in ("sgl-kernel", "sglang-kernel") for v in C.versions(lib)
              if version_key(v) >= version_key(MIN_SGL_KERNEL)]
 

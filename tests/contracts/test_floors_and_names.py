@@ -8,8 +8,6 @@ import pytest
 import _fa3_family_helpers as H
 import _library_contracts as C
 from attnplug import HostInfo
-from attnplug.descriptor import installed_library
-from attnplug.host import module_provider
 
 import attnplug_aiter
 import attnplug_fa3
@@ -17,8 +15,8 @@ import attnplug_flashinfer
 import attnplug_trtllm_mha
 
 FLOORS = [
-    ("fa3", attnplug_fa3.SGL_KERNEL, attnplug_fa3.MIN_SGL_KERNEL),
-    ("fa3 sinks", attnplug_fa3.SGL_KERNEL, attnplug_fa3.MIN_SGL_KERNEL_SINKS),
+    ("fa3", attnplug_fa3.SGL_KERNEL, H.registry("attnplug-fa3").get("fa3").min_library_version),
+    ("fa3 sinks", attnplug_fa3.SGL_KERNEL, getattr(attnplug_fa3, "MIN_SGL_KERNEL_SINKS", None)),
     ("flashinfer", attnplug_flashinfer.LIBRARY, attnplug_flashinfer.MIN_LIBRARY_VERSION),
     ("trtllm_mha", attnplug_trtllm_mha.LIBRARY, attnplug_trtllm_mha.MIN_VERSION),
     ("aiter", attnplug_aiter.LIBRARY, attnplug_aiter.MIN_LIBRARY_VERSION),
@@ -66,13 +64,28 @@ def test_aiter_needs_amd_aiter_and_never_counts_pypi_aiter():
 
 
 def test_installed_library_reads_the_distribution_that_is_there():
+    from attnplug.descriptor import installed_library
+
     host = HostInfo(libraries={"sglang-kernel": "0.4.10"})
     assert installed_library(host, "sgl-kernel") == ("sglang-kernel", "0.4.10")
     assert installed_library(host, "amd-aiter") is None
 
 
 def test_module_provider_finds_the_owner_on_disk_and_not_another_distribution():
+    from attnplug.host import module_provider
+
     import importlib.metadata as im
 
     assert module_provider("pluggy", ("pytest", "pluggy")) == ("pluggy", im.version("pluggy"))
     assert module_provider("pluggy", ("pytest",)) is None
+
+
+def test_core_version_key_orders_releases_as_packaging_does():
+    """The floors compare with ``attnplug.descriptor.version_key``; this tier compares with ``packaging``."""
+    from packaging.version import Version
+
+    from attnplug.descriptor import version_key
+
+    seq = ["0.1.9", "0.1.9.post1", "0.1.10rc1", "0.1.10", "0.1.10.post1", "0.3.0", "0.3.4", "0.3.4.post1",
+           "0.3.5.dev1", "0.3.5", "0.4.10", "0.6.4+cu128", "0.7.4"]
+    assert sorted(seq, key=version_key) == sorted(seq, key=Version) == seq

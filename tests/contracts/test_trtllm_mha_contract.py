@@ -13,14 +13,15 @@ import _fa3_family_helpers as H
 import _library_contracts as C
 from _drive import check_versions, forward, unchecked
 from attnplug import AttentionConfig, BuildContext, ForwardMode
-from attnplug.descriptor import version_key
+from packaging.version import Version as version_key
 from attnplug_trtllm_mha import LIBRARY, MIN_VERSION
-from attnplug_trtllm_mha.backend import LIBRARY_CALLS, TrtllmMHABackend
+from attnplug_trtllm_mha.backend import TrtllmMHABackend
 from attnplug_trtllm_mha.metadata import hnd_view
 
 import test_trtllm_mha as T
 
-DECODE, CONTEXT = LIBRARY_CALLS
+DECODE = "flashinfer.decode.trtllm_batch_decode_with_kv_cache"
+CONTEXT = "flashinfer.prefill.trtllm_batch_context_with_kv_cache"
 SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= version_key(MIN_VERSION)]
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from attnplug.descriptor import version_key
+from packaging.version import Version as version_key
 
 SIGNATURES = Path(__file__).resolve().parents[1] / "contracts" / "signatures.json"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
