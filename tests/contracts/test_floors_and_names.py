@@ -89,3 +89,11 @@ def test_core_version_key_orders_releases_as_packaging_does():
     seq = ["0.1.9", "0.1.9.post1", "0.1.10rc1", "0.1.10", "0.1.10.post1", "0.3.0", "0.3.4", "0.3.4.post1",
            "0.3.5.dev1", "0.3.5", "0.4.10", "0.6.4+cu128", "0.7.4"]
     assert sorted(seq, key=version_key) == sorted(seq, key=Version) == seq
+
+
+def test_the_pinned_flashinfer_is_a_recorded_release():
+    from pathlib import Path
+
+    pins = dict(line.split("==", 1) for line in (Path(__file__).parents[2] / "constraints.txt").read_text().split()
+                if "==" in line)
+    assert pins["flashinfer-python"] in C.versions("flashinfer-python")
