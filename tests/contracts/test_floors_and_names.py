@@ -97,3 +97,35 @@ def test_the_pinned_flashinfer_is_a_recorded_release():
     pins = dict(line.split("==", 1) for line in (Path(__file__).parents[2] / "constraints.txt").read_text().split()
                 if "==" in line)
     assert pins["flashinfer-python"] in C.versions("flashinfer-python")
+
+
+@pytest.mark.parametrize("module, library", [
+    ("attnplug_fa3.backend", "sgl-kernel"), ("attnplug_flashinfer.backend", "flashinfer-python"),
+    ("attnplug_trtllm_mha.backend", "flashinfer-python"), ("attnplug_aiter.backend", "amd-aiter")])
+def test_every_declared_library_call_is_recorded_and_has_preconditions(module, library):
+    """``LIBRARY_CALLS`` is the one checkable list per plugin: each entry has a real signature at every
+    recorded version at or above the floor, and a precondition check."""
+    import importlib
+
+    calls = importlib.import_module(module).LIBRARY_CALLS
+    for qualname in calls:
+        assert qualname in C.PRECONDITIONS, qualname
+        for version in C.versions(library)[-1:]:
+            assert C.signature(library, version, qualname) is not None, (qualname, version)
+
+
+def test_contract_runs_only_make_declared_calls():
+    """The calls the contract tier recorded for fa3/trtllm_mha are exactly those the plugins declare."""
+    import torch
+
+    import test_fa3_contract as F
+    import test_trtllm_mha_contract as T
+    from attnplug import ForwardMode
+    from attnplug_fa3.backend import LIBRARY_CALLS as FA3
+    from attnplug_trtllm_mha.backend import LIBRARY_CALLS as TRT
+
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, mode=ForwardMode.DECODE, ext=(1, 1, 1))
+    _, calls = F._run_at(p)("sgl-kernel", "0.3.21")
+    assert {c.qualname for c in calls} <= set(FA3)
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16)
+    assert {c.qualname for c in T._calls(p)} <= set(TRT)
