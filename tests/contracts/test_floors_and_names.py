@@ -129,3 +129,17 @@ def test_contract_runs_only_make_declared_calls():
     assert {c.qualname for c in calls} <= set(FA3)
     p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16)
     assert {c.qualname for c in T._calls(p)} <= set(TRT)
+
+
+def test_detection_keeps_only_the_distribution_that_provides_the_module(monkeypatch):
+    """Mocked metadata: sgl-kernel's metadata left behind by an upgrade to sglang-kernel is dropped."""
+    import importlib.metadata as im
+
+    import attnplug.host as host
+
+    fake = {"sgl-kernel": "0.3.21", "sglang-kernel": "0.4.10"}
+    monkeypatch.setattr(host.md, "version", lambda n: fake[n] if n in fake else (_ for _ in ()).throw(
+        im.PackageNotFoundError(n)))
+    monkeypatch.setattr(host, "module_provider", lambda module, dists: ("sglang-kernel", "0.4.10")
+                        if module == "sgl_kernel" and "sglang-kernel" in dists else None)
+    assert host.library_versions(["sgl-kernel", "sglang-kernel", "numpy"]) == {"sglang-kernel": "0.4.10"}
