@@ -4,10 +4,12 @@
 # It installs attnplug and this repo's plugins from the working tree (no network
 # needed: --no-deps --no-build-isolation, using the torch/triton/pytest already
 # on the machine), then runs the conformance suite on the GPU for every backend
-# available there, doctor, and the decode benchmark on CUDA. Kernel libraries
+# available there, the issue-14 library cases (scripts/gpu_contract_cases.py), doctor, and the
+# decode benchmark on CUDA. Kernel libraries
 # that are not on the machine (flash-attn 3, flashinfer, aiter) are reported as
 # unavailable with their reasons by `attnplug list`; carry their wheels in .whl/
-# and they are installed first.
+# and they are installed first (the lent machine reaches no registry: e.g.
+# `pip download --no-deps -d .whl flashinfer-python==0.7.4 sgl-kernel==0.3.21`).
 #
 # Usage (repo root):  bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
@@ -30,6 +32,11 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
   $PY -m attnplug list
   $PY -m attnplug doctor
 } 2>&1 | tee "$OUT/env.txt"
+
+# issue-14 cases first (short): attention sinks per backend, MQA on trtllm_mha, fp8 KV and determinism
+# on SM90; one PASS/FAIL/SKIP line each (SKIP names the reason: backend unavailable, layer refused, not SM90)
+timeout 300 $PY scripts/gpu_contract_cases.py --json "$OUT/contract_cases.json" \
+  2>"$OUT/contract_cases.err" | tee "$OUT/contract_cases.txt"
 
 # conformance on the GPU: every backend available here (cases run on CUDA when claimed)
 timeout 420 $PY -m pytest --backend=all -q -p no:cacheprovider -x \

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from .capabilities import Capabilities
 from .errors import PluginError
-from .host import PLATFORMS, HostInfo
+from .host import PLATFORMS, HostInfo, equivalent_distributions
 from .isolation import call_plugin, describe_exception, echo_output
 
 #: ``probe(host) -> reasons``; an empty list means available.
@@ -125,12 +125,14 @@ class BackendDescriptor:
         """A sentence when the installed kernel library is older than the declared floor."""
         if not self.library or not self.min_library_version:
             return None
-        have = host.library_version(self.library)
-        if have is None:
+        found = installed_library(host, self.library)
+        if found is None:
             return None  # absence is an availability matter, reported by the probe
-        if version_tuple(have) < version_tuple(self.min_library_version):
+        dist, have = found
+        if version_key(have) < version_key(self.min_library_version):
+            named = self.library if dist == self.library else f"{self.library} (installed as {dist})"
             return (
-                f"backend {self.name!r} ({self.distribution}) needs {self.library} >= "
+                f"backend {self.name!r} ({self.distribution}) needs {named} >= "
                 f"{self.min_library_version}, found {have}"
             )
         return None
@@ -271,14 +273,28 @@ def module_missing(module: str, install_hint: str = "") -> Probe:
     return probe
 
 
+def installed_library(host: HostInfo, distribution: str) -> tuple[str, str] | None:
+    """``(distribution, version)`` of whichever distribution providing ``distribution``'s module is
+    installed on ``host`` (``sgl-kernel`` is also found as ``sglang-kernel`` / ``sglang-kernel-cpu``;
+    see ``host.SAME_MODULE_DISTRIBUTIONS``), or ``None``."""
+    for name in equivalent_distributions(distribution):
+        version = host.library_version(name)
+        if version is not None:
+            return name, version
+    return None
+
+
 def library_missing(distribution: str, install_hint: str = "") -> Probe:
     """A probe that reads ``HostInfo.libraries`` (so it also answers for a recorded host,
-    ``--host-json``): unavailable when ``distribution`` is not installed there."""
+    ``--host-json``): unavailable when no distribution providing ``distribution``'s module
+    is installed there (any name of its ``SAME_MODULE_DISTRIBUTIONS`` group counts)."""
 
     def probe(host: HostInfo) -> list[str]:
-        if host.library_version(distribution) is not None:
+        if installed_library(host, distribution) is not None:
             return []
-        msg = f"kernel library {distribution!r} is not installed"
+        names = equivalent_distributions(distribution)
+        which = repr(distribution) if len(names) == 1 else " / ".join(repr(n) for n in names)
+        msg = f"kernel library {which} is not installed"
         return [msg + (f" ({install_hint})" if install_hint else "")]
 
     return probe
@@ -300,3 +316,23 @@ def version_tuple(text: str) -> tuple[int, ...]:
         if digits != part:
             break
     return tuple(out)
+
+
+def version_key(text: str) -> tuple[Any, ...]:
+    """A sort key that orders releases as PEP 440 does for the forms kernel libraries use:
+    ``0.3.4rc1 < 0.3.4 < 0.3.4.post1 < 0.3.5``; a local tag (``+cu128``) is ignored. Unlike
+    ``version_tuple`` it tells a ``.postN`` floor (sgl-kernel 0.3.4.post1) from its base release."""
+    import re
+
+    m = re.match(r"^\s*v?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc|alpha|beta|c)[-_.]?(\d*))?"
+                 r"(?:[-_.]?(post|rev|r)[-_.]?(\d*))?(?:[-_.]?(dev)[-_.]?(\d*))?", text.split("+", 1)[0].lower())
+    if not m:
+        return (version_tuple(text), 0, 0, 0)
+    release = tuple(int(x) for x in m.group(1).split("."))
+    while len(release) > 1 and release[-1] == 0:
+        release = release[:-1]
+    pre_rank = {"a": -3, "alpha": -3, "b": -2, "beta": -2, "rc": -1, "c": -1}.get(m.group(2) or "", 0)
+    pre = (pre_rank, int(m.group(3) or 0)) if m.group(2) else (0, 0)
+    post = int(m.group(5) or 0) + 1 if m.group(4) else 0
+    dev = -1 if m.group(6) else 0
+    return (release, pre, post, dev)

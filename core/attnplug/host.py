@@ -26,8 +26,29 @@ PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
 #: Distributions whose versions every ``HostInfo`` records (plugins may ask for more).
 KNOWN_KERNEL_LIBRARIES: tuple[str, ...] = (
     "torch", "triton", "pytorch-triton", "pytorch-triton-rocm", "flash-attn", "flash-attn-3", "flashinfer-python", "flashinfer", "aiter",
-    "sgl-kernel", "intel-extension-for-pytorch", "numpy",
+    "amd-aiter", "sgl-kernel", "sglang-kernel", "sglang-kernel-cpu", "intel-extension-for-pytorch", "numpy",
 )
+
+#: Distributions that install the same module under different names, keyed by the name plugins
+#: declare. sgl-kernel's releases continue as ``sglang-kernel`` (CUDA) and ``sglang-kernel-cpu``
+#: (the CPU build); all three provide the module ``sgl_kernel``. AMD's aiter is the distribution
+#: ``amd-aiter`` (module ``aiter``); the PyPI distribution named ``aiter`` is an unrelated
+#: async-iterator package and never counts.
+SAME_MODULE_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "sgl-kernel": ("sgl-kernel", "sglang-kernel", "sglang-kernel-cpu"),
+    "sglang-kernel": ("sgl-kernel", "sglang-kernel", "sglang-kernel-cpu"),
+    "sglang-kernel-cpu": ("sgl-kernel", "sglang-kernel", "sglang-kernel-cpu"),
+    "amd-aiter": ("amd-aiter",),
+}
+#: The module each group above installs (what ``module_provider`` looks for on disk).
+PROVIDED_MODULE: dict[str, str] = {"sgl-kernel": "sgl_kernel", "sglang-kernel": "sgl_kernel",
+                                   "sglang-kernel-cpu": "sgl_kernel", "amd-aiter": "aiter"}
+
+
+def equivalent_distributions(distribution: str) -> tuple[str, ...]:
+    """Every distribution that provides the module ``distribution`` does (itself first)."""
+    group = SAME_MODULE_DISTRIBUTIONS.get(_norm(distribution), ())
+    return (distribution,) + tuple(d for d in group if _norm(d) != _norm(distribution))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +244,54 @@ def _norm(name: str) -> str:
 
 
 def library_versions(names: Iterable[str]) -> dict[str, str]:
+    """Installed versions of ``names`` from distribution metadata. Where several distributions of
+    one ``SAME_MODULE_DISTRIBUTIONS`` group are installed (an upgrade across a rename leaves the old
+    metadata behind), only the one whose files provide the module is kept."""
     out: dict[str, str] = {}
     for name in names:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             continue
+    for name in list(out):
+        group = [d for d in equivalent_distributions(name) if d in out]
+        if len(group) > 1:
+            owner = module_provider(PROVIDED_MODULE.get(_norm(name), ""), group)
+            if owner is not None:
+                for d in group:
+                    if d != owner[0]:
+                        out.pop(d, None)
     return out
+
+
+def module_provider(module: str, distributions: Iterable[str]) -> tuple[str, str] | None:
+    """``(distribution, version)`` of the one among ``distributions`` whose installed files hold
+    ``module`` (found with ``find_spec``, never imported); ``None`` when none of them does."""
+    import importlib.util
+    import pathlib
+
+    try:
+        spec = importlib.util.find_spec(module) if module else None
+    except (ImportError, ValueError):
+        spec = None
+    where = None
+    if spec is not None and spec.origin not in (None, "namespace"):
+        where = pathlib.Path(spec.origin).resolve()
+    for name in distributions:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        for f in dist.files or ():
+            parts = pathlib.PurePosixPath(str(f)).parts
+            if parts[:1] != (module,):
+                continue
+            if where is None or pathlib.Path(str(dist.locate_file(f))).resolve() == where:
+                return name, dist.version
+        # editable installs list a .pth or a finder module instead of the package files
+        if where is not None and any(str(f).endswith(".pth") and module in str(f) for f in dist.files or ()):
+            return name, dist.version
+    return None
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -301,6 +363,7 @@ def detect_host(extra_libraries: tuple[str, ...] = ()) -> HostInfo:
     accel = _accelerator_from_torch()
     if accel is None:
         accel = _accelerator_from_tools()
-    libs = library_versions(tuple(dict.fromkeys(KNOWN_KERNEL_LIBRARIES + tuple(extra_libraries))))
+    wanted = KNOWN_KERNEL_LIBRARIES + tuple(d for name in extra_libraries for d in equivalent_distributions(name))
+    libs = library_versions(tuple(dict.fromkeys(wanted)))
     return HostInfo(cpu_flags=_cpu_flags() if _platform.system() == "Linux" else frozenset(),
                     libraries=libs, **accel)

@@ -117,11 +117,17 @@ def make_problem(
     k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(T, num_kv_heads, Dv, generator=g).to(dtype)
     layer = LayerSpec(0, num_heads, num_kv_heads, head_dim, v_head_dim=v_head_dim, sliding_window=window,
-                      logit_cap=cap, sinks=torch.randn(num_heads, generator=g) if sinks else None)
+                      logit_cap=cap, sinks=_bf16_exact(torch.randn(num_heads, generator=g)) if sinks else None)
     before = (kb.clone(), vb.clone())
     expected = reference_attention(q, k, v, layer, batch, before[0], before[1], cache.req_to_token)
     return types.SimpleNamespace(cache=cache, batch=batch, layer=layer, q=q, k=k, v=v, before=before,
                                  expected=expected, rows=rows, prefix=prefix, ext=ext, seq=seq, page_size=page_size)
+
+
+def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """Sink values bfloat16 represents exactly: fa3 hands sinks to the kernel in bfloat16 (sgl-kernel's
+    check), so the float64 reference and the emulated kernel see the same numbers."""
+    return x.to(torch.bfloat16).to(torch.float32)
 
 
 def pages_of(cache: PagedKVCache, row: int, length: int) -> list[int]:

@@ -31,9 +31,10 @@ from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug_aiter import metadata as M
 
 import _flashinfer_family_helpers as H
+import _library_contracts as C
 
 DIST = "attnplug-aiter"
-LIB = {"aiter": "0.1.10"}
+LIB = {"amd-aiter": "0.1.10"}
 MI300 = dict(gfx_arch="gfx942")
 
 
@@ -60,6 +61,7 @@ def _attend(q, K, V, visible, scale, cap, sinks=None):
 CALLS: list[str] = []
 
 
+@C.emulates("aiter.mha_batch_prefill_func", "amd-aiter", "0.1.10")
 def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, logits_soft_cap=0.0, causal=False,
                                window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_lse=False,
@@ -92,6 +94,7 @@ def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices
     return res.to(q.dtype)
 
 
+@C.emulates("aiter.paged_attention_ragged", "amd-aiter", "0.1.10")
 def emu_paged_attention_ragged(out, workspace_buffer, query, key_cache, value_cache, scale, kv_indptr,
                                kv_page_indices, kv_last_page_lens, block_size, max_num_partitions, alibi_slopes,
                                kv_cache_dtype, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
@@ -118,11 +121,10 @@ def fake_aiter(monkeypatch):
     mod = H.fake_module("aiter", "0.1.10", mha_batch_prefill_func=emu_mha_batch_prefill_func,
                         paged_attention_ragged=emu_paged_attention_ragged)
     monkeypatch.setitem(sys.modules, "aiter", mod)
-    import importlib.metadata as im
+    import attnplug_aiter.backend as B
 
-    real = im.version
-    monkeypatch.setattr(im, "version", lambda n: (_ for _ in ()).throw(im.PackageNotFoundError(n))
-                        if n == "aiter" else real(n))
+    # no distribution on disk provides this in-memory module: say amd-aiter 0.1.10 does
+    monkeypatch.setattr(B, "library_provider", lambda dists: ("amd-aiter", "0.1.10") if "amd-aiter" in dists else None)
     CALLS.clear()
     return mod
 
@@ -232,8 +234,10 @@ def test_build_refuses_other_gfx_and_old_library(fake_aiter, monkeypatch):
                        num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, kv_cache=pb.cache)
     with pytest.raises(RuntimeError, match="gfx_arch='gfx90a'"):
         AiterBackend(ctx)
-    monkeypatch.setattr(fake_aiter, "__version__", "0.1.9")
-    with pytest.raises(RuntimeError, match=r"aiter >= 0.1.10, found 0.1.9"):
+    import attnplug_aiter.backend as B
+
+    monkeypatch.setattr(B, "library_provider", lambda dists: ("amd-aiter", "0.1.9"))  # the distribution's version
+    with pytest.raises(RuntimeError, match=r"amd-aiter >= 0.1.10, found 0.1.9"):
         AiterBackend(ctx.replace(host=H.host("rocm", LIB, **MI300)))
 
 
@@ -283,7 +287,8 @@ def test_decode_window_trims_rows_and_verify_rows_follow_the_tree():
 
 
 def test_guards_and_versions():
-    assert M.parse_version("0.1.10.post1+rocm7.0") == (0, 1, 10) and M.parse_version("0.1.5.post4") == (0, 1, 5)
+    assert M.parse_version("0.1.10.post1+rocm7.0") > M.parse_version("0.1.10") > M.parse_version("0.1.9.post1")
+    assert M.parse_version("0.1.10+rocm7.0") == M.parse_version("0.1.10")
     M.check_library_version("0.1.12", "0.1.10")
     with pytest.raises(RuntimeError, match="found 0.1.9"):
         M.check_library_version("0.1.9", "0.1.10")
@@ -308,11 +313,11 @@ def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
     (rec,) = [p for p in reg.plugins if p.distribution == DIST]
     assert rec.status == "loaded", rec.error
     d = reg.get("aiter")
-    assert d.distribution == DIST and d.library == "aiter" and d.min_library_version == "0.1.10"
+    assert d.distribution == DIST and d.library == "amd-aiter" and d.min_library_version == "0.1.10"
     assert d.capabilities is attnplug_aiter.CAPABILITIES
     cpu = HostInfo(platform="cpu", libraries={"torch": "2.13.0"})
     avail = reg.availability("aiter", cpu)
-    assert not avail and any("'aiter' is not installed" in r for r in avail.reasons)
+    assert not avail and any("'amd-aiter' is not installed" in r for r in avail.reasons)
     assert any("gfx942/gfx950" in r for r in avail.reasons)
     with pytest.raises(BackendUnavailableError, match="aiter"):
         reg.build("aiter", BuildContext(AttentionConfig(), cpu))
@@ -341,8 +346,36 @@ def test_priority_and_floor():
     d = _registry(DIST).get("aiter")
     assert d.priority_on(HostInfo(platform="rocm", gfx_arch="gfx942")) == 50
     assert d.priority_on(HostInfo(platform="cuda")) is None
-    old = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"aiter": "0.1.5.post4"})
-    assert "aiter >= 0.1.10, found 0.1.5.post4" in d.library_floor_problem(old)
+    old = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": "0.1.5.post4"})
+    assert "amd-aiter >= 0.1.10, found 0.1.5.post4" in d.library_floor_problem(old)
+
+
+def test_the_unrelated_pypi_aiter_distribution_never_counts():
+    """PyPI's ``aiter`` is an async-iterator package: a host with only it has no kernel library."""
+    reg = _registry(DIST)
+    wrong = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"aiter": "0.1.10"})
+    reasons = reg.availability("aiter", wrong).reasons
+    assert any("'amd-aiter' is not installed" in r for r in reasons)
+    right = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": "0.1.10"})
+    assert reg.availability("aiter", right)
+
+
+def test_kernels_extra_names_amd_aiter_never_aiter():
+    import tomllib
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).parents[2] / "plugins/aiter/pyproject.toml").read_text())
+    extra = meta["project"]["optional-dependencies"]["kernels"]
+    assert extra == ["amd-aiter>=0.1.10"]
+
+
+def test_build_refuses_a_module_aiter_from_the_wrong_distribution(monkeypatch):
+    """Mocked: which distribution owns the module (no aiter of either kind is installed here)."""
+    import attnplug_aiter.backend as B
+
+    monkeypatch.setattr(B, "library_provider", lambda dists: ("aiter", "0.1.10") if "aiter" in dists else None)
+    with pytest.raises(BackendUnavailableError, match="unrelated async-iterator package"):
+        B._import_aiter()
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from attnplug_fa3 import metadata as M
 from attnplug_fa3.backend import FA3Backend, load_kernel
 
 import _fa3_family_helpers as H
+import _library_contracts as C
 
 DIST = "attnplug-fa3"
 SGL = {"sgl_kernel": "0.3.16"}
@@ -34,6 +35,7 @@ UPSTREAM = {"flash_attn_3": "3.0.0b1"}
 
 
 # -- (4) the emulator ------------------------------------------------------------
+@C.emulates("sgl_kernel.flash_attn.flash_attn_with_kvcache", "sgl-kernel", "0.3.21")
 def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
                                     softmax_scale, causal, window_size=(-1, -1), softcap=0.0, sinks=None,
                                     num_splits=0, **unexpected):

@@ -30,6 +30,7 @@ from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug_flashinfer import metadata as M
 
 import _flashinfer_family_helpers as H
+import _library_contracts as C
 
 DIST = "attnplug-flashinfer"
 LIB = {"flashinfer-python": "0.5.2"}
@@ -109,9 +110,11 @@ class EmuDecodeWrapper(_EmuBase):
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
                  backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buffer, "indices": paged_kv_indices_buffer,
                                           "last": paged_kv_last_page_len_buffer})
 
+    @C.emulates("flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
@@ -122,6 +125,7 @@ class EmuDecodeWrapper(_EmuBase):
         self.p.update(bs=indptr.numel() - 1, window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
                       scale=sm_scale if sm_scale is not None else head_dim ** -0.5, heads=(num_qo_heads, num_kv_heads))
 
+    @C.emulates("flashinfer.BatchDecodeWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, paged_kv_cache, **kw):
         p = self.p
         assert paged_kv_cache[0].shape[1] == p["ps"]
@@ -138,9 +142,11 @@ class EmuPagedPrefillWrapper(_EmuBase):
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph, {"qo": qo_indptr_buf, "indptr": paged_kv_indptr_buf,
                                           "indices": paged_kv_indices_buf, "last": paged_kv_last_page_len_buf})
 
+    @C.emulates("flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
              head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
@@ -157,6 +163,7 @@ class EmuPagedPrefillWrapper(_EmuBase):
                       window=window_left, cap=logits_soft_cap or 0.0, ps=page_size,
                       scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
+    @C.emulates("flashinfer.BatchPrefillWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, paged_kv_cache, **kw):
         p = self.p
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -180,8 +187,10 @@ class EmuRaggedWrapper(_EmuBase):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
         assert kv_layout == "NHD"
+        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(use_cuda_graph)
 
+    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
@@ -194,6 +203,7 @@ class EmuRaggedWrapper(_EmuBase):
                       cap=logits_soft_cap or 0.0,
                       scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
+    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
     def run(self, q, k, v, **kw):
         p = self.p
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -283,20 +293,32 @@ def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinf
     assert wrapper.plan_calls == 1
 
 
-def test_deterministic_plans_fixed_split(fake_flashinfer, monkeypatch):
-    seen = {}
-    orig = EmuDecodeWrapper.plan
-
-    def spy(self, *a, **kw):
-        seen.update(kw)
-        return orig(self, *a, **kw)
-
-    monkeypatch.setattr(EmuDecodeWrapper, "plan", spy)
-    pb = H.make_problem(ForwardMode.DECODE, [4, 8], [1, 1], page_size=4)
+@pytest.mark.parametrize("mode, qlens", [(ForwardMode.DECODE, [1, 1]), (ForwardMode.EXTEND, [2, 3])])
+@pytest.mark.parametrize("save", [True, False])
+def test_deterministic_plans_disable_split_kv_on_the_fa2_path(fake_flashinfer, monkeypatch, mode, qlens, save):
+    """Determinism: every plan gets disable_split_kv=True (CUDA-graph safe, unlike fixed_split_size) and
+    the prefill wrappers are pinned to backend="fa2" (on SM90 "auto" would pick FA3, which ignores it)."""
+    seen, built = [], []
+    for cls in (EmuDecodeWrapper, EmuPagedPrefillWrapper, EmuRaggedWrapper):
+        orig_plan, orig_init = cls.plan, cls.__init__
+        monkeypatch.setattr(cls, "plan", lambda self, *a, _o=orig_plan, **kw: (seen.append(kw), _o(self, *a, **kw))[1])
+        monkeypatch.setattr(cls, "__init__", lambda self, *a, _o=orig_init, _c=cls, **kw:
+                            (built.append((_c, kw)), _o(self, *a, **kw))[1])
+    pb = H.make_problem(mode, [4, 8], qlens, page_size=4)
     be = _build(pb, fake_flashinfer, deterministic=True)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
-    assert seen["fixed_split_size"] == 2048
+    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save))
+    assert seen and all(kw.get("disable_split_kv") is True and "fixed_split_size" not in kw for kw in seen)
+    assert all(kw.get("backend") == "fa2" for c, kw in built if c is not EmuDecodeWrapper)
+
+
+def test_prefill_backend_is_pinned_for_fp8_kv_and_determinism_only():
+    from attnplug_flashinfer.backend import prefill_backend, split_arguments
+
+    assert prefill_backend("bfloat16", False) == "auto"
+    assert prefill_backend("float8_e4m3fn", False) == "fa2" and prefill_backend("float8_e5m2", False) == "fa2"
+    assert prefill_backend("bfloat16", True) == "fa2"
+    assert split_arguments(False) == {} and split_arguments(True) == {"disable_split_kv": True}
 
 
 def test_cuda_graph_verify_capture_and_replay(fake_flashinfer):
@@ -404,7 +426,7 @@ def test_verify_mask_and_ragged_index_layout():
 
 
 def test_version_and_page_size_guards():
-    assert M.parse_version("0.5.0rc1+cu128") == (0, 5, 0) and M.parse_version("0.6.18") == (0, 6, 18)
+    assert M.parse_version("0.5.0rc1+cu128") < M.parse_version("0.5.0") < M.parse_version("0.6.18")
     M.check_library_version("0.5.0", "0.5.0")
     with pytest.raises(RuntimeError, match=r"flashinfer-python >= 0.5.0, found 0.4.1"):
         M.check_library_version("0.4.1", "0.5.0")

@@ -225,3 +225,26 @@ def test_guards():
     assert any("cross-attention" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 16, is_cross_attention=True)))
     with pytest.raises(Exception, match="init_forward_metadata"):
         b.forward_extend(p.q, p.k, p.v, p.layer, p.batch)
+
+
+def _scales_inserted(fn):
+    """EMULATOR of the newer op schema: KV-scale arguments inserted right after ``logit_cap`` (fp8 KV on
+    CPU), so window/sinks sit at other positions. Arguments past ``logit_cap`` are keyword-only here:
+    a call that passes them by position lands them in the wrong slots and fails."""
+    n = 13 if fn is emulate_decode else 14
+
+    def op(*args, k_scale=None, v_scale=None, is_cross_attention=False, sliding_window_size=0, encoder_lens=None,
+           sinks=None):
+        assert len(args) == n, f"{len(args)} positional arguments; the ones after logit_cap go by name"
+        return fn(*args, is_cross_attention=is_cross_attention, sliding_window_size=sliding_window_size,
+                  encoder_lens=encoder_lens, sinks=sinks)
+    return op
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_window_and_sinks_pass_by_schema_name_when_kv_scales_are_inserted(mode):
+    ext = (4, 9) if mode == "extend" else (1, 1)
+    kw = {"mode": ForwardMode.DECODE} if mode == "decode" else {}
+    p = H.make_problem(prefix=(3, 12), ext=ext, page_size=16, window=4, sinks=True, **kw)
+    ops = Ops(_scales_inserted(emulate_decode), _scales_inserted(emulate_extend), extended=True)
+    H.assert_close(run(p, ops=ops), p.expected)

@@ -13,7 +13,10 @@ from typing import Any
 from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl, library_missing
 
 NAME = "aiter"
-LIBRARY = "aiter"
+#: AMD's aiter is the distribution ``amd-aiter`` (module ``aiter``). The PyPI distribution named
+#: ``aiter`` is an unrelated async-iterator package: it never counts as the kernel library.
+LIBRARY = "amd-aiter"
+MODULE = "aiter"
 #: Floor: ``mha_batch_prefill_func(..., kv_last_page_lens=, sink_ptr=)`` (attention sinks,
 #: "Enable gptoss_sink") first ships in aiter v0.1.10; ``paged_attention_ragged`` is older.
 MIN_LIBRARY_VERSION = "0.1.10"
@@ -45,7 +48,7 @@ CAPABILITIES = Capabilities(
 
 def probe(host: HostInfo) -> list[str]:
     """Why aiter cannot run on ``host`` (reads ``HostInfo`` only: recorded hosts answer too)."""
-    reasons = list(library_missing(LIBRARY, "build it from https://github.com/ROCm/aiter on a ROCm host")(host))
+    reasons = list(library_missing(LIBRARY, "build amd-aiter from https://github.com/ROCm/aiter (>= v0.1.10) on a ROCm host")(host))
     if host.gfx_arch not in SUPPORTED_GFX:
         where = host.gfx_arch or host.platform
         reasons.append(f"needs an MI300/MI350 GPU (gfx942/gfx950); this host is {where}")

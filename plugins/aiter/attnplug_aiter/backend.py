@@ -43,16 +43,39 @@ def create(ctx: Any) -> tuple[str, "AiterBackend"]:
     return NAME, AiterBackend(ctx)
 
 
-def _import_aiter() -> Any:
-    import importlib.metadata as im
+#: Every library function this backend calls (bound against the real signatures by the contract tier).
+LIBRARY_CALLS = ("aiter.mha_batch_prefill_func", "aiter.paged_attention_ragged")
+#: ``mha_batch_prefill_func`` converts ``sink_ptr`` to float32 (one value per query head).
+SINKS_DTYPE = torch.float32
 
+
+def library_provider(distributions: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(distribution, version)`` of the one of ``distributions`` whose files hold the module ``aiter``."""
+    from attnplug.host import module_provider
+
+    from . import MODULE
+
+    return module_provider(MODULE, distributions)
+
+
+def _import_aiter() -> Any:
+    """The ``aiter`` module of the ``amd-aiter`` distribution, its version checked against the floor.
+    The version is read from the distribution that provides the module, never from ``aiter``."""
+    from . import LIBRARY
+
+    owner = library_provider((LIBRARY,))
+    if owner is None:
+        from attnplug.errors import BackendUnavailableError
+
+        other = library_provider(("aiter",))
+        why = (f"module 'aiter' comes from the distribution 'aiter' {other[1]}, an unrelated async-iterator "
+               f"package, not from {LIBRARY}" if other else f"no installed {LIBRARY} distribution provides "
+               f"the module 'aiter'")
+        raise BackendUnavailableError(NAME, [why], f"pip uninstall aiter; build {LIBRARY} >= "
+                                      f"{MIN_LIBRARY_VERSION} from https://github.com/ROCm/aiter")
     import aiter  # the real library: only here, only at build
 
-    try:
-        version = im.version("aiter")
-    except im.PackageNotFoundError:
-        version = getattr(aiter, "__version__", "0")
-    md.check_library_version(version, MIN_LIBRARY_VERSION)
+    md.check_library_version(owner[1], MIN_LIBRARY_VERSION, library=LIBRARY)
     return aiter
 
 
@@ -119,7 +142,7 @@ class AiterBackend(AttentionBackend):
                  rows: md.TokenKV, max_q: int, causal: bool) -> torch.Tensor:
         sinks = None
         if layer.sinks is not None:
-            sinks = torch.as_tensor(layer.sinks, dtype=torch.float32, device=q.device)
+            sinks = torch.as_tensor(layer.sinks, dtype=SINKS_DTYPE, device=q.device)
         return self.aiter.mha_batch_prefill_func(
             q, kc, vc, cu_q, rows.kv_indptr, rows.kv_indices, max_q, rows.max_kv_len,
             softmax_scale=float(layer.scaling), logits_soft_cap=md.logits_soft_cap(layer), causal=causal,

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.descriptor import version_tuple as parse_version
+from attnplug.descriptor import version_key as parse_version
 from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 
@@ -253,8 +253,8 @@ def check_gfx(gfx_arch: str | None) -> None:
         raise RuntimeError(f"aiter: gfx_arch={gfx_arch!r}; aiter's kernels are built for {', '.join(SUPPORTED_GFX)}")
 
 
-def check_library_version(version: str, floor: str, library: str = "aiter") -> None:
+def check_library_version(version: str, floor: str, library: str = "amd-aiter") -> None:
     if parse_version(version) < parse_version(floor):
         raise RuntimeError(
-            f"attnplug-aiter needs {library} >= {floor}, found {version} (rebuild aiter from ROCm/aiter)"
+            f"attnplug-aiter needs {library} >= {floor}, found {version} (rebuild amd-aiter from ROCm/aiter)"
         )

@@ -17,20 +17,31 @@ from __future__ import annotations
 from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug.descriptor import installed_library
 
 NAME = "fa3"
 
-#: The kernel distributions, in the order the kernel module tries them.
+#: The kernel distributions, in the order the kernel module tries them. ``sgl-kernel`` also
+#: stands for its successor names ``sglang-kernel`` / ``sglang-kernel-cpu`` (same ``sgl_kernel``
+#: module; see ``attnplug.host.SAME_MODULE_DISTRIBUTIONS``).
 SGL_KERNEL = "sgl-kernel"
 FLASH_ATTN_3 = "flash-attn-3"
+
+#: The floor for every layer: ``flash_attn_with_kvcache(page_table=, cu_seqlens_q=, num_splits=, softcap=)``.
+MIN_SGL_KERNEL = "0.3.0"
+#: ``sinks=`` first exists in sgl-kernel 0.3.4.post1 (0.3.4's wrapper has no such parameter): a
+#: layer with sinks needs this; layers without sinks run from ``MIN_SGL_KERNEL`` on.
+MIN_SGL_KERNEL_SINKS = "0.3.4.post1"
 
 #: GPUs sgl-kernel builds FA3 for (``is_fa3_supported``: major 8 or 9, CUDA >= 12.3).
 SGL_KERNEL_SMS = (80, 86, 87, 89, 90)
 #: The upstream flash-attn-3 (hopper/) build: H100/H800-class GPUs.
 FLASH_ATTN_3_SMS = (90,)
 
-#: FA3 rounds the head dim up to an instantiated one (64, 96, 128, 192, 256); it must be a multiple of 8.
+#: FA3 rounds the head dim up to an instantiated one (64, 96, 128, 192, 256); it must be a multiple of 8,
+#: and of 16 on the fp8 path (``FP8_HEAD_DIM_MULTIPLE``, refused per layer by the kernel module).
 HEAD_DIMS = tuple(range(8, 257, 8))
+FP8_HEAD_DIM_MULTIPLE = 16
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),
@@ -43,7 +54,7 @@ CAPABILITIES = Capabilities(
     mqa=True,
     sliding_window=True,  # window_size=(left, 0)
     logit_softcap=True,  # softcap=
-    sinks=True,  # sinks= (sgl-kernel's build)
+    sinks=True,  # sinks= (sgl-kernel >= 0.3.4.post1; bfloat16 sinks, the C++ checks the dtype)
     cross_attention=False,
     speculative_verify=True,  # chain: causal; custom mask: one query per row over its visible slots
     draft_extend=True,
@@ -56,7 +67,7 @@ CAPABILITIES = Capabilities(
 
 def provider(host: Any) -> str | None:
     """The kernel distribution the backend would use on ``host`` (``None``: neither is installed)."""
-    if host.library_version(SGL_KERNEL) is not None:
+    if installed_library(host, SGL_KERNEL) is not None:
         return SGL_KERNEL
     if host.library_version(FLASH_ATTN_3) is not None:
         return FLASH_ATTN_3
@@ -103,8 +114,8 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             deprecated_aliases=("flashattention3",),
             priority=priority,
             library=SGL_KERNEL,
-            # sinks= in sgl_kernel.flash_attn.flash_attn_with_kvcache (gpt-oss support)
-            min_library_version="0.3.0",
+            # the floor for layers without sinks; a sink layer needs MIN_SGL_KERNEL_SINKS (checked per layer)
+            min_library_version=MIN_SGL_KERNEL,
             description="FlashAttention-3 flash_attn_with_kvcache over a page table (sgl-kernel or flash-attn-3)",
         )
     )

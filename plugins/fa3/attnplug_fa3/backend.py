@@ -23,10 +23,18 @@ from attnplug.backend import AttentionBackend, MetadataGuard
 from attnplug.batch import check_qkv
 from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
 
-from . import CAPABILITIES, FLASH_ATTN_3, NAME, SGL_KERNEL
+from attnplug.descriptor import installed_library, version_key
+
+from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL
 from .metadata import FA3Metadata, build_metadata, check_page_aligned, window_size
 
 Kernel = Callable[..., Any]
+
+#: Every library function this backend calls (the contract tier binds each recorded call against
+#: the real signature of each version in ``tests/contracts/signatures.json``).
+LIBRARY_CALLS = ("sgl_kernel.flash_attn.flash_attn_with_kvcache",)
+#: sgl-kernel's FA3 checks ``sinks.scalar_type() == BFloat16`` ("sinks must have dtype bfloat16").
+SINKS_DTYPE = torch.bfloat16
 
 
 def load_kernel() -> tuple[str, Kernel]:
@@ -64,6 +72,9 @@ class FA3Backend(AttentionBackend):
         self.ctx = ctx
         self.provider = provider or "injected"
         self.kernel = kernel
+        #: ``(distribution, version)`` of the installed sgl-kernel family, from the host record
+        host = getattr(ctx, "host", None)
+        self.library = installed_library(host, SGL_KERNEL) if host is not None else None
         self.kv_cache = ctx.kv_cache
         self.page_size = ctx.page_size
         #: FA3 picks a split count per batch shape unless told; 1 keeps a request's output batch-invariant
@@ -77,8 +88,7 @@ class FA3Backend(AttentionBackend):
     # -- description -----------------------------------------------------
     def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
         reasons = super().not_supported_reasons(layer, ctx)
-        if layer.uses_sinks and self.provider == FLASH_ATTN_3:
-            reasons.append("attention sinks need sgl-kernel's FA3 build (flash_attn_interface has no sinks=)")
+        reasons += [r for r in self._library_reasons(layer, ctx if ctx is not None else self.ctx) if r not in reasons]
         if ctx is not None:
             kv = ctx.kv_cache_dtype
             if kv in ("float16", "bfloat16") and kv != ctx.dtype:
@@ -86,6 +96,24 @@ class FA3Backend(AttentionBackend):
             sm = ctx.host.sm() if ctx.host is not None else None
             if kv.startswith("float8") and sm is not None and sm != 90:
                 reasons.append(f"kv_cache_dtype={kv}: FA3's fp8 path runs on Hopper (SM90) only; this GPU is SM{sm}")
+        return reasons
+
+    def layer_reasons(self, layer: Any) -> list[str]:
+        return self._library_reasons(layer, self.ctx)
+
+    def _library_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """What the installed kernel build cannot do for ``layer`` (sinks floor, fp8 head dims)."""
+        reasons: list[str] = []
+        if layer.uses_sinks and self.provider == FLASH_ATTN_3:
+            reasons.append("attention sinks need sgl-kernel's FA3 build (flash_attn_interface has no sinks=)")
+        elif layer.uses_sinks and self.library is not None \
+                and version_key(self.library[1]) < version_key(MIN_SGL_KERNEL_SINKS):
+            reasons.append(f"attention sinks need {SGL_KERNEL} >= {MIN_SGL_KERNEL_SINKS} (sinks= of "
+                           f"flash_attn_with_kvcache); found {self.library[0]} {self.library[1]}")
+        kv = getattr(ctx, "kv_cache_dtype", "") or ""
+        if kv.startswith("float8") and layer.head_dim % FP8_HEAD_DIM_MULTIPLE:
+            reasons.append(f"head_dim={layer.head_dim} with kv_cache_dtype={kv}: FA3's fp8 path needs head dims "
+                           f"that are multiples of {FP8_HEAD_DIM_MULTIPLE}")
         return reasons
 
     # -- metadata ----------------------------------------------------------
@@ -166,6 +194,7 @@ class FA3Backend(AttentionBackend):
             return self._attend(q, layer, meta)
 
     def _attend(self, q: torch.Tensor, layer: Any, meta: FA3Metadata) -> torch.Tensor:
+        self.require_supported(layer)  # sinks floor, fp8 head dims: memoised per layer
         kb, vb = self._cache().get_kv(layer.layer_id)
         Hkv, D, Dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         if meta.uses_tree:
@@ -180,7 +209,7 @@ class FA3Backend(AttentionBackend):
         qk = q.to(kb.dtype) if kb.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q
         extra: dict[str, Any] = {}
         if layer.sinks is not None:
-            extra["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
+            extra["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
         out = self.kernel(
             q=qk,
             k_cache=k_cache,

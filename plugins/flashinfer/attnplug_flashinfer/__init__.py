@@ -24,7 +24,8 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),
-    # fp8 KV with fp16/bf16 queries: the FA2 prefill/decode kernels take kv_data_type separately.
+    # fp8 KV with fp16/bf16 queries: the FA2 prefill/decode kernels take kv_data_type separately
+    # (the prefill wrappers are pinned to backend="fa2" for fp8 KV: "auto" picks FA3 on SM90).
     kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     # The head dims FlashInfer's prebuilt/tested FA2 kernels cover (tests parametrise 64/128/256).
     head_dims=(64, 128, 256),
@@ -41,7 +42,9 @@ CAPABILITIES = Capabilities(
     speculative_verify=True,  # plan(custom_mask=...) over prefix + draft tokens
     draft_extend=True,
     cuda_graph=True,  # wrappers built with use_cuda_graph=True over fixed buffers
-    deterministic=True,  # fixed_split_size / disable_split_kv when config.deterministic
+    # config.deterministic: disable_split_kv=True on every plan and the prefill wrappers pinned to
+    # backend="fa2" (FA3 on SM90 ignores the split arguments); see backend.split_arguments
+    deterministic=True,
     devices=("cuda",),
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )

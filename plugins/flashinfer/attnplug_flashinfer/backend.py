@@ -39,9 +39,35 @@ from . import metadata as md
 
 #: Workspace for split-k partial results (FlashInfer recommends 128 MiB; SGLang uses more for Qwen).
 WORKSPACE_BYTES = 256 << 20
-#: Split sizes SGLang uses for batch-invariant (deterministic) FlashInfer runs.
-DETERMINISTIC_PREFILL_SPLIT = 4096
-DETERMINISTIC_DECODE_SPLIT = 2048
+
+#: Every library call this backend makes (constructor, plan, run of each wrapper); the contract
+#: tier binds each recorded call against the real signatures (installed package and
+#: ``tests/contracts/signatures.json``).
+LIBRARY_CALLS = tuple(
+    f"flashinfer.{w}.{m}"
+    for w in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+              "BatchPrefillWithRaggedKVCacheWrapper")
+    for m in ("__init__", "plan", "run")
+)
+
+#: The prefill wrappers' ``backend=``. ``"auto"`` picks FlashInfer's FA3 kernels on SM90, which
+#: (a) before flashinfer 0.6.4 do not check dtypes, so bf16/fp16 queries over an fp8 cache build an
+#: invalid kernel, and (b) ignore ``fixed_split_size``/``disable_split_kv``. So the FA2 kernels are
+#: pinned whenever the KV cache is fp8 or the run must be deterministic (decode always runs FA2).
+PINNED_BACKEND = "fa2"
+
+
+def prefill_backend(kv_cache_dtype: str, deterministic: bool) -> str:
+    """``backend=`` for the prefill wrappers: ``"fa2"`` for fp8 KV or determinism, else ``"auto"``."""
+    return PINNED_BACKEND if deterministic or kv_cache_dtype.startswith("float8") else "auto"
+
+
+def split_arguments(deterministic: bool) -> dict[str, Any]:
+    """``plan`` arguments for batch-invariant output: one KV chunk per request (``disable_split_kv``),
+    as SGLang's deterministic mode does. Unlike ``fixed_split_size`` (which flashinfer does not
+    guarantee under CUDA graphs) it holds for captured graphs too; it is honoured on the FA2 path,
+    which ``prefill_backend`` pins under determinism."""
+    return {"disable_split_kv": True} if deterministic else {}
 
 
 def create(ctx: Any) -> tuple[str, "FlashInferBackend"]:
@@ -128,12 +154,11 @@ class FlashInferBackend(AttentionBackend):
             if wrapper is None:
                 wrapper = self._eager[key] = self._new_wrapper(kind)
         p = lay.paged
+        split = split_arguments(self.deterministic)
         if kind == "decode":
-            split = dict(fixed_split_size=DETERMINISTIC_DECODE_SPLIT) if self.deterministic else {}
             wrapper.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads, layer.num_kv_heads,
                          layer.head_dim, self.page_size, **common, **split)
         elif kind == "prefill":
-            split = dict(fixed_split_size=DETERMINISTIC_PREFILL_SPLIT) if self.deterministic else {}
             if lay.kind == "verify":
                 mask = lay.custom_mask(None if win < 0 else win)
                 common["window_left"] = -1  # folded into the mask
@@ -148,10 +173,10 @@ class FlashInferBackend(AttentionBackend):
             if lay.kind == "verify":
                 common["window_left"] = -1
                 wrapper.plan(lay.qo_indptr, kv_indptr, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                             custom_mask=lay.custom_mask(None if win < 0 else win), causal=False, **common)
+                             custom_mask=lay.custom_mask(None if win < 0 else win), causal=False, **common, **split)
             else:
                 wrapper.plan(lay.qo_indptr, kv_indptr, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                             causal=True, **common)
+                             causal=True, **common, **split)
         plans.planned[key] = wrapper
         return wrapper
 
@@ -160,8 +185,13 @@ class FlashInferBackend(AttentionBackend):
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                use_tensor_cores=self._decode_tensor_cores())
         if kind == "prefill":
-            return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        return self.fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+            return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self._prefill_backend())
+        # the ragged wrapper reads K/V in the query dtype (never fp8), so only determinism pins it
+        return self.fi.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend("", self.deterministic))
+
+    def _prefill_backend(self) -> str:
+        return prefill_backend(self.ctx.kv_cache_dtype, self.deterministic)
 
     # -- forward -------------------------------------------------------
     def _paged_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +256,8 @@ class FlashInferBackend(AttentionBackend):
                     paged_kv_last_page_len_buffer=b["kv_last_page_len"][:bs])
             else:
                 wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"][: bs + 1],
+                    self.workspace, "NHD", use_cuda_graph=True, backend=self._prefill_backend(),
+                    qo_indptr_buf=b["qo_indptr"][: bs + 1],
                     paged_kv_indptr_buf=b["kv_indptr"][: bs + 1], paged_kv_indices_buf=b["kv_indices"],
                     paged_kv_last_page_len_buf=b["kv_last_page_len"][:bs], custom_mask_buf=b["custom_mask"],
                     mask_indptr_buf=b["mask_indptr"][: bs + 1])

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.descriptor import version_tuple as parse_version
+from attnplug.descriptor import version_key as parse_version
 from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 

@@ -46,7 +46,8 @@ def probe(host: Any) -> list[str]:
     missing = [f for f in AMX_FLAGS if f not in host.cpu_flags]
     if missing:
         reasons.append(f"needs AMX (cpu flags {' and '.join(AMX_FLAGS)}); this CPU lacks {', '.join(missing)}")
-    reasons.extend(library_missing(LIBRARY, "the CPU build of sgl-kernel (sgl-kernel/pyproject_cpu.toml)")(host))
+    # any of sgl-kernel / sglang-kernel / sglang-kernel-cpu (the CPU build's upstream packaging name)
+    reasons.extend(library_missing(LIBRARY, "the CPU build of sgl-kernel, distribution sglang-kernel-cpu")(host))
     if host.platform != "cpu":
         reasons.append(f"serves CPU-only hosts (sgl-kernel there is the CPU build); this host is {host.platform}")
     return reasons

@@ -27,8 +27,14 @@ from attnplug.errors import AttnplugError, BackendUnavailableError, ShapeError
 from . import CAPABILITIES, LIBRARY, NAME
 from .metadata import AmxMetadata, build_metadata, window_arg
 
-#: schema arguments of the newer ops (after ``logit_cap``)
+#: schema arguments of the newer ops (after ``logit_cap``). They are passed BY NAME: a later
+#: upstream change inserted KV-scale arguments (fp8 KV on CPU) into the schema, so positions past
+#: ``logit_cap`` are not stable; names are, and the schema is read to see which ones exist.
 EXTENDED_ARGS = ("is_cross_attention", "sliding_window_size", "encoder_lens", "sinks")
+#: Every library op this backend calls.
+LIBRARY_CALLS = ("torch.ops.sgl_kernel.decode_attention_cpu", "torch.ops.sgl_kernel.extend_attention_cpu")
+#: the dtype the sinks are handed to the ops in (unverified against the CPU build's source)
+SINKS_DTYPE = torch.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,21 +132,22 @@ class IntelAmxBackend(AttentionBackend):
         cache = self._cache()
         kb, vb = cache.get_kv(layer.layer_id)
         r2t = cache.req_to_token
-        tail: tuple[Any, ...] = ()
-        if self.ops.extended:
+        named: dict[str, Any] = {}
+        if self.ops.extended:  # by name: the schema's positions after logit_cap moved upstream
             sinks = None if layer.sinks is None else \
-                torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
-            tail = (False, window_arg(layer.sliding_window), None, sinks)
+                torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
+            named = dict(is_cross_attention=False, sliding_window_size=window_arg(layer.sliding_window),
+                         encoder_lens=None, sinks=sinks)
         scale, cap = float(layer.scaling), float(layer.logit_cap or 0.0)
         if meta.decode:
             with cache.staged(layer.layer_id, batch.out_cache_loc, keep=save_kv_cache):  # the op writes them
                 self.ops.decode(q.contiguous(), kb, vb, out, k.to(kb.dtype), v.to(vb.dtype), batch.out_cache_loc,
                                 meta.attn_logits(layer.num_heads, layer.v_head_dim), r2t, meta.req_pool_indices,
-                                meta.seq_lens, scale, cap, *tail)
+                                meta.seq_lens, scale, cap, **named)
             return out
         if save_kv_cache:
             cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         self.ops.extend(q.contiguous(), k.contiguous(), v.contiguous(), out, kb, vb, r2t, meta.req_pool_indices,
                         meta.seq_lens, meta.extend_seq_lens, meta.extend_start_loc, meta.max_len_extend,
-                        scale, cap, *tail)
+                        scale, cap, **named)
         return out

@@ -26,6 +26,11 @@ from . import CAPABILITIES, LIBRARY, NAME, PAGE_SIZES
 from .metadata import TrtllmMetadata, build_metadata, hnd_view, page_size_reasons, window_left
 
 DEFAULT_WORKSPACE_BYTES = 512 << 20
+#: Every library function this backend calls (bound against the real signatures by the contract tier).
+LIBRARY_CALLS = ("flashinfer.decode.trtllm_batch_decode_with_kv_cache",
+                 "flashinfer.prefill.trtllm_batch_context_with_kv_cache")
+#: trtllm-gen reads sinks as float32, one per query head.
+SINKS_DTYPE = torch.float32
 _FP8 = (torch.float8_e4m3fn,)
 
 
@@ -154,7 +159,7 @@ class TrtllmMHABackend(AttentionBackend):
             window_left=window_left(layer.sliding_window), out_dtype=q.dtype,
         )
         if layer.sinks is not None:
-            common["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
+            common["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
         if meta.decode:
             out = self.decode_kernel(max_seq_len=self.max_seq_len, **common)
         else:

@@ -58,11 +58,20 @@ def block_tables(
 
 
 def hnd_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The slot buffer ``[slots, heads, dim]`` as ``[num_pages, heads, page_size, dim]`` (a view, no copy)."""
+    """The slot buffer ``[slots, heads, dim]`` as ``[num_pages, heads, page_size, dim]`` (a view, no copy).
+
+    With one KV head (MQA) the permuted view has strides ``(P*D, D, D, 1)``: the head stride equals
+    the token stride, the degenerate pattern for which trtllm-gen cannot build its TMA descriptor.
+    The head dimension has size 1, so its stride never moves a pointer; it is set to ``P*D`` (what a
+    contiguous ``[pages, 1, P, D]`` tensor has), the same memory seen through canonical strides."""
     slots, heads, dim = buf.shape
     if slots % page_size:
         raise ShapeError(f"KV buffer of {slots} slots is not a whole number of {page_size}-token pages")
-    return buf.view(slots // page_size, page_size, heads, dim).permute(0, 2, 1, 3)
+    view = buf.view(slots // page_size, page_size, heads, dim).permute(0, 2, 1, 3)
+    if heads == 1:
+        s0, _, s2, s3 = view.stride()
+        view = view.as_strided(view.shape, (s0, page_size * s2, s2, s3), view.storage_offset())
+    return view
 
 
 @dataclasses.dataclass

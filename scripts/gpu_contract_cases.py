@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""The issue-14 cases on a real GPU (run by scripts/gpu_check.sh; never CI).
+
+Each case builds a backend through the registry on this machine, runs one
+forward on CUDA against ``attnplug.testing.reference`` and prints one line:
+``PASS``, ``FAIL`` (with the error or the excess error) or ``SKIP`` (with the
+reason: the backend is unavailable here, or refuses the layer in words).
+
+Cases: attention sinks on each backend that claims them (fa3, trtllm_mha,
+aiter); MQA (one KV head) on trtllm_mha; fp8 KV on SM90 (fa3, flashinfer);
+determinism on SM90 (flashinfer and fa3: one request's output is bitwise the
+same alone and inside a larger batch).
+
+Usage: python scripts/gpu_contract_cases.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec
+from attnplug.kvcache import PageAllocator, PagedKVCache
+from attnplug.registry import Registry
+from attnplug.testing.reference import reference_attention
+
+DEV = "cuda"
+#: Excess-error bound per query dtype (|out - ref| <= atol + rtol * |ref|), as in the conformance suite.
+TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (4e-2, 4e-2)}
+FP8_TOL = (1.5e-1, 1.5e-1)  # the cache itself is rounded to e4m3; the reference reads the rounded cache
+
+
+def problem(mode: ForwardMode, prefix: list[int], ext: list[int], *, heads: int = 8, kv_heads: int = 2,
+            head_dim: int = 128, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+            kv_dtype: torch.dtype | None = None, sinks: bool = False, window: int | None = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    seq = [p + e for p, e in zip(prefix, ext)]
+    pages = sum(math.ceil(s / page_size) for s in seq) + 4
+    cache = PagedKVCache(1, pages, kv_heads, head_dim, page_size=page_size, dtype=kv_dtype or dtype, device=DEV,
+                         max_requests=len(seq) + 2, max_context_len=max(seq) + page_size)
+    kb, vb = cache.get_kv(0)
+    kb.copy_(torch.randn(kb.shape, generator=g).to(kb.dtype).to(DEV))
+    vb.copy_(torch.randn(vb.shape, generator=g).to(vb.dtype).to(DEV))
+    alloc = PageAllocator(pages, shuffle=True, seed=seed)
+    rows = list(range(len(seq)))
+    for r, s in zip(rows, seq):
+        cache.assign_pages(r, s, alloc.alloc(math.ceil(s / page_size)))
+    loc = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)])
+    if mode is ForwardMode.DECODE:
+        batch = ForwardBatch.decode(torch.tensor(rows, device=DEV), torch.tensor(seq, device=DEV), loc)
+    else:
+        batch = ForwardBatch.extend(torch.tensor(rows, device=DEV), torch.tensor(prefix, device=DEV),
+                                    torch.tensor(ext, device=DEV), loc, mode=mode)
+    T = sum(ext)
+    q = torch.randn(T, heads, head_dim, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype).to(DEV)
+    snk = torch.randn(heads, generator=g).to(torch.bfloat16).float() if sinks else None
+    layer = LayerSpec(0, heads, kv_heads, head_dim, sinks=snk, sliding_window=window)
+    return dict(cache=cache, batch=batch, q=q, k=k, v=v, layer=layer, before=(kb.clone(), vb.clone()),
+                page_size=page_size, dtype=dtype, kv_dtype=kv_dtype or dtype)
+
+
+def build(reg: Registry, name: str, p: dict[str, Any], deterministic: bool = False):
+    avail = reg.availability(name)
+    if not avail:
+        return None, "; ".join(avail.reasons)
+    dt = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[p["dtype"]]
+    kv = {torch.float8_e4m3fn: "float8_e4m3fn"}.get(p["kv_dtype"], dt)
+    layer = p["layer"]
+    ctx = BuildContext(AttentionConfig(attention_backend=name, deterministic=deterministic), reg.host, dtype=dt,
+                       kv_cache_dtype=kv, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                       head_dim=layer.head_dim, page_size=p["page_size"], kv_cache=p["cache"], device=DEV,
+                       max_context_len=p["cache"].max_context_len, layers=(layer,))
+    _, backend = reg.build(name, ctx)
+    reasons = backend.not_supported_reasons(layer, ctx)
+    return (None, "refused: " + "; ".join(reasons)) if reasons else (backend, "")
+
+
+def run(backend: Any, p: dict[str, Any]) -> torch.Tensor:
+    backend.init_forward_metadata(p["batch"])
+    return backend.forward(p["q"], p["k"], p["v"], p["layer"], p["batch"])
+
+
+def accuracy(reg: Registry, name: str, p: dict[str, Any]) -> tuple[str, str]:
+    backend, why = build(reg, name, p)
+    if backend is None:
+        return "SKIP", why
+    out = run(backend, p).double().cpu()
+    kb, vb = p["before"]
+    ref = reference_attention(p["q"].cpu(), p["k"].cpu(), p["v"].cpu(), p["layer"], _cpu(p["batch"]),
+                              kb.cpu().double(), vb.cpu().double(), p["cache"].req_to_token.cpu())
+    atol, rtol = FP8_TOL if p["kv_dtype"] == torch.float8_e4m3fn else TOL[p["dtype"]]
+    excess = float(((out - ref).abs() - (atol + rtol * ref.abs())).max())
+    return ("PASS" if excess <= 0 else "FAIL"), f"max excess error {excess:.3g}"
+
+
+def determinism(reg: Registry, name: str) -> tuple[str, str]:
+    """Request 0 alone and inside a batch of 8 (same cache): its output must be bitwise equal."""
+    p = problem(ForwardMode.DECODE, [3000] + [200 * i + 7 for i in range(1, 8)], [1] * 8, seed=5)
+    backend, why = build(reg, name, p, deterministic=True)
+    if backend is None:
+        return "SKIP", why
+    batched = run(backend, p)[:1].clone()
+    full = p["batch"]
+    solo = dict(p, batch=ForwardBatch.decode(full.req_pool_indices[:1], full.seq_lens[:1], full.out_cache_loc[:1]),
+                q=p["q"][:1], k=p["k"][:1], v=p["v"][:1])
+    alone = run(backend, solo)
+    same = torch.equal(alone, batched)
+    return ("PASS" if same else "FAIL"), f"bitwise equal alone vs batched: {same}"
+
+
+def _cpu(batch: ForwardBatch) -> ForwardBatch:
+    if batch.forward_mode is ForwardMode.DECODE:
+        return ForwardBatch.decode(batch.req_pool_indices.cpu(), batch.seq_lens.cpu(), batch.out_cache_loc.cpu())
+    return ForwardBatch.extend(batch.req_pool_indices.cpu(), batch.extend_prefix_lens.cpu(),
+                               batch.extend_seq_lens.cpu(), batch.out_cache_loc.cpu(), mode=batch.forward_mode)
+
+
+def cases() -> list[tuple[str, Any]]:
+    D, E = ForwardMode.DECODE, ForwardMode.EXTEND
+    out: list[tuple[str, Any]] = []
+    for name in ("fa3", "trtllm_mha", "aiter", "flashinfer"):
+        for mode, pre, ext in ((E, [0, 37], [21, 9]), (D, [40, 100], [1, 1])):
+            out.append((f"sinks/{name}/{mode.value}",
+                        lambda r, n=name, m=mode, a=pre, b=ext: accuracy(r, n, problem(m, a, b, sinks=True))))
+    for ps in (16, 32, 64):
+        for mode, pre, ext in ((E, [0, 37], [21, 9]), (D, [40, 100], [1, 1])):
+            out.append((f"mqa/trtllm_mha/page{ps}/{mode.value}", lambda r, m=mode, a=pre, b=ext, s=ps: accuracy(
+                r, "trtllm_mha", problem(m, a, b, kv_heads=1, page_size=s))))
+    for name in ("flashinfer", "fa3"):
+        for mode, pre, ext in ((E, [0, 37], [21, 9]), (D, [40, 100], [1, 1])):
+            out.append((f"fp8kv/{name}/{mode.value}", lambda r, n=name, m=mode, a=pre, b=ext: accuracy(
+                r, n, problem(m, a, b, kv_dtype=torch.float8_e4m3fn))))
+    for name in ("flashinfer", "fa3"):
+        out.append((f"deterministic/{name}", lambda r, n=name: determinism(r, n)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("SKIP all: no CUDA device")
+        return 0
+    reg = Registry.discover()
+    sm = reg.host.sm()
+    print(f"host: {reg.host.describe()}")
+    results = []
+    for label, fn in cases():
+        needs_sm90 = label.startswith(("fp8kv/", "deterministic/"))
+        if needs_sm90 and sm != 90:
+            status, detail = "SKIP", f"the case is about SM90; this GPU is SM{sm}"
+        else:
+            try:
+                status, detail = fn(reg)
+            except Exception as exc:  # a case that raises is a failure, reported in words
+                status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(file=sys.stderr)
+        print(f"{status:4} {label}: {detail}", flush=True)
+        results.append({"case": label, "status": status, "detail": detail})
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"host": reg.host.describe(), "results": results}, fh, indent=1)
+    return 1 if any(r["status"] == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

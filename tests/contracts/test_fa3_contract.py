@@ -1,0 +1,92 @@
+"""fa3 against sgl-kernel's real ``flash_attn_with_kvcache`` (signatures of 0.3.0 … 0.3.21 and
+sglang-kernel 0.4.10 read from the wheels) and its checks: bfloat16 sinks, int32 indices, one q/KV
+dtype, sinks only from 0.3.4.post1. GPU kernels cannot run here: an emulator does the math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _fa3_family_helpers as H
+import _library_contracts as C
+from _drive import check_versions, forward, unchecked
+from attnplug import AttentionConfig, BuildContext, ForwardMode, LayerSpec
+from packaging.version import Version as version_key
+from attnplug_fa3 import SGL_KERNEL
+from attnplug_fa3.backend import FA3Backend
+
+import test_fa3
+
+QUAL = "sgl_kernel.flash_attn.flash_attn_with_kvcache"
+MIN_SGL_KERNEL = H.registry("attnplug-fa3").get("fa3").min_library_version  # the floor the plugin declares
+SUPPORTED = [(lib, v) for lib in ("sgl-kernel", "sglang-kernel") for v in C.versions(lib)
+             if version_key(v) >= version_key(MIN_SGL_KERNEL)]
+
+
+def _run_at(p, **cfg):
+    def run_at(library, version):
+        rec = C.Recorder()
+        host = H.cuda_host(90, **{library.replace("-", "_"): version})
+        ctx = BuildContext(config=AttentionConfig(**cfg), host=host, dtype="bfloat16", num_heads=p.layer.num_heads,
+                           num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
+                           kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+        backend = FA3Backend(ctx, kernel=rec.wrap(QUAL, unchecked(test_fa3.emulate_flash_attn_with_kvcache)),
+                             provider=SGL_KERNEL)
+        refusals = list(backend.not_supported_reasons(p.layer))
+        if not refusals:
+            forward(backend, p)
+        return refusals, rec.calls
+    return run_at
+
+
+CASES = {
+    "extend": dict(mode=ForwardMode.EXTEND),
+    "decode": dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)),
+    "verify_tree": dict(mode=ForwardMode.TARGET_VERIFY, ext=(3, 3, 3), custom_mask=True),
+    "window_softcap": dict(mode=ForwardMode.EXTEND, window=4, cap=5.0),
+    "mqa": dict(mode=ForwardMode.DECODE, ext=(1, 1, 1), num_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_calls_bind_to_every_supported_sgl_kernel(case):
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, **CASES[case])
+    verdicts = check_versions(SUPPORTED, _run_at(p, deterministic=case == "decode"))
+    assert not any(verdicts.values()), verdicts  # layers without sinks run on every version >= the floor
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_sink_layers_bind_where_accepted_and_are_refused_below_0_3_4_post1(mode):
+    """Bugs 1 and 2: sinks reach the kernel as bfloat16, and only versions with ``sinks=`` accept them."""
+    kw = CASES[mode]
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, sinks=True, **kw)
+    verdicts = check_versions(SUPPORTED, _run_at(p))
+    assert verdicts["sgl-kernel 0.3.0"] and verdicts["sgl-kernel 0.3.4"], verdicts
+    assert not verdicts["sgl-kernel 0.3.4.post1"] and not verdicts["sglang-kernel 0.4.10"], verdicts
+    assert "0.3.4.post1" in verdicts["sgl-kernel 0.3.0"][0]
+
+
+def test_the_sinks_floor_is_the_first_release_with_sinks():
+    assert C.signature("sgl-kernel", "0.3.4", QUAL).parameters.get("sinks") is None
+    assert "sinks" in C.signature("sgl-kernel", "0.3.4.post1", QUAL).parameters
+
+
+def test_fp8_kv_head_dims_must_be_multiples_of_16():
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(90, sgl_kernel="0.3.21"), dtype="bfloat16",
+                       kv_cache_dtype="float8_e4m3fn", num_heads=4, num_kv_heads=2, head_dim=72)
+    backend = FA3Backend(ctx, kernel=lambda **kw: None, provider=SGL_KERNEL)
+    assert any("multiples of 16" in r for r in backend.not_supported_reasons(LayerSpec(0, 4, 2, 72), ctx))
+    assert not any("multiples of 16" in r for r in backend.not_supported_reasons(LayerSpec(0, 4, 2, 80), ctx))
+    bf16 = ctx.replace(kv_cache_dtype="bfloat16")
+    assert not any("multiples of 16" in r for r in backend.not_supported_reasons(LayerSpec(0, 4, 2, 72), bf16))
+
+
+def test_a_float32_sink_fails_the_emulator_as_it_fails_sgl_kernel():
+    """The emulator asserts the library's precondition: a wrong sinks dtype fails on CPU too."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, mode=ForwardMode.DECODE, ext=(1, 1, 1))
+    q = p.q
+    kc = p.cache.get_kv(0)[0].view(-1, 16, 2, 64)
+    args = dict(cache_seqlens=torch.ones(3, dtype=torch.int32), page_table=torch.zeros(3, 1, dtype=torch.int32),
+                cu_seqlens_q=torch.arange(4, dtype=torch.int32), max_seqlen_q=1, softmax_scale=0.1, causal=True)
+    with pytest.raises(AssertionError, match="sinks must have dtype bfloat16"):
+        test_fa3.emulate_flash_attn_with_kvcache(q, kc, kc, sinks=torch.zeros(4), **args)

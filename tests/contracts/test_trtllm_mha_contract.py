@@ -1,0 +1,80 @@
+"""trtllm_mha against flashinfer's real ``trtllm_batch_{decode,context}_with_kv_cache`` (0.6.0 … 0.7.4
+recorded; the installed package too) and trtllm-gen's preconditions: int32 tables, float32 sinks, 16/32/64
+pages, and canonical (non-degenerate) KV strides with one KV head."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import _fa3_family_helpers as H
+import _library_contracts as C
+from _drive import check_versions, forward, unchecked
+from attnplug import AttentionConfig, BuildContext, ForwardMode
+from packaging.version import Version as version_key
+from attnplug_trtllm_mha import LIBRARY, MIN_VERSION
+from attnplug_trtllm_mha.backend import TrtllmMHABackend
+from attnplug_trtllm_mha.metadata import hnd_view
+
+import test_trtllm_mha as T
+
+DECODE = "flashinfer.decode.trtllm_batch_decode_with_kv_cache"
+CONTEXT = "flashinfer.prefill.trtllm_batch_context_with_kv_cache"
+SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= version_key(MIN_VERSION)]
+
+
+def _calls(p):
+    rec = C.Recorder()
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(100, flashinfer_python=MIN_VERSION),
+                       dtype="bfloat16", num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
+                       head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
+                       max_context_len=p.cache.max_context_len)
+    kernels = (rec.wrap(DECODE, unchecked(T.emulate_decode)), rec.wrap(CONTEXT, unchecked(T.emulate_context)))
+    forward(TrtllmMHABackend(ctx, kernels=kernels, workspace_bytes=1024), p)
+    return rec.calls
+
+
+CASES = {
+    "decode": dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)),
+    "extend": dict(mode=ForwardMode.EXTEND),
+    "mqa_decode": dict(mode=ForwardMode.DECODE, ext=(1, 1, 1), num_kv_heads=1),
+    "mqa_extend": dict(mode=ForwardMode.EXTEND, num_kv_heads=1),
+    "sinks_window": dict(mode=ForwardMode.EXTEND, sinks=True, window=5),
+}
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_calls_bind_to_every_supported_flashinfer(case, page_size):
+    """Bug 6: a one-KV-head cache must reach trtllm-gen with canonical strides."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=page_size, **CASES[case])
+    calls = _calls(p)
+    check_versions(SUPPORTED, lambda lib, v: ([], calls))
+
+
+def test_calls_bind_to_the_installed_flashinfer():
+    try:
+        import flashinfer.decode
+        import flashinfer.prefill
+    except ImportError:
+        pytest.skip("flashinfer-python is not installed in this environment")
+    import importlib.metadata as im
+
+    real = {DECODE: inspect.signature(flashinfer.decode.trtllm_batch_decode_with_kv_cache),
+            CONTEXT: inspect.signature(flashinfer.prefill.trtllm_batch_context_with_kv_cache)}
+    version = im.distribution(LIBRARY).version
+    calls = [c for case in ("decode", "mqa_extend", "sinks_window")
+             for c in _calls(H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, **CASES[case]))]
+    found = [p for c in calls for p in C.problems(c, LIBRARY, version, sig=real[c.qualname])]
+    assert not found, "\n".join(dict.fromkeys(found))
+
+
+def test_one_kv_head_view_has_canonical_strides_over_the_same_memory():
+    buf = torch.arange(4 * 16 * 1 * 8, dtype=torch.float32).view(64, 1, 8)
+    view = hnd_view(buf, 16)
+    assert view.shape == (4, 1, 16, 8) and view.stride() == (128, 128, 8, 1)
+    assert torch.equal(view, buf.view(4, 16, 1, 8).permute(0, 2, 1, 3))
+    two = hnd_view(torch.zeros(64, 2, 8), 16)
+    assert two.stride() == (256, 8, 16, 1)  # several heads: the permuted NHD strides are already distinct

@@ -1,0 +1,371 @@
+"""What the real kernel libraries require of a call, written down once from their sources.
+
+Two halves, shared by the emulators in ``tests/plugins`` and the contract
+tier in ``tests/contracts``:
+
+* ``signature(library, version, qualname)``: the REAL parameter list of a
+  library function in one release, rebuilt as an ``inspect.Signature`` from
+  ``tests/contracts/signatures.json`` (extracted from the release's own
+  wrapper source by ``scripts/extract_signatures.py``; never imported).
+* ``PRECONDITIONS``: per library function, the dtype/layout checks the
+  library itself makes (or documents) before launching a kernel, each
+  citing where it comes from. The emulators call ``require()`` so a wrong
+  dtype fails on CPU as it would on the GPU; the contract tier calls
+  ``problems()`` for every recorded call at every supported version.
+
+Checks about the query dtype (fp16/bf16/fp8 only) are ``strict`` ones: the
+CPU emulator tests run some problems in float32 for a tight float64
+comparison, so emulators skip them and the contract tier (bf16 runs) keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from packaging.version import Version as version_key
+
+SIGNATURES = Path(__file__).resolve().parents[1] / "contracts" / "signatures.json"
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# -- real signatures -------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def recorded() -> dict[str, Any]:
+    return json.loads(SIGNATURES.read_text())["libraries"]
+
+
+def versions(library: str) -> list[str]:
+    """The versions of ``library`` whose signatures are recorded, oldest first."""
+    return sorted(recorded().get(library, {}), key=version_key)
+
+
+def source_of(library: str, version: str) -> str:
+    return recorded()[library][version]["source"]
+
+
+_DEFAULT = object()
+
+
+def signature(library: str, version: str, qualname: str) -> inspect.Signature | None:
+    """``qualname``'s real signature in ``library`` ``version`` (``None``: the function does not exist there)."""
+    entry = recorded()[library][version]["functions"].get(qualname, KeyError)
+    if entry is KeyError:
+        raise KeyError(f"{qualname} is not recorded for {library} {version}; add it to FUNCTIONS in "
+                       f"scripts/extract_signatures.py and re-extract")
+    if entry is None:
+        return None
+    params = [inspect.Parameter(p["name"], getattr(inspect.Parameter, p["kind"]),
+                                default=_DEFAULT if p["has_default"] else inspect.Parameter.empty)
+              for p in entry["parameters"]]
+    return inspect.Signature(params)
+
+
+# -- recorded calls ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Call:
+    """One library call as a plugin made it. ``owner``: for a wrapper method, what the wrapper
+    was constructed with (its ``__init__`` call's keyword view), else ``{}``."""
+
+    qualname: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    owner: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_method(self) -> bool:
+        return self.qualname.count(".") >= 2 and self.qualname.split(".")[-2][:1].isupper()
+
+    def bind(self, sig: inspect.Signature) -> inspect.BoundArguments:
+        """Bind as Python would call the real function (``TypeError`` when it would not)."""
+        args = (object(),) + self.args if self.is_method else self.args
+        bound = sig.bind(*args, **self.kwargs)
+        return bound
+
+    def arguments(self, sig: inspect.Signature) -> dict[str, Any]:
+        """Every parameter's value for this call (defaults as ``None`` when not passed)."""
+        bound = self.bind(sig)
+        out = {name: (None if p.default is _DEFAULT else p.default) for name, p in sig.parameters.items()
+               if p.default is not inspect.Parameter.empty}
+        out.update(bound.arguments)
+        return out
+
+
+class Recorder:
+    """Collects the library calls a plugin makes, then lets the real function (an emulator here) run."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def wrap(self, qualname: str, fn: Callable[..., Any], owner: dict[str, Any] | None = None) -> Callable[..., Any]:
+        def recorded_call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(Call(qualname, args, dict(kwargs), dict(owner or {})))
+            return fn(*args, **kwargs)
+
+        return recorded_call
+
+    def wrap_class(self, qualname: str, cls: type) -> type:
+        """A subclass of the emulated wrapper ``cls`` recording ``__init__``, ``plan`` and ``run``."""
+        rec = self
+
+        class Recorded(cls):  # type: ignore[misc,valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                init = Call(f"{qualname}.__init__", args, dict(kwargs))
+                rec.calls.append(init)
+                self._contract_owner = init
+                super().__init__(*args, **kwargs)
+
+            def plan(self, *args: Any, **kwargs: Any) -> Any:
+                rec.calls.append(Call(f"{qualname}.plan", args, dict(kwargs), _owner_view(self)))
+                return super().plan(*args, **kwargs)
+
+            def run(self, *args: Any, **kwargs: Any) -> Any:
+                rec.calls.append(Call(f"{qualname}.run", args, dict(kwargs), _owner_view(self)))
+                return super().run(*args, **kwargs)
+
+        Recorded.__name__ = cls.__name__
+        return Recorded
+
+
+def _owner_view(wrapper: Any) -> dict[str, Any]:
+    init: Call = wrapper._contract_owner
+    names = ("float_workspace_buffer", "kv_layout", "use_cuda_graph")
+    view = dict(zip(names, init.args))
+    view.update(init.kwargs)
+    view["_class"] = init.qualname.rsplit(".", 2)[-2]
+    return view
+
+
+# -- preconditions ------------------------------------------------------------------------
+Check = Callable[[dict[str, Any], str, dict[str, Any], bool], list[str]]
+
+
+def _int32(a: dict[str, Any], *names: str) -> list[str]:
+    return [f"{n} must be int32, got {a[n].dtype}" for n in names
+            if isinstance(a.get(n), torch.Tensor) and a[n].dtype != torch.int32]
+
+
+def _last_dim_contiguous(a: dict[str, Any], *names: str) -> list[str]:
+    return [f"{n} must have contiguous last dimension (stride {a[n].stride(-1)})" for n in names
+            if isinstance(a.get(n), torch.Tensor) and a[n].stride(-1) != 1]
+
+
+def _fa3_kvcache(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """sgl-kernel ``flash_attn_with_kvcache`` -> ``mha_fwd`` (sgl-kernel/csrc/flash_extension.cc, FA3
+    hopper/flash_api.cpp): int32 index tensors, same q/KV dtype, contiguous last dims, paged cache
+    ``[pages, page_size, kv_heads, dim]``, ``sinks`` bfloat16 of one value per query head
+    ("sinks must have dtype bfloat16"), fp8 head dims multiples of 16."""
+    out = _int32(a, "cache_seqlens", "page_table", "cu_seqlens_q") + _last_dim_contiguous(a, "q", "k_cache", "v_cache")
+    q, kc = a["q"], a["k_cache"]
+    if q.dtype != kc.dtype:
+        out.append(f"q ({q.dtype}) and k_cache ({kc.dtype}) must have one dtype")
+    if a.get("page_table") is not None and kc.dim() != 4:
+        out.append(f"a paged k_cache is [num_pages, page_size, kv_heads, dim], got {tuple(kc.shape)}")
+    s = a.get("sinks")
+    if s is not None:
+        if s.dtype != torch.bfloat16:
+            out.append(f"sinks must have dtype bfloat16, got {s.dtype}")
+        if s.numel() != q.shape[-2]:
+            out.append(f"sinks must hold one value per query head ({q.shape[-2]}), got {s.numel()}")
+    if kc.dtype in _FP8 and q.shape[-1] % 16:
+        out.append(f"the fp8 path needs head_dim % 16 == 0, got {q.shape[-1]}")
+    if strict and q.dtype not in _HALF + _FP8:
+        out.append(f"FA3 supports fp16/bf16/fp8 q, got {q.dtype}")
+    return out
+
+
+def _trtllm(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """flashinfer ``trtllm_batch_{decode,context}_with_kv_cache`` (flashinfer/decode.py, prefill.py and the
+    trtllm-gen FMHA runner): int32 block tables / lengths, HND ``[pages, kv_heads, page_size, dim]`` pages
+    of 16/32/64 tokens, float32 sinks per query head, and non-degenerate KV strides: with one KV head
+    the head stride must not equal the token stride (trtllm-gen cannot build its TMA descriptor)."""
+    out = _int32(a, "block_tables", "seq_lens", "cum_seq_lens_q", "cum_seq_lens_kv")
+    kv = a["kv_cache"]
+    pair = kv if isinstance(kv, tuple) else (kv,)
+    layout = a.get("kv_layout") or "HND"
+    for name, t in zip(("k_cache", "v_cache"), pair):
+        if t.dim() != 4:
+            out.append(f"{name} must be 4-D [pages, kv_heads, page_size, dim] ({layout}), got {tuple(t.shape)}")
+            continue
+        if t.stride(-1) != 1:
+            out.append(f"{name} must have contiguous last dimension")
+        ps_dim = 2 if layout == "HND" else 1
+        if t.shape[ps_dim] not in (16, 32, 64):
+            out.append(f"{name} page size {t.shape[ps_dim]} (trtllm-gen needs 16/32/64)")
+        heads_dim = 1 if layout == "HND" else 2
+        if t.shape[heads_dim] == 1 and t.stride(heads_dim) == t.stride(ps_dim):
+            out.append(f"{name} with one KV head has head stride == token stride {tuple(t.stride())}: "
+                       f"the degenerate pattern trtllm-gen's TMA descriptor rejects (canonicalise the strides)")
+    s = a.get("sinks")
+    if s is not None:
+        if s.dtype != torch.float32:
+            out.append(f"sinks must be float32, got {s.dtype}")
+        if s.numel() != a["query"].shape[-2]:
+            out.append(f"sinks must hold one value per query head ({a['query'].shape[-2]}), got {s.numel()}")
+    q, kc = a["query"], pair[0]
+    if q.dtype != kc.dtype:
+        out.append(f"query ({q.dtype}) and the cache ({kc.dtype}) must share a dtype (fp8 KV: cast the query)")
+    if strict and q.dtype not in _HALF + (torch.float8_e4m3fn,):
+        out.append(f"trtllm-gen takes fp16/bf16/e4m3 queries, got {q.dtype}")
+    return out
+
+
+def _fi_init(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    out = []
+    if a.get("kv_layout") not in ("NHD", "HND"):
+        out.append(f"kv_layout must be 'NHD' or 'HND', got {a.get('kv_layout')!r}")
+    return out
+
+
+#: flashinfer's first release whose FA3 prefill path checks q/KV dtypes (before it, ``backend="auto"``
+#: on SM90 picks FA3 and fp16/bf16 q over an fp8 cache JIT-compiles an invalid kernel).
+FLASHINFER_FA3_FP8_CHECKED = "0.6.4"
+
+
+def _fi_plan(kind: str) -> Check:
+    index = {"decode": ("indptr", "indices", "last_page_len"),
+             "paged": ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
+             "ragged": ("qo_indptr", "kv_indptr")}[kind]
+
+    def check(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+        """flashinfer ``plan`` (flashinfer/decode.py, prefill.py): int32 CSR index arrays; the split
+        arguments (``fixed_split_size``/``disable_split_kv``) reach the kernel only on the FA2 path
+        (``if self._backend == "fa2"``), so a prefill wrapper left at ``backend="auto"`` drops them on
+        SM90; ``fixed_split_size`` is documented as not guaranteed under CUDA graphs; fp8 KV under
+        ``backend="auto"`` needs flashinfer >= 0.6.4 (SM90 FA3 path)."""
+        out = _int32(a, *index)
+        backend = owner.get("backend", "auto")
+        split = a.get("fixed_split_size") not in (None, -1) or bool(a.get("disable_split_kv"))
+        if kind != "decode" and split and backend != "fa2":
+            out.append(f"split arguments (fixed_split_size/disable_split_kv) with backend={backend!r}: only the "
+                       f"FA2 path honours them (SM90 'auto' selects FA3 and drops them); pin backend='fa2'")
+        if a.get("fixed_split_size") not in (None, -1) and owner.get("use_cuda_graph"):
+            out.append("fixed_split_size is not guaranteed under CUDA graphs (use disable_split_kv)")
+        if kind == "decode" and a.get("fixed_split_size") not in (None, -1) and not owner.get("use_tensor_cores"):
+            out.append("fixed_split_size is only supported by tensor-core decode")
+        kv_dt, q_dt = a.get("kv_data_type"), a.get("q_data_type")
+        if (kind == "paged" and backend == "auto" and kv_dt in _FP8 and q_dt not in _FP8
+                and version_key(version) < version_key(FLASHINFER_FA3_FP8_CHECKED)):
+            out.append(f"fp8 KV with {q_dt} queries under backend='auto': on SM90 flashinfer {version} selects "
+                       f"FA3, which before {FLASHINFER_FA3_FP8_CHECKED} builds an invalid kernel; pin backend='fa2'")
+        return out
+
+    return check
+
+
+def _fi_run(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    out = _last_dim_contiguous(a, "q")
+    if owner.get("kv_layout") == "NHD" and isinstance(a.get("paged_kv_cache"), tuple):
+        for t in a["paged_kv_cache"]:
+            if t.dim() != 4:
+                out.append(f"NHD pages are [num_pages, page_size, kv_heads, dim], got {tuple(t.shape)}")
+    if strict and a["q"].dtype not in _HALF:
+        out.append(f"flashinfer's FA2 kernels take fp16/bf16 queries, got {a['q'].dtype}")
+    return out
+
+
+def _aiter_prefill(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """aiter ``mha_batch_prefill_func`` (aiter/ops/mha.py, v0.1.10): int32 indptr/indices, ``sink_ptr`` one
+    value per query head on q's device (converted to float32), linear K/V of 3 or 4 dims."""
+    out = _int32(a, "cu_seqlens_q", "kv_indptr", "kv_page_indices", "kv_last_page_lens")
+    q, k, v = a["q"], a["k"], a["v"]
+    if k.dim() not in (3, 4) or v.dim() != k.dim():
+        out.append(f"k/v must be linear 3-D or 4-D (or vectorised 5-D), got {k.dim()}-D/{v.dim()}-D")
+    s = a.get("sink_ptr")
+    if s is not None:
+        if s.device != q.device:
+            out.append("sink_ptr must be on the same device as q")
+        if s.shape[0] != q.size(1):
+            out.append(f"sink_ptr has incorrect shape {tuple(s.shape)} (one per query head: {q.size(1)})")
+    if strict and q.dtype not in _HALF:
+        out.append(f"aiter's batch prefill takes fp16/bf16 q, got {q.dtype}")
+    return out
+
+
+def _aiter_ragged(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """aiter ``paged_attention_ragged`` (aiter/ops/attention.py): int32 ragged indices, out in q's dtype,
+    float32 k/v scale tensors, layout 'NHD'/'HND', 4-D caches."""
+    out = _int32(a, "kv_indptr", "kv_page_indices", "kv_last_page_lens")
+    if a["kv_cache_layout"] not in ("NHD", "HND"):
+        out.append(f"kv_cache_layout must be 'NHD' or 'HND', got {a['kv_cache_layout']!r}")
+    if a["out"].dtype != a["query"].dtype:
+        out.append(f"out ({a['out'].dtype}) must have the query dtype ({a['query'].dtype})")
+    for n in ("k_scale", "v_scale"):
+        t = a[n]
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            out.append(f"{n} must be a float32 tensor")
+    for n in ("key_cache", "value_cache"):
+        if a[n].dim() != 4:
+            out.append(f"{n} must be 4-D, got {tuple(a[n].shape)}")
+    return out
+
+
+_FI = "flashinfer."
+PRECONDITIONS: dict[str, Check] = {
+    "sgl_kernel.flash_attn.flash_attn_with_kvcache": _fa3_kvcache,
+    "flashinfer.decode.trtllm_batch_decode_with_kv_cache": _trtllm,
+    "flashinfer.prefill.trtllm_batch_context_with_kv_cache": _trtllm,
+    _FI + "BatchDecodeWithPagedKVCacheWrapper.__init__": _fi_init,
+    _FI + "BatchPrefillWithPagedKVCacheWrapper.__init__": _fi_init,
+    _FI + "BatchPrefillWithRaggedKVCacheWrapper.__init__": _fi_init,
+    _FI + "BatchDecodeWithPagedKVCacheWrapper.plan": _fi_plan("decode"),
+    _FI + "BatchPrefillWithPagedKVCacheWrapper.plan": _fi_plan("paged"),
+    _FI + "BatchPrefillWithRaggedKVCacheWrapper.plan": _fi_plan("ragged"),
+    _FI + "BatchDecodeWithPagedKVCacheWrapper.run": _fi_run,
+    _FI + "BatchPrefillWithPagedKVCacheWrapper.run": _fi_run,
+    _FI + "BatchPrefillWithRaggedKVCacheWrapper.run": lambda a, v, o, s: _last_dim_contiguous(a, "q"),
+    "aiter.mha_batch_prefill_func": _aiter_prefill,
+    "aiter.paged_attention_ragged": _aiter_ragged,
+}
+
+
+def problems(call: Call, library: str, version: str, *, strict: bool = True,
+             sig: inspect.Signature | None = None) -> list[str]:
+    """Why ``call`` would fail against ``library`` ``version``: it does not bind to the real signature,
+    or breaks a documented precondition. Empty when it would be accepted."""
+    if sig is None:
+        sig = signature(library, version, call.qualname)
+    if sig is None:
+        return [f"{call.qualname} does not exist in {library} {version}"]
+    try:
+        a = call.arguments(sig)
+    except TypeError as exc:
+        return [f"{call.qualname} does not bind to {library} {version}'s signature: {exc}"]
+    return [f"{call.qualname} ({library} {version}): {p}"
+            for p in PRECONDITIONS[call.qualname](a, version, call.owner, strict)]
+
+
+def require(qualname: str, library: str, version: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+            owner: dict[str, Any] | None = None) -> None:
+    """For emulators: fail as the real library would (non-strict: float32 test problems pass)."""
+    found = problems(Call(qualname, args, dict(kwargs), dict(owner or {})), library, version, strict=False)
+    assert not found, "; ".join(found)
+
+
+def emulates(qualname: str, library: str, version: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for an emulator of ``qualname``: every call is first bound against the real signature of
+    ``library`` ``version`` and checked against its preconditions (non-strict), then emulated. For a wrapper
+    method the instance's ``contract_owner`` (its constructor arguments) is the owner."""
+    method = Call(qualname, (), {}).is_method and not qualname.endswith(".__init__")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if method:
+                require(qualname, library, version, args[1:], kwargs, getattr(args[0], "contract_owner", {}))
+            elif qualname.endswith(".__init__"):
+                require(qualname, library, version, args[1:], kwargs)
+            else:
+                require(qualname, library, version, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return deco
