@@ -135,8 +135,43 @@ class PagedBackend(AttentionBackend):
     def forward_metadata(self, batch: Any) -> Any:
         """The metadata ``init_forward_metadata`` built for ``batch`` (``MetadataNotInitializedError`` for
         another batch). CUDA-graph hooks call ``init_forward_metadata`` and then move this into their
-        static buffers in place."""
+        static buffers in place (``graph_metadata`` does both for tensor fields)."""
         return self._guard.require(batch)
+
+    def graph_metadata(self, batch: Any, buffers: dict[str, Any] | None) -> Any:
+        """For the CUDA-graph capture/replay hooks: ``init_forward_metadata(batch)`` (every check
+        included), then each metadata field named in ``buffers`` copied into the front of that static
+        buffer (a 2-D one zeroed past the copied rows' width) and pointed at the slice, so captured
+        kernels read the same addresses on every replay. ``buffers`` is what ``init_cuda_graph_state``
+        allocated (``None``: not called yet, an error). Returns the metadata (``None`` when idle).
+        """
+        if buffers is None:
+            raise AttnplugError(f"{self.name}: call init_cuda_graph_state(max_batch_size, max_num_tokens) "
+                                f"before capture")
+        self.init_forward_metadata(batch)
+        meta = self.forward_metadata(batch)
+        if meta is None:
+            return None
+        try:
+            for field, buf in buffers.items():
+                src = getattr(meta, field)
+                n = src.shape[0]
+                if n > buf.shape[0] or src.shape[1:] > buf.shape[1:]:
+                    raise ShapeError(
+                        f"{self.name}: {field} of shape {tuple(src.shape)} for a batch of {batch.batch_size} "
+                        f"requests exceeds its CUDA-graph buffer {tuple(buf.shape)} (init_cuda_graph_state's "
+                        f"max_batch_size / BuildContext.max_context_len)"
+                    )
+                if src.dim() == 2:
+                    buf[:n].zero_()
+                    buf[:n, :src.shape[1]].copy_(src)
+                else:
+                    buf[:n].copy_(src)
+                setattr(meta, field, buf[:n])
+        except BaseException:
+            self._guard.set(None, None)  # no forward may run on half-moved metadata
+            raise
+        return meta
 
     def check_batch(self, batch: Any) -> None:
         """Every index this forward uses is in bounds (one pass, on the batch's device)."""

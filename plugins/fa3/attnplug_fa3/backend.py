@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from attnplug import PagedBackend
-from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
+from attnplug.errors import BackendUnavailableError, NotSupportedError
 from attnplug.modes import ForwardMode
 
 from . import CAPABILITIES, FLASH_ATTN_3, NAME, SGL_KERNEL
@@ -98,7 +98,7 @@ class FA3Backend(PagedBackend):
         """Static buffers the captured kernels read: page table, cache lengths, query offsets."""
         pages = (self.ctx.max_context_len + self.page_size - 1) // self.page_size
         dev = self.cache.device
-        self._graph = {
+        self._graph = {  # the metadata fields the captured kernels read, by name (see graph_metadata)
             "page_table": torch.zeros(max_batch_size, pages, dtype=torch.int32, device=dev),
             "cache_seqlens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev),
@@ -111,27 +111,10 @@ class FA3Backend(PagedBackend):
         self._graph_metadata(batch)
 
     def _graph_metadata(self, batch: Any) -> None:
-        """The eager metadata, then moved into the static buffers the captured kernels read."""
-        if self._graph is None:
-            raise AttnplugError(f"{NAME}: call init_cuda_graph_state(max_batch_size, max_num_tokens) before capture")
         if batch.forward_mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
             raise NotSupportedError(NAME, ["CUDA-graph capture of target-verify with a custom draft mask "
                                            "(its row count and width vary); run it eagerly"])
-        g, b = self._graph, batch.batch_size
-        if b > g["cache_seqlens"].numel():
-            raise ShapeError(f"batch of {b} requests exceeds the CUDA-graph max_batch_size "
-                             f"{g['cache_seqlens'].numel()}")
-        self.init_forward_metadata(batch)
-        meta: FA3Metadata | None = self.forward_metadata(batch)
-        if meta is not None:
-            pt = g["page_table"]
-            pt[:b].zero_()
-            pt[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
-            g["cache_seqlens"][:b].copy_(meta.cache_seqlens)
-            g["cu_seqlens_q"][:b + 1].copy_(meta.cu_seqlens_q)
-            meta.page_table = pt[:b]
-            meta.cache_seqlens = g["cache_seqlens"][:b]
-            meta.cu_seqlens_q = g["cu_seqlens_q"][:b + 1]
+        self.graph_metadata(batch, self._graph)
 
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,

@@ -98,20 +98,22 @@ class IntelAmxBackend(PagedBackend):
         return build_metadata(batch, self.cache.req_to_token)
 
     # -- forward -------------------------------------------------------------
-    def _tail(self, layer: Any, q: torch.Tensor) -> tuple[Any, ...]:
-        """The newer ops' trailing arguments (is_cross_attention, sliding_window_size, encoder_lens, sinks)."""
-        if not self.ops.extended:
-            return ()
-        sinks = None if layer.sinks is None else \
-            torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
-        return (False, window_arg(layer.sliding_window), None, sinks)
+    def _common(self, q: torch.Tensor, layer: Any) -> tuple[Any, ...]:
+        """What both ops take besides their own inputs: a fresh output, the layer's buffers, the table,
+        scale, soft-cap, and the newer ops' trailing (is_cross_attention, sliding_window_size,
+        encoder_lens, sinks)."""
+        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
+        kb, vb = self.cache.get_kv(layer.layer_id)
+        tail: tuple[Any, ...] = ()
+        if self.ops.extended:
+            sinks = None if layer.sinks is None else \
+                torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32)
+            tail = (False, window_arg(layer.sliding_window), None, sinks)
+        return out, kb, vb, self.cache.req_to_token, float(layer.scaling), float(layer.logit_cap or 0.0), tail
 
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: AmxMetadata) -> torch.Tensor:
-        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        kb, vb = self.cache.get_kv(layer.layer_id)
-        r2t, tail = self.cache.req_to_token, self._tail(layer, q)
-        scale, cap = float(layer.scaling), float(layer.logit_cap or 0.0)
+        out, kb, vb, r2t, scale, cap, tail = self._common(q, layer)
         self.ops.decode(q.contiguous(), kb, vb, out, k.to(kb.dtype), v.to(vb.dtype), batch.out_cache_loc,
                         meta.attn_logits(layer.num_heads, layer.v_head_dim), r2t, meta.req_pool_indices,
                         meta.seq_lens, scale, cap, *tail)
@@ -119,10 +121,7 @@ class IntelAmxBackend(PagedBackend):
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: AmxMetadata) -> torch.Tensor:
-        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        kb, vb = self.cache.get_kv(layer.layer_id)
-        r2t, tail = self.cache.req_to_token, self._tail(layer, q)
-        scale, cap = float(layer.scaling), float(layer.logit_cap or 0.0)
+        out, kb, vb, r2t, scale, cap, tail = self._common(q, layer)
         self.ops.extend(q.contiguous(), k.contiguous(), v.contiguous(), out, kb, vb, r2t, meta.req_pool_indices,
                         meta.seq_lens, meta.extend_seq_lens, meta.extend_start_loc, meta.max_len_extend,
                         scale, cap, *tail)

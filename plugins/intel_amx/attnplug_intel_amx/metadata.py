@@ -54,10 +54,6 @@ class AmxMetadata:
     def batch_size(self) -> int:
         return int(self.seq_lens.numel())
 
-    @property
-    def decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
-
     def attn_logits(self, num_heads: int, v_head_dim: int) -> torch.Tensor:
         """float32 ``[batch, num_heads, NUM_KV_SPLITS, v_head_dim + 1]`` scratch (built once per shape)."""
         key = (num_heads, v_head_dim)

@@ -20,7 +20,7 @@ import torch
 
 from attnplug import PagedBackend
 from attnplug.capabilities import support_reasons
-from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
+from attnplug.errors import BackendUnavailableError, NotSupportedError
 
 from . import CAPABILITIES, LIBRARY, NAME
 from .metadata import TrtllmMetadata, build_metadata, hnd_view, window_left
@@ -79,33 +79,15 @@ class TrtllmMHABackend(PagedBackend):
         pages = (self.ctx.max_context_len + self.page_size - 1) // self.page_size
         dev = self.workspace.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+        # the metadata fields the captured kernels read, by name (see graph_metadata)
         self._graph = {"block_tables": z(max_batch_size, pages), "seq_lens": z(max_batch_size),
                        "cum_seq_lens_q": z(max_batch_size + 1), "cum_seq_lens_kv": z(max_batch_size + 1)}
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
-        self._graph_metadata(batch)
+        self.graph_metadata(batch, self._graph)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
-        self._graph_metadata(batch)
-
-    def _graph_metadata(self, batch: Any) -> None:
-        """The eager metadata, then moved into the static buffers the captured kernels read."""
-        if self._graph is None:
-            raise AttnplugError(f"{NAME}: call init_cuda_graph_state(max_batch_size, max_num_tokens) before capture")
-        g, b = self._graph, batch.batch_size
-        if b > g["seq_lens"].numel():
-            raise ShapeError(f"batch of {b} requests exceeds the CUDA-graph max_batch_size {g['seq_lens'].numel()}")
-        self.init_forward_metadata(batch)
-        meta: TrtllmMetadata | None = self.forward_metadata(batch)
-        if meta is not None:
-            bt = g["block_tables"]
-            bt[:b].zero_()
-            bt[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-            meta.block_tables = bt[:b]
-            for name in ("seq_lens", "cum_seq_lens_q", "cum_seq_lens_kv"):
-                src = getattr(meta, name)
-                g[name][:src.numel()].copy_(src)
-                setattr(meta, name, g[name][:src.numel()])
+        self.graph_metadata(batch, self._graph)
 
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
