@@ -103,7 +103,6 @@ class FA3Metadata:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    num_tokens: int
     causal: bool = True
     #: target-verify with a custom mask: built per sliding window on first use
     tree: dict[int | None, TreeLayout] = dataclasses.field(default_factory=dict)
@@ -144,7 +143,6 @@ def build_metadata(batch: Any, cache: Any) -> FA3Metadata | None:
         cu_seqlens_k=batch.kv_indptr(device),
         max_seqlen_q=batch.max_extend_len,
         max_seqlen_k=batch.max_seq_len,
-        num_tokens=batch.num_tokens,
     )
     if mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
         meta._tree_args = (cache.req_to_token, batch.req_pool_indices.tolist(), list(batch.extend_prefix_lens_cpu),

@@ -47,7 +47,6 @@ class AmxMetadata:
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
     max_len_extend: int
-    num_tokens: int
     _logits: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
@@ -77,7 +76,6 @@ def build_metadata(batch: Any, req_to_token: torch.Tensor) -> AmxMetadata | None
         extend_seq_lens=starts[1:] - starts[:-1],
         extend_start_loc=starts[:-1],
         max_len_extend=batch.max_extend_len,
-        num_tokens=batch.num_tokens,
     )
 
 

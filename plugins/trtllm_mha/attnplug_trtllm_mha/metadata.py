@@ -47,7 +47,6 @@ class TrtllmMetadata:
     cum_seq_lens_kv: torch.Tensor
     max_q_len: int
     max_kv_len: int
-    num_tokens: int
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +68,6 @@ def build_metadata(batch: Any, cache: Any) -> TrtllmMetadata | None:
         mode=mode, page_size=cache.page_size, block_tables=cache.page_table(batch),
         seq_lens=batch.seq_lens_int32(device), cum_seq_lens_q=batch.qo_indptr(device),
         cum_seq_lens_kv=batch.kv_indptr(device), max_q_len=batch.max_extend_len, max_kv_len=batch.max_seq_len,
-        num_tokens=batch.num_tokens,
     )
 
 
