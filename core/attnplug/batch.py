@@ -158,6 +158,7 @@ class ForwardBatch:
                 )
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
         self.req_pool_indices_cpu = rows
+        self.__dict__.pop("_derived_memo", None)  # derived kernel inputs follow the fields validated now
         return self
 
     # -- derived kernel inputs (built on first use from the validated host copies, memoised per device) --
@@ -188,6 +189,7 @@ class ForwardBatch:
                              lambda d: torch.as_tensor(self.seq_lens_cpu, dtype=torch.int32, device=d))
 
     def _derived(self, key: str, device: Any, build: Any) -> torch.Tensor:
+        """Memoised per (key, device) until the next ``validate``."""
         dev = torch.device(self.seq_lens.device if device is None else device)
         memo = self.__dict__.setdefault("_derived_memo", {})
         if (key, dev) not in memo:

@@ -39,6 +39,9 @@ def test_batch_kernel_inputs_match_running_sums():
     assert b.seq_lens_int32().tolist() == seq and b.seq_lens_int32().dtype == torch.int32
     assert (b.max_extend_len, b.max_seq_len) == (6, 23)
     assert b.qo_indptr() is b.qo_indptr()  # built once per forward, shared by every layer
+    assert b.kv_indptr().tolist() == [0, 3, 9, 32]
+    b.extend_prefix_lens[0], b.seq_lens[0] = 1, 4  # an engine reusing the batch re-validates it: inputs follow
+    assert b.validate().kv_indptr().tolist() == [0, 4, 10, 33] and b.max_seq_len == 23
     d = ForwardBatch.decode([1, 0], [7, 2], [3, 4])
     assert d.qo_indptr().tolist() == [0, 1, 2] and d.max_extend_len == 1
     assert ForwardBatch.idle().qo_indptr().tolist() == [0] and ForwardBatch.idle().max_seq_len == 0
