@@ -83,7 +83,7 @@ class AttentionBackend:
             if reasons is None:
                 reasons = verdicts[layer] = tuple(self.layer_reasons(layer))
         if reasons:
-            name = self.prefill_attention_backend_str or type(self).__name__
+            name = self.prefill_attention_backend_str or getattr(self, "backend_name", "") or type(self).__name__
             raise NotSupportedError(name, reasons)
 
     # -- required ------------------------------------------------------

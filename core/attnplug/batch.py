@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .errors import ShapeError
+from .kvcache import indptr
 from .modes import ForwardMode
 
 
@@ -157,7 +158,43 @@ class ForwardBatch:
                 )
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
         self.req_pool_indices_cpu = rows
+        self.__dict__.pop("_derived_memo", None)  # derived kernel inputs follow the fields validated now
         return self
+
+    # -- derived kernel inputs (built on first use from the validated host copies, memoised per device) --
+    @property
+    def max_extend_len(self) -> int:
+        """The most new tokens of one request in this forward (``max_seqlen_q``; decode: 1)."""
+        return max(self.extend_seq_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest KV length after this forward (``max_seqlen_k``)."""
+        return max(self.seq_lens_cpu, default=0)
+
+    def qo_indptr(self, device: Any = None) -> torch.Tensor:
+        """int32 ``[batch + 1]``: offset of each request's first new token in q/k/v (``cu_seqlens_q``).
+
+        On ``device`` (default: the batch's); built once per device and shared by every layer.
+        """
+        return self._derived("qo_indptr", device, lambda d: indptr(self.extend_seq_lens_cpu, d))
+
+    def kv_indptr(self, device: Any = None) -> torch.Tensor:
+        """int32 ``[batch + 1]``: offsets of each request's keys after this forward (``cu_seqlens_k``)."""
+        return self._derived("kv_indptr", device, lambda d: indptr(self.seq_lens_cpu, d))
+
+    def seq_lens_int32(self, device: Any = None) -> torch.Tensor:
+        """int32 ``[batch]``: each request's KV length after this forward, new tokens included."""
+        return self._derived("seq_lens_int32", device,
+                             lambda d: torch.as_tensor(self.seq_lens_cpu, dtype=torch.int32, device=d))
+
+    def _derived(self, key: str, device: Any, build: Any) -> torch.Tensor:
+        """Memoised per (key, device) until the next ``validate``."""
+        dev = torch.device(self.seq_lens.device if device is None else device)
+        memo = self.__dict__.setdefault("_derived_memo", {})
+        if (key, dev) not in memo:
+            memo[key, dev] = build(dev)
+        return memo[key, dev]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any, num_tokens: int) -> None:

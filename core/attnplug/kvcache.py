@@ -297,6 +297,58 @@ class PagedKVCache:
                 f"request row {req_index!r} is out of range (expected 0 <= row < max_requests={self.max_requests})"
             )
 
+    # -- kernel inputs shared by backends: page tables read from req_to_token --------------
+    def page_table(self, batch: Any) -> torch.Tensor:
+        """int32 ``[batch, ceil(max_seq_len / page_size)]``: column ``j`` holds the page of positions
+        ``j*page_size …`` of each request (its slot at ``j*page_size`` floor-divided by ``page_size``);
+        columns past a request's last page are 0. One gather, no host loop; assumes the rows are
+        page-aligned (``check_page_aligned``), as ``assign_pages`` keeps them.
+        """
+        b: Any = batch
+        ps, dev = self.page_size, self.req_to_token.device
+        max_len = b.max_seq_len
+        if max_len > self.max_context_len:
+            raise ShapeError(f"a request needs {max_len} positions but req_to_token has {self.max_context_len} columns")
+        pages = (max_len + ps - 1) // ps
+        n = len(b.seq_lens_cpu)
+        if n == 0 or pages == 0:
+            return torch.zeros(n, pages, dtype=torch.int32, device=dev)
+        cols = torch.arange(pages, device=dev) * ps
+        rows = self.req_to_token.index_select(0, b.req_pool_indices.to(device=dev, dtype=torch.int64))[:, cols]
+        valid = cols[None, :] < b.seq_lens.to(dev)[:, None]
+        return torch.div(rows, ps, rounding_mode="floor").masked_fill(~valid, 0).to(torch.int32)
+
+    def check_page_aligned(self, req_pool_indices: Sequence[int] | torch.Tensor, lens: Sequence[int]) -> None:
+        """Raise ``ShapeError`` unless each request's first ``lens[i]`` positions sit at offset ``j % page_size``
+        of one page per ``page_size`` positions (what a page table can express). A debugging aid: it syncs."""
+        ps = self.page_size
+        if ps == 1:
+            return
+        rows = req_pool_indices.tolist() if isinstance(req_pool_indices, torch.Tensor) else list(req_pool_indices)
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            if n == 0:
+                continue
+            slots = self.req_to_token[r, :n].to(torch.int64)
+            pos = torch.arange(n, device=slots.device)
+            first = slots[(pos // ps) * ps]
+            bad = (slots != first + pos % ps) | (first % ps != 0)
+            if bool(bad.any()):
+                j = int(bad.nonzero()[0, 0])
+                start = int(first[j])
+                why = (f"its page starts at slot {start}, not a multiple of {ps}" if start % ps else
+                       f"expected slot {start + j % ps}, offset {j % ps} of the page starting at slot {start}")
+                raise ShapeError(f"req_to_token[{r}, {j}] = {int(slots[j])} (request {i}) is not page-aligned "
+                                 f"for page_size={ps}: {why}")
+
+
+def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = None) -> torch.Tensor:
+    """``[0, l0, l0+l1, …]`` as int32 (``[len(lengths) + 1]``): CSR offsets of ragged rows, as kernels take them."""
+    lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
+    out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out.to(torch.int32)
+
+
 
 class PageAllocator:
     """Hands out free pages, optionally scattered at random (for tests and benchmarks)."""

@@ -86,11 +86,25 @@ class PagedBackend(AttentionBackend):
         return self.kv_cache
 
     def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        """Generic reasons from the declared capabilities, under ``ctx`` or else the build context."""
-        return super().not_supported_reasons(layer, self.ctx if ctx is None else ctx)
+        """Generic reasons from the declared capabilities, then ``backend_reasons``, under ``ctx`` or else
+        the build context."""
+        ctx = self.ctx if ctx is None else ctx
+        return super().not_supported_reasons(layer, ctx) + self.backend_reasons(layer, ctx)
 
     def layer_reasons(self, layer: Any) -> list[str]:
-        return super().not_supported_reasons(layer)
+        """The per-layer verdict (memoised by ``require_supported``): generic layer reasons, then
+        ``backend_reasons(layer, None)``."""
+        return super().not_supported_reasons(layer) + self.backend_reasons(layer, None)
+
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """Reasons the declared capabilities cannot express (override; default: none).
+
+        Called with ``ctx=None`` for the per-layer verdict taken at forward (reasons that depend
+        only on the layer and this built backend), and with a ``BuildContext`` from
+        ``not_supported_reasons`` (add the context's reasons then). Word them as the generic
+        reasons are: ``"<field>=<value> (<what is supported>)"``.
+        """
+        return []
 
     # -- to implement ----------------------------------------------------------
     def build_metadata(self, batch: Any) -> Any:
@@ -118,6 +132,47 @@ class PagedBackend(AttentionBackend):
         self.metadata_builds += 1
         self._guard.set(batch, meta)
 
+    def forward_metadata(self, batch: Any) -> Any:
+        """The metadata ``init_forward_metadata`` built for ``batch`` (``MetadataNotInitializedError`` for
+        another batch). CUDA-graph hooks call ``init_forward_metadata`` and then move this into their
+        static buffers in place (``graph_metadata`` does both for tensor fields)."""
+        return self._guard.require(batch)
+
+    def graph_metadata(self, batch: Any, buffers: dict[str, Any] | None) -> Any:
+        """For the CUDA-graph capture/replay hooks: ``init_forward_metadata(batch)`` (every check
+        included), then each metadata field named in ``buffers`` copied into the front of that static
+        buffer (a 2-D one zeroed past the copied rows' width) and pointed at the slice, so captured
+        kernels read the same addresses on every replay. ``buffers`` is what ``init_cuda_graph_state``
+        allocated (``None``: not called yet, an error). Returns the metadata (``None`` when idle).
+        """
+        if buffers is None:
+            raise AttnplugError(f"{self.name}: call init_cuda_graph_state(max_batch_size, max_num_tokens) "
+                                f"before capture")
+        self.init_forward_metadata(batch)
+        meta = self.forward_metadata(batch)
+        if meta is None:
+            return None
+        try:
+            for field, buf in buffers.items():
+                src = getattr(meta, field)
+                n = src.shape[0]
+                if n > buf.shape[0] or src.shape[1:] > buf.shape[1:]:
+                    raise ShapeError(
+                        f"{self.name}: {field} of shape {tuple(src.shape)} for a batch of {batch.batch_size} "
+                        f"requests exceeds its CUDA-graph buffer {tuple(buf.shape)} (init_cuda_graph_state's "
+                        f"max_batch_size / BuildContext.max_context_len)"
+                    )
+                if src.dim() == 2:
+                    buf[:n].zero_()
+                    buf[:n, :src.shape[1]].copy_(src)
+                else:
+                    buf[:n].copy_(src)
+                setattr(meta, field, buf[:n])
+        except BaseException:
+            self._guard.set(None, None)  # no forward may run on half-moved metadata
+            raise
+        return meta
+
     def check_batch(self, batch: Any) -> None:
         """Every index this forward uses is in bounds (one pass, on the batch's device)."""
         cache = self.cache
@@ -137,8 +192,10 @@ class PagedBackend(AttentionBackend):
         if batch.forward_mode is ForwardMode.IDLE:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
         self.check_forward(q, k, v, layer, batch)
+        if batch.num_tokens == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
+            return self.empty_output(q, layer, 0)
         compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
-        write = bool(save_kv_cache) and k is not None and not layer.is_cross_attention and batch.num_tokens > 0
+        write = bool(save_kv_cache) and k is not None and not layer.is_cross_attention
         cache = self.kv_cache
         if type(self).new_kv_source == "cache" and k is not None and not layer.is_cross_attention:
             with cache.staged(layer.layer_id, batch.out_cache_loc, k, v, keep=write, checked=False):

@@ -32,7 +32,7 @@ def _run_at(p, **cfg):
                            kv_cache=p.cache, max_context_len=p.cache.max_context_len)
         backend = FA3Backend(ctx, kernel=rec.wrap(QUAL, unchecked(test_fa3.emulate_flash_attn_with_kvcache)),
                              provider=SGL_KERNEL)
-        refusals = list(backend.not_supported_reasons(p.layer))
+        refusals = list(backend.layer_reasons(p.layer))  # the per-layer verdict a forward takes
         if not refusals:
             forward(backend, p)
         return refusals, rec.calls

@@ -314,13 +314,10 @@ PRECONDITIONS: dict[str, Check] = {
     "flashinfer.prefill.trtllm_batch_context_with_kv_cache": _trtllm,
     _FI + "BatchDecodeWithPagedKVCacheWrapper.__init__": _fi_init,
     _FI + "BatchPrefillWithPagedKVCacheWrapper.__init__": _fi_init,
-    _FI + "BatchPrefillWithRaggedKVCacheWrapper.__init__": _fi_init,
     _FI + "BatchDecodeWithPagedKVCacheWrapper.plan": _fi_plan("decode"),
     _FI + "BatchPrefillWithPagedKVCacheWrapper.plan": _fi_plan("paged"),
-    _FI + "BatchPrefillWithRaggedKVCacheWrapper.plan": _fi_plan("ragged"),
     _FI + "BatchDecodeWithPagedKVCacheWrapper.run": _fi_run,
     _FI + "BatchPrefillWithPagedKVCacheWrapper.run": _fi_run,
-    _FI + "BatchPrefillWithRaggedKVCacheWrapper.run": lambda a, v, o, s: _last_dim_contiguous(a, "q"),
     "aiter.mha_batch_prefill_func": _aiter_prefill,
     "aiter.paged_attention_ragged": _aiter_ragged,
 }

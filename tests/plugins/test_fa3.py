@@ -68,9 +68,9 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     return out.to(q.dtype)
 
 
-def build(p, *, deterministic=False, provider="sgl-kernel", host=None, dtype="float32"):
+def build(p, *, deterministic=False, provider="sgl-kernel", host=None):
     ctx = BuildContext(config=AttentionConfig(deterministic=deterministic), host=host or H.cuda_host(90, **SGL),
-                       dtype=dtype, num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
+                       dtype=p.q.dtype, num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
                        head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
                        max_context_len=p.cache.max_context_len)
     return FA3Backend(ctx, kernel=emulate_flash_attn_with_kvcache, provider=provider, check_pages=True)
@@ -145,8 +145,8 @@ def test_loading_the_kernel_here_fails_in_words():
 @pytest.mark.parametrize("ps", [1, 16])
 def test_extend_metadata_layout(ps):
     p = H.make_problem(prefix=(0, 21, 17, 5), ext=(7, 3, 1, 30), page_size=ps)
-    meta = M.build_metadata(p.batch, p.cache.req_to_token, ps)
-    M.check_page_aligned(p.cache.req_to_token, p.batch.req_pool_indices, p.seq, ps)
+    meta = M.build_metadata(p.batch, p.cache)
+    p.cache.check_page_aligned(p.batch.req_pool_indices, p.seq)
     assert meta.cache_seqlens.tolist() == p.seq and meta.cache_seqlens.dtype == torch.int32
     assert meta.cu_seqlens_q.tolist() == [0, 7, 10, 11, 41]
     assert meta.cu_seqlens_k.tolist() == [0, 7, 31, 49, 84]
@@ -160,7 +160,7 @@ def test_extend_metadata_layout(ps):
 
 def test_decode_metadata_layout_mid_page():
     p = H.make_problem(mode=ForwardMode.DECODE, prefix=(15, 16, 40), ext=(1, 1, 1), page_size=16)
-    meta = M.build_metadata(p.batch, p.cache.req_to_token, 16)
+    meta = M.build_metadata(p.batch, p.cache)
     assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3] and meta.max_seqlen_q == 1
     assert meta.cache_seqlens.tolist() == [16, 17, 41]
     assert meta.page_table[1].tolist() == H.pages_of(p.cache, p.rows[1], 17) + [0]
@@ -168,7 +168,7 @@ def test_decode_metadata_layout_mid_page():
 
 def test_tree_layout_lists_exactly_the_visible_slots():
     p = H.make_problem(mode=ForwardMode.TARGET_VERIFY, prefix=(5, 18), ext=(3, 3), page_size=4, custom_mask=True)
-    meta = M.build_metadata(p.batch, p.cache.req_to_token, 4)
+    meta = M.build_metadata(p.batch, p.cache)
     for window in (None, 4):
         t = meta.tree_for(window)
         assert t.cu_seqlens_q.tolist() == list(range(7)) and t.causal is False
@@ -187,14 +187,14 @@ def test_page_alignment_guard_names_the_position():
     p = H.make_problem(prefix=(0, 20), ext=(5, 3), page_size=16)
     r = p.rows[1]
     p.cache.req_to_token[r, 18] += 1
-    with pytest.raises(ShapeError, match=rf"row {r} .*not page-aligned.*position 18"):
-        M.check_page_aligned(p.cache.req_to_token, p.batch.req_pool_indices, p.seq, 16)
+    with pytest.raises(ShapeError, match=rf"req_to_token\[{r}, 18\] .*not page-aligned"):
+        p.cache.check_page_aligned(p.batch.req_pool_indices, p.seq)
 
 
 def test_idle_has_no_metadata():
     from attnplug import ForwardBatch
 
-    assert M.build_metadata(ForwardBatch.idle(), torch.zeros(2, 4, dtype=torch.int64), 16) is None
+    assert M.build_metadata(ForwardBatch.idle(), H.make_problem(prefix=(0,), ext=(1,)).cache) is None
 
 
 # -- (4) the backend with the emulated kernel against the float64 reference ------------------

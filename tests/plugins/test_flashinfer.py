@@ -7,8 +7,8 @@ from its documented contract (CSR page table ``paged_kv_indptr`` /
 ``paged_kv_indices`` / ``paged_kv_last_page_len`` over an NHD ``(k, v)``
 cache of ``[num_pages, page_size, kv_heads, dim]``, ``qo_indptr`` for varlen
 queries, bottom-right-aligned causal mask, ``window_left``,
-``logits_soft_cap``, ``sm_scale``, a flat row-major custom mask per request,
-the ragged wrapper's ``kv_indptr`` over packed K/V; ``plan`` signatures as in
+``logits_soft_cap``, ``sm_scale``, a flat row-major custom mask per request;
+``plan`` signatures as in
 flashinfer-python 0.5.0, so a misspelt keyword fails). The real backend class
 runs against the emulator and must match ``attnplug.testing.reference``: this
 proves the metadata and the call arguments, not the GPU kernel.
@@ -183,47 +183,10 @@ class EmuPagedPrefillWrapper(_EmuBase):
         return out.to(q.dtype)
 
 
-class EmuRaggedWrapper(_EmuBase):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
-        assert kv_layout == "NHD"
-        self.contract_owner = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        super().__init__(use_cuda_graph)
-
-    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan", "flashinfer-python", "0.5.0")
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
-             custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
-             use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
-             rope_theta=None, q_data_type="float16", kv_data_type=None, non_blocking=True, prefix_len_ptr=None,
-             token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
-             disable_split_kv=False):
-        self.p = self._store(qo=qo_indptr, kv=kv_indptr)
-        mask = None if custom_mask is None else custom_mask.clone()
-        self.p.update(bs=qo_indptr.numel() - 1, causal=causal, mask=mask, window=window_left,
-                      cap=logits_soft_cap or 0.0,
-                      scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
-
-    @C.emulates("flashinfer.BatchPrefillWithRaggedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
-    def run(self, q, k, v, **kw):
-        p = self.p
-        out = torch.zeros(q.shape, dtype=torch.float64)
-        moff = 0
-        for i in range(p["bs"]):
-            q0, q1, k0, k1 = int(p["qo"][i]), int(p["qo"][i + 1]), int(p["kv"][i]), int(p["kv"][i + 1])
-            mask = None
-            if p["mask"] is not None:
-                mask = p["mask"][moff:moff + (q1 - q0) * (k1 - k0)]
-                moff += (q1 - q0) * (k1 - k0)
-            vis = _visible(q1 - q0, k1 - k0, p["causal"], p["window"], mask)
-            out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], vis, p["scale"], p["cap"])
-        return out.to(q.dtype)
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     mod = H.fake_module("flashinfer", "0.5.0", BatchDecodeWithPagedKVCacheWrapper=EmuDecodeWrapper,
-                        BatchPrefillWithPagedKVCacheWrapper=EmuPagedPrefillWrapper,
-                        BatchPrefillWithRaggedKVCacheWrapper=EmuRaggedWrapper)
+                        BatchPrefillWithPagedKVCacheWrapper=EmuPagedPrefillWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     import importlib.metadata as im
 
@@ -272,14 +235,14 @@ def test_emulated_backend_matches_reference(fake_flashinfer, case, page_size, va
 
 
 @pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
-def test_emulated_ragged_path_without_cache_write(fake_flashinfer, case):
+def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_flashinfer, case):
     mode, prefix, ext = CASES[case]
     pb = H.make_problem(mode, prefix, ext, page_size=16, tree_mask=True, sliding_window=6, seed=3)
     be = _build(pb, fake_flashinfer)
     be.init_forward_metadata(pb.batch)
     out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False)
     _check(pb, out)
-    assert torch.equal(pb.cache.k_buffers[0], pb.k_before)  # nothing written
+    assert torch.equal(pb.cache.k_buffers[0], pb.k_before) and torch.equal(pb.cache.v_buffers[0], pb.v_before)
 
 
 def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinfer):
@@ -299,7 +262,7 @@ def test_deterministic_plans_disable_split_kv_on_the_fa2_path(fake_flashinfer, m
     """Determinism: every plan gets disable_split_kv=True (CUDA-graph safe, unlike fixed_split_size) and
     the prefill wrappers are pinned to backend="fa2" (on SM90 "auto" would pick FA3, which ignores it)."""
     seen, built = [], []
-    for cls in (EmuDecodeWrapper, EmuPagedPrefillWrapper, EmuRaggedWrapper):
+    for cls in (EmuDecodeWrapper, EmuPagedPrefillWrapper):
         orig_plan, orig_init = cls.plan, cls.__init__
         monkeypatch.setattr(cls, "plan", lambda self, *a, _o=orig_plan, **kw: (seen.append(kw), _o(self, *a, **kw))[1])
         monkeypatch.setattr(cls, "__init__", lambda self, *a, _o=orig_init, _c=cls, **kw:
@@ -359,13 +322,14 @@ def test_forward_guards(fake_flashinfer):
     with pytest.raises(MetadataNotInitializedError):
         be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
     be.init_forward_metadata(pb.batch)
-    bad = LayerSpec(0, 4, 2, 96)
-    assert any("head_dim=96" in r for r in be.not_supported_reasons(bad))
-    q96 = torch.zeros(5, 4, 96, dtype=torch.float16)
-    with pytest.raises(NotSupportedError, match="head_dim=96"):
-        be.forward(q96[:3], None, None, bad, pb.batch)
-    with pytest.raises(ShapeError, match="q.dtype=torch.float32"):
+    assert any("head_dim=96" in r for r in be.not_supported_reasons(LayerSpec(0, 4, 2, 96)))
+    with pytest.raises(NotSupportedError, match=r"dtype=float32 \(supported: float16, bfloat16\)"):
         be.forward(pb.q.float(), pb.k.float(), pb.v.float(), pb.layer, pb.batch)
+    p96 = H.make_problem(ForwardMode.EXTEND, [2], [3], page_size=4, head_dim=96)  # the layer verdict, per layer
+    be96 = _build(p96, fake_flashinfer)
+    be96.init_forward_metadata(p96.batch)
+    with pytest.raises(NotSupportedError, match=r"head_dim=96 \(supported: 64, 128, 256\)"):
+        be96.forward(p96.q, p96.k, p96.v, p96.layer, p96.batch)
     idle = ForwardBatch.idle()
     be.init_forward_metadata(idle)
     assert be.forward(pb.q[:0], pb.k[:0], pb.v[:0], pb.layer, idle).shape == (0, 4, 64)
@@ -396,33 +360,33 @@ def test_paged_kv_matches_independent_walk(page_size):
     assert p.kv_indptr.tolist() == ei and p.kv_indices.tolist() == ex and p.kv_last_page_len.tolist() == el
     assert p.kv_indptr.dtype == p.kv_indices.dtype == p.kv_last_page_len.dtype == torch.int32
     assert all(1 <= x <= page_size for x in el)
-    M.check_page_table(pb.cache.req_to_token, b.req_pool_indices, b.seq_lens_cpu, page_size)
+    pb.cache.check_page_aligned(b.req_pool_indices, b.seq_lens_cpu)
     lay = M.build_layout(b, pb.cache.req_to_token, page_size)
     assert lay.qo_indptr.tolist() == [0, 4, 5, 11, 20, 36] and lay.kind == "prefill"
 
 
 def test_paged_kv_hand_case_and_misaligned_table():
-    r2t = torch.zeros(2, 8, dtype=torch.int64)
+    from attnplug import PagedKVCache
+
+    cache = PagedKVCache(1, 8, 2, 64, page_size=4, max_requests=2, max_context_len=8)
+    r2t = cache.req_to_token
     r2t[1, :6] = torch.tensor([28, 29, 30, 31, 8, 9])  # pages 7 then 2, page size 4
     p = M.paged_kv(r2t, torch.tensor([1]), [6], 4)
     assert (p.kv_indptr.tolist(), p.kv_indices.tolist(), p.kv_last_page_len.tolist()) == ([0, 2], [7, 2], [2])
     r2t[1, 5] = 11  # position 5 must be offset 1 of page 2 (slot 9)
     with pytest.raises(ShapeError, match=r"req_to_token\[1, 5\]"):
-        M.check_page_table(r2t, torch.tensor([1]), [6], 4)
+        cache.check_page_aligned(torch.tensor([1]), [6])
     with pytest.raises(ShapeError, match="kv_lens >= 1"):
         M.paged_kv(r2t, torch.tensor([1]), [0], 4)
 
 
-def test_verify_mask_and_ragged_index_layout():
+def test_verify_mask_layout():
     tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
     m = M.verify_custom_mask([2], 3, tree)
     expect = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
     assert m.reshape(3, 5).int().tolist() == expect
     mw = M.verify_custom_mask([2], 3, tree, window=1)  # query positions 2,3,4 see j >= p-1
     assert mw.reshape(3, 5).int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
-    r2t = torch.arange(20).reshape(2, 10)
-    idx = M.ragged_gather_index(r2t, torch.tensor([1, 0]), [2, 0], [1, 2], num_slots=100)
-    assert idx.tolist() == [10, 11, 100, 101, 102]
 
 
 def test_version_and_page_size_guards():

@@ -84,7 +84,7 @@ LEGACY = Ops(_legacy(emulate_decode), _legacy(emulate_extend), extended=False)
 
 
 def build(p, ops=EMULATED):
-    ctx = BuildContext(config=AttentionConfig(), host=H.cpu_host(True, **SGL), dtype="float32",
+    ctx = BuildContext(config=AttentionConfig(), host=H.cpu_host(True, **SGL), dtype=p.q.dtype,
                        num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
                        v_head_dim=p.layer.v_head_dim, page_size=p.page_size, kv_cache=p.cache,
                        max_context_len=p.cache.max_context_len)

@@ -34,6 +34,11 @@ DIST = "attnplug-trtllm-mha"
 FI = {"flashinfer_python": "0.6.3"}
 
 
+def _problem(**kw):
+    """The family's problem at a head dim trtllm_mha claims (64/128/256; the base refuses others)."""
+    return H.make_problem(**{"head_dim": 64, **kw})
+
+
 # -- (4) the emulators ---------------------------------------------------------------
 def _read_hnd(kv_cache, block_tables, b, sk):
     k_cache, v_cache = kv_cache
@@ -87,7 +92,7 @@ def emulate_context(*, query, kv_cache, workspace_buffer, block_tables, seq_lens
 
 
 def build(p, host=None):
-    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype="float32",
+    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype=p.q.dtype,
                        num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
                        page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len)
     return TrtllmMHABackend(ctx, kernels=(emulate_decode, emulate_context), workspace_bytes=1024)
@@ -148,8 +153,8 @@ def test_loading_the_kernels_without_flashinfer_fails_in_words(monkeypatch):
 # -- (3) metadata ------------------------------------------------------------------------
 @pytest.mark.parametrize("ps", [1, 16])
 def test_metadata_layout(ps):
-    p = H.make_problem(prefix=(0, 21, 17, 5), ext=(7, 3, 1, 30), page_size=ps)
-    meta = M.build_metadata(p.batch, p.cache.req_to_token, ps)
+    p = _problem(prefix=(0, 21, 17, 5), ext=(7, 3, 1, 30), page_size=ps)
+    meta = M.build_metadata(p.batch, p.cache)
     assert meta.seq_lens.tolist() == p.seq and meta.seq_lens.dtype == torch.int32
     assert meta.cum_seq_lens_q.tolist() == [0, 7, 10, 11, 41]
     assert meta.cum_seq_lens_kv.tolist() == [0, 7, 31, 49, 84]
@@ -161,7 +166,7 @@ def test_metadata_layout(ps):
 
 
 def test_hnd_view_is_a_view_of_the_slots():
-    p = H.make_problem(prefix=(0,), ext=(3,), page_size=16)
+    p = _problem(prefix=(0,), ext=(3,), page_size=16)
     kb, _ = p.cache.get_kv(0)
     view = M.hnd_view(kb, 16)
     assert view.data_ptr() == kb.data_ptr() and tuple(view.shape) == (kb.shape[0] // 16, kb.shape[1], 16, kb.shape[2])
@@ -172,31 +177,33 @@ def test_hnd_view_is_a_view_of_the_slots():
 @pytest.mark.parametrize("ps", [16, 32, 64])
 @pytest.mark.parametrize("features", [{}, {"window": 6}, {"sinks": True}])
 def test_extend_with_prefix(ps, features):
-    p = H.make_problem(prefix=(0, 21, 70, 5), ext=(7, 3, 1, 30), page_size=ps, **features)
+    p = _problem(prefix=(0, 21, 70, 5), ext=(7, 3, 1, 30), page_size=ps, **features)
     H.assert_close(run(p), p.expected)
 
 
 @pytest.mark.parametrize("ps", [16, 64])
 def test_decode(ps):
-    p = H.make_problem(mode=ForwardMode.DECODE, prefix=(15, 16, 40, 0), ext=(1, 1, 1, 1), page_size=ps,
+    p = _problem(mode=ForwardMode.DECODE, prefix=(15, 16, 40, 0), ext=(1, 1, 1, 1), page_size=ps,
                        window=5, sinks=True)
     H.assert_close(run(p), p.expected)
 
 
-def test_chain_target_verify_and_draft_extend():
-    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED):
-        p = H.make_problem(mode=mode, prefix=(9, 33), ext=(3, 3), page_size=16)
+def test_draft_extend_and_mixed():
+    # target-verify is not claimed (speculative_verify=False), so the base refuses it even without a
+    # custom mask: see test_unclaimed_features_are_refused
+    for mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED):
+        p = _problem(mode=mode, prefix=(9, 33), ext=(3, 3), page_size=16)
         H.assert_close(run(p), p.expected)
 
 
 def test_bfloat16_gqa():
-    p = H.make_problem(prefix=(3, 40), ext=(4, 9), page_size=32, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2)
+    p = _problem(prefix=(3, 40), ext=(4, 9), page_size=32, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2)
     H.assert_close(run(p), p.expected, torch.bfloat16)
 
 
 @pytest.mark.parametrize("save", [True, False])
 def test_kv_cache_write(save):
-    p = H.make_problem(prefix=(3, 12), ext=(4, 9), page_size=16)
+    p = _problem(prefix=(3, 12), ext=(4, 9), page_size=16)
     H.assert_close(run(p, save=save), p.expected)
     kb, vb = p.cache.get_kv(0)
     loc = p.batch.out_cache_loc
@@ -207,7 +214,7 @@ def test_kv_cache_write(save):
 
 
 def test_cuda_graph_buffers_feed_the_kernel():
-    p = H.make_problem(mode=ForwardMode.DECODE, prefix=(15, 40), ext=(1, 1), page_size=16)
+    p = _problem(mode=ForwardMode.DECODE, prefix=(15, 40), ext=(1, 1), page_size=16)
     b = build(p)
     b.init_cuda_graph_state(8, 8)
     b.init_forward_metadata_capture_cuda_graph(p.batch)
@@ -243,23 +250,23 @@ def test_page_size_rule_keeps_a_supported_user_page_size_and_refuses_others():
 
 # -- (6) guards ------------------------------------------------------------------------------
 def test_page_size_guard_at_build():
-    p = H.make_problem(prefix=(0,), ext=(3,), page_size=1)
-    with pytest.raises(NotSupportedError, match=r"page_size=1.*16/32/64"):
+    p = _problem(prefix=(0,), ext=(3,), page_size=1)
+    with pytest.raises(NotSupportedError, match=r"page_size=1 \(supported: 16, 32, 64\)"):
         build(p)
 
 
 def test_unclaimed_features_are_refused():
     from attnplug import LayerSpec
 
-    p = H.make_problem(prefix=(0, 4), ext=(3, 2), page_size=16, cap=2.0)
+    p = _problem(prefix=(0, 4), ext=(3, 2), page_size=16, cap=2.0)
     b = build(p)
     assert any("logit_cap" in r for r in b.not_supported_reasons(p.layer))
     assert any("head_dim=96" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 96)))
     b.init_forward_metadata(p.batch)
     with pytest.raises(NotSupportedError, match="logit_cap"):
         b.forward_extend(p.q, p.k, p.v, p.layer, p.batch)
-    t = H.make_problem(mode=ForwardMode.TARGET_VERIFY, prefix=(5,), ext=(2,), custom_mask=True)
-    b = build(t)
-    b.init_forward_metadata(t.batch)
-    with pytest.raises(NotSupportedError, match="custom draft mask"):
-        b.forward_extend(t.q, t.k, t.v, t.layer, t.batch)
+    for custom_mask in (True, False):
+        t = _problem(mode=ForwardMode.TARGET_VERIFY, prefix=(5,), ext=(2,), custom_mask=custom_mask)
+        b = build(t)
+        with pytest.raises(NotSupportedError, match="target_verify is not claimed"):  # the base, per forward
+            b.init_forward_metadata(t.batch)

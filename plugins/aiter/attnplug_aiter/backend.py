@@ -18,8 +18,9 @@ What it calls (aiter >= 0.1.10 on gfx942/gfx950):
   the keys it may see, through the decode kernel (or the prefill kernel,
   ``causal=False``, for a layer with sinks).
 
-When ``save_kv_cache`` is false the kernels read ``cat([cache, new])`` and
-the new tokens' indices point past the cache (``metadata`` builds them).
+On the core's ``PagedBackend`` (``new_kv_source = "cache"``): the base writes
+each layer's new K/V before the kernel and restores the rows after a
+``save_kv_cache=False`` forward, so the rows always list cache slots.
 CUDA graphs: decode only, over fixed ``kv_indptr``/``kv_indices`` buffers.
 """
 
@@ -29,8 +30,7 @@ from typing import Any
 
 import torch
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
+from attnplug import PagedBackend
 from attnplug.errors import AttnplugError
 from attnplug.modes import ForwardMode
 
@@ -79,37 +79,29 @@ def _import_aiter() -> Any:
     return aiter
 
 
-class AiterBackend(AttentionBackend):
+class AiterBackend(PagedBackend):
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "cache"  # both kernels read prefix and new tokens through the token-level rows
 
     def __init__(self, ctx: Any) -> None:
-        if ctx.kv_cache is None:
-            raise AttnplugError("aiter: BuildContext.kv_cache is None (the backend reads the paged cache)")
         md.check_gfx(ctx.host.gfx_arch)
         self.aiter = _import_aiter()
-        self.ctx = ctx
-        self.kv_cache = ctx.kv_cache
-        self.device = torch.device(ctx.device)
+        super().__init__(ctx)
         self.max_num_partitions = md.max_num_partitions(ctx.max_context_len)
-        self._guard = MetadataGuard("aiter")
         self._ones = torch.ones(1, dtype=torch.float32, device=self.device)  # k_scale / v_scale
         self._workspace: torch.Tensor | None = None
         self._graph: dict[Any, dict[str, torch.Tensor]] | None = None
         self._graph_bs: set[int] = set()
 
-    def layer_reasons(self, layer: Any) -> list[str]:
-        return md.layer_problems(layer)
-
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        reasons = super().not_supported_reasons(layer, ctx)
-        return reasons + [r for r in md.layer_problems(layer) if r not in reasons]
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        if layer.gqa_group_size > md.MAX_GQA_RATIO:  # paged_attention_ragged's dispatch; no capability field says it
+            return [f"GQA ratio num_heads/num_kv_heads={layer.gqa_group_size} (supported: 1..{md.MAX_GQA_RATIO})"]
+        return []
 
     # -- metadata ------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        if batch.forward_mode is ForwardMode.IDLE:
-            self._guard.set(batch, None)
-            return
-        self._guard.set(batch, md.build_layout(batch, self.kv_cache.req_to_token))
+    def build_metadata(self, batch: Any) -> md.ForwardLayout:
+        return md.build_layout(batch, self.cache.req_to_token)
 
     def _decode_workspace(self, rows: int, num_heads: int, head_dim: int) -> torch.Tensor:
         need = md.workspace_bytes(rows, num_heads, head_dim, self.ctx.max_context_len)
@@ -118,19 +110,10 @@ class AiterBackend(AttentionBackend):
         return self._workspace
 
     # -- forward -------------------------------------------------------
-    def _run(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
-        lay: md.ForwardLayout = self._guard.require(batch)
-        self.require_supported(layer)  # md.layer_problems, memoised per layer
-        md.check_dtype(q.dtype)
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        kc, vc = self.kv_cache.get_kv(layer.layer_id)
-        scratch = None
-        if k is not None and save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        elif k is not None:  # not writing the cache: read cat([cache, new]); new token t is num_slots + t
-            scratch = kc.shape[0]
-            kc, vc = torch.cat([kc, k.to(kc.dtype)]), torch.cat([vc, v.to(vc.dtype)])
-        rows = lay.rows(layer.sliding_window, scratch)
+    def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, lay: md.ForwardLayout) -> torch.Tensor:
+        """Every mode: the rows list prefix and new tokens, already in the cache (``new_kv_source``)."""
+        kc, vc = self.cache.get_kv(layer.layer_id)
+        rows = lay.rows(layer.sliding_window)
         q = q.contiguous()
         if lay.kind == "prefill":
             return self._prefill(q, kc, vc, layer, lay.cu_seqlens_q, rows, lay.max_q_len, causal=True)
@@ -161,12 +144,6 @@ class AiterBackend(AttentionBackend):
             self.max_num_partitions, None, "auto", "NHD", md.logits_soft_cap(layer), self._ones, self._ones,
         )
         return out
-
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
 
     # -- CUDA (HIP) graphs: decode -----------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
@@ -199,7 +176,8 @@ class AiterBackend(AttentionBackend):
     def _graph_metadata(self, batch: Any) -> None:
         """Build the rows on the host side of the graph and copy them into the captured buffers; the
         forward then finds them memoised (no host work inside the captured region)."""
-        lay = md.build_layout(batch, self.kv_cache.req_to_token)
+        self.init_forward_metadata(batch)
+        lay: md.ForwardLayout = self.forward_metadata(batch)
         n = batch.batch_size
         assert self._graph is not None
         for w, buf in self._graph.items():
@@ -207,6 +185,5 @@ class AiterBackend(AttentionBackend):
             buf["kv_indptr"][: n + 1].copy_(rows.kv_indptr)
             buf["kv_indices"][: rows.kv_indices.numel()].copy_(rows.kv_indices)
             # max_kv_len is baked into a captured prefill launch (sinks path): use the context limit
-            lay._memo[(w, None)] = md.TokenKV(buf["kv_indptr"][: n + 1], buf["kv_indices"],
+            lay._memo[w] = md.TokenKV(buf["kv_indptr"][: n + 1], buf["kv_indices"],
                                               buf["kv_last_page_lens"][:n], (self.ctx.max_context_len,) * n)
-        self._guard.set(batch, lay)

@@ -22,8 +22,8 @@ attended, so the window (decode) and a target-verify tree mask are applied
 by *listing only the visible keys* (a verify draft token becomes its own
 one-query row).
 
-When the forward does not write the cache, the kernels read a scratch buffer
-``cat([cache_rows, new_rows])``: a new token ``t`` is index ``num_slots + t``.
+The new tokens are in the cache when the kernels run (the core's
+``PagedBackend`` writes them first), so every listed index is a cache slot.
 """
 
 from __future__ import annotations
@@ -35,21 +35,13 @@ import torch
 
 from attnplug.descriptor import version_key as parse_version
 from attnplug.errors import ShapeError
+from attnplug.kvcache import indptr
 from attnplug.modes import ForwardMode
 
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
 SUPPORTED_GFX: tuple[str, ...] = ("gfx942", "gfx950")
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 MAX_GQA_RATIO = 16  # paged_attention_ragged dispatches num_heads / num_kv_heads in 1..16
 PARTITION_SIZE = 256  # paged_attention_ragged's split-KV partition (SGLang: _AITER_PARTITION_SIZE_ROCM)
 I32 = torch.int32
-
-
-def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = "cpu") -> torch.Tensor:
-    lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
-    out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lens, 0, out=out[1:])
-    return out.to(I32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +49,7 @@ class TokenKV:
     """Token-level rows: ``kv_indptr``/``kv_indices``/``kv_last_page_lens`` plus the host-side lengths."""
 
     kv_indptr: torch.Tensor  # int32 [rows+1]
-    kv_indices: torch.Tensor  # int32 [kv_indptr[-1]] slot ids (or scratch indices)
+    kv_indices: torch.Tensor  # int32 [kv_indptr[-1]] slot ids
     kv_last_page_lens: torch.Tensor  # int32 [rows], all 1
     kv_lens: tuple[int, ...]
 
@@ -72,19 +64,9 @@ def _rows(keys: list[torch.Tensor], device: Any) -> TokenKV:
     return TokenKV(indptr(lens, device), idx, torch.ones(len(lens), dtype=I32, device=device), lens)
 
 
-def key_slots(
-    req_to_token: torch.Tensor, req: int, prefix_len: int, new_tokens: tuple[int, int] | None, num_slots: int | None
-) -> torch.Tensor:
-    """Indices of one request's keys in position order: ``prefix_len`` cached slots, then the new
-    tokens ``[t0, t1)`` either as their cache slots (``num_slots=None``: already written, read back
-    through ``req_to_token``) or as scratch indices ``num_slots + t``."""
-    if new_tokens is None:
-        return req_to_token[req, :prefix_len].to(torch.int64)
-    t0, t1 = new_tokens
-    if num_slots is None:
-        return req_to_token[req, : prefix_len + (t1 - t0)].to(torch.int64)
-    new = num_slots + torch.arange(t0, t1, dtype=torch.int64, device=req_to_token.device)
-    return torch.cat([req_to_token[req, :prefix_len].to(torch.int64), new])
+def key_slots(req_to_token: torch.Tensor, req: int, seq_len: int) -> torch.Tensor:
+    """The cache slots of one request's keys (prefix and new tokens), in position order."""
+    return req_to_token[req, :seq_len].to(torch.int64)
 
 
 def extend_rows(
@@ -92,20 +74,18 @@ def extend_rows(
     req_pool_indices: torch.Tensor,
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
-    num_slots: int | None = None,
     window: int | None = None,
 ) -> TokenKV:
     """One row per request over all its keys (prefix + new). ``window`` drops the keys that no query
     of the row can see (``j < prefix - W``), used for decode where the row has one query."""
     device = req_to_token.device
-    keys, t0 = [], 0
+    keys = []
     for r, p0, e in zip(req_pool_indices.tolist(), prefix_lens, extend_lens):
-        ks = key_slots(req_to_token, r, p0, (t0, t0 + e), num_slots)
+        ks = key_slots(req_to_token, r, p0 + e)
         if window is not None:
             first = max(0, p0 - window)  # the earliest query (position p0) sees j >= p0 - W
             ks = ks[first:]
         keys.append(ks)
-        t0 += e
     return _rows(keys, device)
 
 
@@ -115,7 +95,6 @@ def verify_rows(
     prefix_lens: Sequence[int],
     num_draft: int,
     spec_custom_mask: torch.Tensor | None,
-    num_slots: int | None = None,
     window: int | None = None,
 ) -> TokenKV:
     """One row per draft token (one query each): the prefix keys it sees, then the drafts its mask row
@@ -123,22 +102,21 @@ def verify_rows(
     device = req_to_token.device
     d = int(num_draft)
     causal = torch.ones(d, d, dtype=torch.bool).tril()
-    keys, t0 = [], 0
+    keys = []
     for i, (r, p0) in enumerate(zip(req_pool_indices.tolist(), prefix_lens)):
-        all_keys = key_slots(req_to_token, r, p0, (t0, t0 + d), num_slots)
+        all_keys = key_slots(req_to_token, r, p0 + d)
         mask = causal if spec_custom_mask is None else spec_custom_mask[i].cpu().bool()
         for a in range(d):
             visible = torch.cat([torch.ones(p0, dtype=torch.bool), mask[a]])
             if window is not None:
                 visible &= torch.arange(p0 + d) >= (p0 + a - window)
             keys.append(all_keys[visible.nonzero().reshape(-1).to(device)])
-        t0 += d
     return _rows(keys, device)
 
 
 @dataclasses.dataclass
 class ForwardLayout:
-    """Built once per forward, shared by every layer; window- and scratch-dependent rows memoised.
+    """Built once per forward, shared by every layer; window-dependent rows memoised.
 
     ``kind``: ``"decode"`` (``paged_attention_ragged``, one query per request),
     ``"prefill"`` (``mha_batch_prefill_func``, causal), ``"verify"`` (one row
@@ -154,24 +132,23 @@ class ForwardLayout:
     num_draft: int | None
     spec_custom_mask: torch.Tensor | None
     req_to_token: torch.Tensor
-    _memo: dict[Any, TokenKV] = dataclasses.field(default_factory=dict)
+    _memo: dict[int | None, TokenKV] = dataclasses.field(default_factory=dict)
 
     @property
     def max_q_len(self) -> int:
         return max(self.extend_lens, default=0)
 
-    def rows(self, window: int | None = None, num_slots: int | None = None) -> TokenKV:
-        """The ``TokenKV`` the kernel reads; ``num_slots`` set = new tokens come from the scratch buffer."""
+    def rows(self, window: int | None = None) -> TokenKV:
+        """The ``TokenKV`` the kernel reads for a layer with this sliding window."""
         win = window if self.kind in ("decode", "verify") else None  # prefill: the kernel applies it
-        key = (win, num_slots)
-        if key not in self._memo:
+        if win not in self._memo:
             if self.kind == "verify":
-                self._memo[key] = verify_rows(self.req_to_token, self.req_pool_indices, self.prefix_lens,
-                                              self.num_draft or 0, self.spec_custom_mask, num_slots, win)
+                self._memo[win] = verify_rows(self.req_to_token, self.req_pool_indices, self.prefix_lens,
+                                              self.num_draft or 0, self.spec_custom_mask, win)
             else:
-                self._memo[key] = extend_rows(self.req_to_token, self.req_pool_indices, self.prefix_lens,
-                                              self.extend_lens, num_slots, win)
-        return self._memo[key]
+                self._memo[win] = extend_rows(self.req_to_token, self.req_pool_indices, self.prefix_lens,
+                                              self.extend_lens, win)
+        return self._memo[win]
 
     def query_indptr(self) -> torch.Tensor:
         """``cu_seqlens_q`` for the rows: per request (prefill) or one per row (decode, verify)."""
@@ -195,7 +172,7 @@ def build_layout(batch: Any, req_to_token: torch.Tensor) -> ForwardLayout:
     return ForwardLayout(
         mode=mode,
         kind=kind,
-        cu_seqlens_q=indptr(batch.extend_seq_lens_cpu, req_to_token.device),
+        cu_seqlens_q=batch.qo_indptr(req_to_token.device),
         req_pool_indices=batch.req_pool_indices.to(req_to_token.device),
         prefix_lens=tuple(batch.extend_prefix_lens_cpu),
         extend_lens=tuple(batch.extend_seq_lens_cpu),
@@ -228,24 +205,6 @@ def workspace_bytes(max_rows: int, num_heads: int, head_dim: int, max_context_le
     """Workspace of ``paged_attention_ragged``: fp32 partial outputs plus max/sum per partition."""
     parts = max_num_partitions(max_context_len)
     return max_rows * num_heads * parts * head_dim * 4 + 2 * max_rows * num_heads * parts * 4
-
-
-def layer_problems(layer: Any) -> list[str]:
-    reasons = []
-    if layer.head_dim not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"head_dim={layer.head_dim} (aiter paged_attention_ragged supports 64, 128)")
-    if layer.v_head_dim != layer.head_dim:
-        reasons.append(f"v_head_dim={layer.v_head_dim} differs from head_dim={layer.head_dim}")
-    if layer.gqa_group_size > MAX_GQA_RATIO:
-        reasons.append(f"GQA ratio num_heads/num_kv_heads={layer.gqa_group_size} (aiter supports 1..{MAX_GQA_RATIO})")
-    if layer.is_cross_attention:
-        reasons.append("cross-attention is not wired for aiter in attnplug")
-    return reasons
-
-
-def check_dtype(dtype: torch.dtype, field: str = "q.dtype") -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise ShapeError(f"aiter: {field}={dtype} (supported: float16, bfloat16)")
 
 
 def check_gfx(gfx_arch: str | None) -> None:

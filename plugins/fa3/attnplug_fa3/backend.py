@@ -5,12 +5,12 @@ Imported only when the backend is built. The kernel function is taken from
 failing that, from ``flash_attn_interface`` (upstream flash-attn-3); both
 are imported inside ``load_kernel`` so this module itself needs only torch.
 
-Per forward, ``init_forward_metadata`` builds the page table, cache lengths
-and query offsets once (``attnplug_fa3.metadata``); every layer then writes
-its new K/V at ``out_cache_loc`` and makes one kernel call that reads prefix
-and new tokens from the cache. With ``save_kv_cache=False`` the new K/V are
-written for the call and the overwritten rows restored after it, so the
-cache is unchanged on return.
+On the core's ``PagedBackend`` (``new_kv_source = "cache"``): per forward,
+``build_metadata`` makes the page table, cache lengths and query offsets once
+(``attnplug_fa3.metadata``); the base writes each layer's new K/V at
+``out_cache_loc`` (restoring the rows after a ``save_kv_cache=False`` forward
+or a raising kernel) and ``compute_extend`` makes one kernel call, for every
+mode, that reads prefix and new tokens from the cache.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any, Callable
 
 import torch
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
+from attnplug import PagedBackend
+from attnplug.errors import BackendUnavailableError, NotSupportedError
+from attnplug.modes import ForwardMode
 
 from attnplug.descriptor import installed_library, version_key
 
 from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL
-from .metadata import FA3Metadata, build_metadata, check_page_aligned, window_size
+from .metadata import FA3Metadata, build_metadata, window_size
 
 Kernel = Callable[..., Any]
 
@@ -60,35 +60,34 @@ def create(ctx: Any) -> tuple[str, "FA3Backend"]:
     return NAME, FA3Backend(ctx)
 
 
-class FA3Backend(AttentionBackend):
+class FA3Backend(PagedBackend):
     """FlashAttention-3 over the canonical paged cache (pages viewed ``[num_pages, page_size, kv_heads, dim]``)."""
 
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "cache"  # one call reads prefix and new tokens through the page table
 
     def __init__(self, ctx: Any, *, kernel: Kernel | None = None, provider: str | None = None,
                  check_pages: bool = False) -> None:
         if kernel is None:
             provider, kernel = load_kernel()
-        self.ctx = ctx
+        super().__init__(ctx)
         self.provider = provider or "injected"
         self.kernel = kernel
         #: ``(distribution, version)`` of the installed sgl-kernel family, from the host record
         host = getattr(ctx, "host", None)
         self.library = installed_library(host, SGL_KERNEL) if host is not None else None
-        self.kv_cache = ctx.kv_cache
         self.page_size = ctx.page_size
         #: FA3 picks a split count per batch shape unless told; 1 keeps a request's output batch-invariant
         self.num_splits = 1 if ctx.config.deterministic else 0
         #: validate that req_to_token is page-aligned every forward (a host sync; for debugging and tests)
         self.check_pages = check_pages
-        self._guard = MetadataGuard(NAME)
         self._graph: dict[str, torch.Tensor] | None = None
-        self.metadata_builds = 0
 
     # -- description -----------------------------------------------------
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        reasons = super().not_supported_reasons(layer, ctx)
-        reasons += [r for r in self._library_reasons(layer, ctx if ctx is not None else self.ctx) if r not in reasons]
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        # the installed build's limits hold at every forward (ctx None: the build context's dtypes)
+        reasons = self._library_reasons(layer, ctx if ctx is not None else self.ctx)
         if ctx is not None:
             kv = ctx.kv_cache_dtype
             if kv in ("float16", "bfloat16") and kv != ctx.dtype:
@@ -97,9 +96,6 @@ class FA3Backend(AttentionBackend):
             if kv.startswith("float8") and sm is not None and sm != 90:
                 reasons.append(f"kv_cache_dtype={kv}: FA3's fp8 path runs on Hopper (SM90) only; this GPU is SM{sm}")
         return reasons
-
-    def layer_reasons(self, layer: Any) -> list[str]:
-        return self._library_reasons(layer, self.ctx)
 
     def _library_reasons(self, layer: Any, ctx: Any) -> list[str]:
         """What the installed kernel build cannot do for ``layer`` (sinks floor, fp8 head dims)."""
@@ -117,19 +113,17 @@ class FA3Backend(AttentionBackend):
         return reasons
 
     # -- metadata ----------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
-        if meta is not None and self.check_pages:
-            check_page_aligned(self._cache().req_to_token, batch.req_pool_indices, batch.seq_lens_cpu, self.page_size)
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
+    def build_metadata(self, batch: Any) -> FA3Metadata:
+        if self.check_pages:
+            self.cache.check_page_aligned(batch.req_pool_indices, batch.seq_lens_cpu)
+        return build_metadata(batch, self.cache)
 
     # -- CUDA graphs ---------------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         """Static buffers the captured kernels read: page table, cache lengths, query offsets."""
         pages = (self.ctx.max_context_len + self.page_size - 1) // self.page_size
-        dev = self._cache().device
-        self._graph = {
+        dev = self.cache.device
+        self._graph = {  # the metadata fields the captured kernels read, by name (see graph_metadata)
             "page_table": torch.zeros(max_batch_size, pages, dtype=torch.int32, device=dev),
             "cache_seqlens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev),
@@ -142,60 +136,16 @@ class FA3Backend(AttentionBackend):
         self._graph_metadata(batch)
 
     def _graph_metadata(self, batch: Any) -> None:
-        if self._graph is None:
-            raise AttnplugError(f"{NAME}: call init_cuda_graph_state(max_batch_size, max_num_tokens) before capture")
-        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
-        if meta is not None:
-            if meta.uses_tree:
-                raise NotSupportedError(NAME, ["CUDA-graph capture of target-verify with a custom draft mask "
-                                               "(its row count and width vary); run it eagerly"])
-            g, b = self._graph, meta.batch_size
-            if b > g["cache_seqlens"].numel():
-                raise ShapeError(f"batch of {b} requests exceeds the CUDA-graph max_batch_size "
-                                 f"{g['cache_seqlens'].numel()}")
-            pt = g["page_table"]
-            pt[:b].zero_()
-            pt[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
-            g["cache_seqlens"][:b].copy_(meta.cache_seqlens)
-            g["cu_seqlens_q"][:b + 1].copy_(meta.cu_seqlens_q)
-            meta.page_table = pt[:b]
-            meta.cache_seqlens = g["cache_seqlens"][:b]
-            meta.cu_seqlens_q = g["cu_seqlens_q"][:b + 1]
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
+        if batch.forward_mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
+            raise NotSupportedError(NAME, ["CUDA-graph capture of target-verify with a custom draft mask "
+                                           "(its row count and width vary); run it eagerly"])
+        self.graph_metadata(batch, self._graph)
 
     # -- forward -------------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def _cache(self) -> Any:
-        if self.kv_cache is None:
-            raise AttnplugError(f"{NAME} was built without a KV cache (BuildContext.kv_cache is None); "
-                                f"build it with the engine's PagedKVCache to run forwards")
-        return self.kv_cache
-
-    def _run(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
-        meta: FA3Metadata | None = self._guard.require(batch)
-        if meta is None:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        if k is None:
-            raise ShapeError(f"{NAME}: k and v are None for layer {layer.layer_id}; "
-                             f"cross-attention is not supported, self-attention needs the new K/V")
-        if layer.is_cross_attention:
-            raise NotSupportedError(NAME, ["cross-attention is not claimed"])
-        if meta.num_tokens == 0:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        cache = self._cache()
-        with cache.staged(layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
-            return self._attend(q, layer, meta)
-
-    def _attend(self, q: torch.Tensor, layer: Any, meta: FA3Metadata) -> torch.Tensor:
-        self.require_supported(layer)  # sinks floor, fp8 head dims: memoised per layer
-        kb, vb = self._cache().get_kv(layer.layer_id)
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
+                       meta: FA3Metadata) -> torch.Tensor:
+        """Every mode: the new K/V are in the cache already (``new_kv_source = "cache"``)."""
+        kb, vb = self.cache.get_kv(layer.layer_id)
         Hkv, D, Dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         if meta.uses_tree:
             t = meta.tree_for(layer.sliding_window)

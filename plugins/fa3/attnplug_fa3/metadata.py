@@ -30,65 +30,9 @@ from typing import Any
 
 import torch
 
-from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 
 I32 = torch.int32
-
-
-def cu_seqlens(lens: torch.Tensor) -> torch.Tensor:
-    """``[0, l0, l0+l1, …]`` as int32 (``[len(lens) + 1]``)."""
-    out = torch.zeros(lens.numel() + 1, dtype=I32, device=lens.device)
-    if lens.numel():
-        torch.cumsum(lens.to(I32), 0, out=out[1:])
-    return out
-
-
-def page_table(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, max_len: int, page_size: int
-) -> torch.Tensor:
-    """int32 ``[batch, ceil(max_len / page_size)]``: column ``j`` is the page of positions ``j*page_size …``.
-
-    Read from ``req_to_token`` at positions ``0, page_size, 2*page_size …``
-    (a page's first slot divided by the page size); columns past a
-    request's last page are 0. Assumes the cache is page-aligned (see
-    ``check_page_aligned``).
-    """
-    if page_size < 1:
-        raise ShapeError(f"page_size={page_size} (expected >= 1)")
-    b = req_pool_indices.numel()
-    pages = (max_len + page_size - 1) // page_size
-    if max_len > req_to_token.shape[1]:
-        raise ShapeError(f"a request needs {max_len} positions but req_to_token has {req_to_token.shape[1]} columns")
-    if b == 0 or pages == 0:
-        return torch.zeros(b, pages, dtype=I32, device=req_to_token.device)
-    cols = torch.arange(pages, device=req_to_token.device) * page_size
-    rows = req_to_token.index_select(0, req_pool_indices.to(req_to_token.device).long())[:, cols]
-    table = torch.div(rows, page_size, rounding_mode="floor")
-    valid = cols[None, :] < lens.to(req_to_token.device)[:, None]
-    return table.masked_fill(~valid, 0).to(I32)
-
-
-def check_page_aligned(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: list[int], page_size: int
-) -> None:
-    """Raise ``ShapeError`` unless every position ``i`` of every request sits at ``page*page_size + i % page_size``
-    with one page per ``page_size`` positions (what a page table can express)."""
-    if page_size == 1:
-        return
-    for i, (r, n) in enumerate(zip(req_pool_indices.tolist(), lens)):
-        if n == 0:
-            continue
-        slots = req_to_token[r, :n].long()
-        pos = torch.arange(n, device=slots.device)
-        first = slots[(pos // page_size) * page_size]
-        bad = (slots != first + pos % page_size) | (first % page_size != 0)
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0, 0])
-            raise ShapeError(
-                f"req_to_token row {r} (request {i}) is not page-aligned for page_size={page_size}: position {j} "
-                f"is slot {int(slots[j])}, expected page start {int(first[j])} + {j % page_size}"
-            )
 
 
 @dataclasses.dataclass
@@ -159,7 +103,6 @@ class FA3Metadata:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    num_tokens: int
     causal: bool = True
     #: target-verify with a custom mask: built per sliding window on first use
     tree: dict[int | None, TreeLayout] = dataclasses.field(default_factory=dict)
@@ -181,35 +124,28 @@ class FA3Metadata:
         return self.tree[window]
 
 
-def build_metadata(batch: Any, req_to_token: torch.Tensor, page_size: int) -> FA3Metadata | None:
-    """FA3 metadata for ``batch`` (``None`` for an idle batch). Once per forward."""
+def build_metadata(batch: Any, cache: Any) -> FA3Metadata | None:
+    """FA3 metadata for ``batch`` over ``cache`` (``None`` for an idle batch). Once per forward.
+
+    The pieces every paged kernel shares come from the core (``ForwardBatch.qo_indptr`` …,
+    ``PagedKVCache.page_table``); FA3 adds only its tree layout for a custom draft mask.
+    """
     mode = batch.forward_mode
     if mode is ForwardMode.IDLE:
         return None
-    device = req_to_token.device
-    req = batch.req_pool_indices.to(device)
-    seq = batch.seq_lens.to(device)
-    seq_cpu = list(batch.seq_lens_cpu)
-    max_k = max(seq_cpu, default=0)
-    if mode is ForwardMode.DECODE:
-        q_lens = torch.ones_like(seq)
-        max_q = 1
-    else:
-        q_lens = batch.extend_seq_lens.to(device)
-        max_q = max(batch.extend_seq_lens_cpu, default=0)
+    device = cache.req_to_token.device
     meta = FA3Metadata(
         mode=mode,
-        page_size=page_size,
-        page_table=page_table(req_to_token, req, seq, max_k, page_size),
-        cache_seqlens=seq.to(I32),
-        cu_seqlens_q=cu_seqlens(q_lens),
-        cu_seqlens_k=cu_seqlens(seq),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        num_tokens=batch.num_tokens,
+        page_size=cache.page_size,
+        page_table=cache.page_table(batch),
+        cache_seqlens=batch.seq_lens_int32(device),
+        cu_seqlens_q=batch.qo_indptr(device),
+        cu_seqlens_k=batch.kv_indptr(device),
+        max_seqlen_q=batch.max_extend_len,
+        max_seqlen_k=batch.max_seq_len,
     )
     if mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
-        meta._tree_args = (req_to_token, batch.req_pool_indices.tolist(), list(batch.extend_prefix_lens_cpu),
+        meta._tree_args = (cache.req_to_token, batch.req_pool_indices.tolist(), list(batch.extend_prefix_lens_cpu),
                            int(batch.spec_num_draft_tokens), batch.spec_custom_mask)
     return meta
 

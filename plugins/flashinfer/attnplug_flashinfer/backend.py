@@ -8,15 +8,14 @@ of attnplug's per-layer slot buffers):
   kv_last_page_len, H, Hkv, D, page_size, window_left=, logits_soft_cap=,
   q_data_type=, kv_data_type=, sm_scale=)`` then ``run(q, (k, v))``;
 * extend / draft-extend / mixed: ``BatchPrefillWithPagedKVCacheWrapper.plan(
-  qo_indptr, …, causal=True)`` over prefix + new tokens (the new K/V are
-  written to the cache first), then ``run``;
+  qo_indptr, …, causal=True)`` over prefix + new tokens, then ``run``;
 * target-verify: the same wrapper planned with ``custom_mask`` (prefix
-  visible, draft-to-draft from ``spec_custom_mask``; the window folded in);
-* ``save_kv_cache=False``: ``BatchPrefillWithRaggedKVCacheWrapper`` over K/V
-  gathered from the cache plus this forward's ``k``/``v`` (nothing written).
+  visible, draft-to-draft from ``spec_custom_mask``; the window folded in).
 
-``init_forward_metadata`` builds the layout once per forward
-(``metadata.build_layout``); each distinct (window, soft-cap, scale, heads)
+On the core's ``PagedBackend`` (``new_kv_source = "cache"``): the base writes
+each layer's new K/V before the wrapper runs and restores the rows after a
+``save_kv_cache=False`` forward. ``build_metadata`` makes the layout once per
+forward (``metadata.build_layout``); each distinct (window, soft-cap, scale, heads)
 combination is planned once per forward on first use and reused by every
 layer that shares it. CUDA graphs: decode and target-verify wrappers are
 built with ``use_cuda_graph=True`` over fixed buffers per batch size and
@@ -29,8 +28,7 @@ from typing import Any
 
 import torch
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
+from attnplug import PagedBackend
 from attnplug.errors import AttnplugError
 from attnplug.modes import ForwardMode
 
@@ -45,8 +43,7 @@ WORKSPACE_BYTES = 256 << 20
 #: ``tests/contracts/signatures.json``).
 LIBRARY_CALLS = tuple(
     f"flashinfer.{w}.{m}"
-    for w in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-              "BatchPrefillWithRaggedKVCacheWrapper")
+    for w in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper")
     for m in ("__init__", "plan", "run")
 )
 
@@ -88,33 +85,21 @@ def _import_flashinfer() -> Any:
     return flashinfer
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(PagedBackend):
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "cache"  # the paged wrappers read prefix and new tokens from the cache
 
     def __init__(self, ctx: Any) -> None:
-        if ctx.kv_cache is None:
-            raise AttnplugError("flashinfer: BuildContext.kv_cache is None (the backend reads the paged cache)")
-        md.check_page_size(ctx.page_size)
         self.fi = _import_flashinfer()
-        self.ctx = ctx
-        self.kv_cache = ctx.kv_cache
+        super().__init__(ctx)
         self.page_size = ctx.page_size
-        self.device = torch.device(ctx.device)
         self.deterministic = bool(ctx.config.deterministic)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._guard = MetadataGuard("flashinfer")
         self._eager: dict[tuple[Any, ...], Any] = {}
         self._graph_buffers: dict[str, torch.Tensor] | None = None
         self._graph_wrappers: dict[tuple[int, str], Any] = {}
         self._graph_mode: tuple[int, str] | None = None
-
-    # -- description ---------------------------------------------------
-    def layer_reasons(self, layer: Any) -> list[str]:
-        return md.layer_problems(layer)
-
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        reasons = super().not_supported_reasons(layer, ctx)
-        return reasons + [r for r in md.layer_problems(layer) if r not in reasons]
 
     def _decode_tensor_cores(self) -> bool:
         # Tensor-core decode (the prefill kernel) for large GQA groups, fp8 KV, and always when deterministic.
@@ -122,12 +107,9 @@ class FlashInferBackend(AttentionBackend):
         return self.deterministic or group >= 4 or self.ctx.kv_cache_dtype.startswith("float8")
 
     # -- metadata ------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        if batch.forward_mode is ForwardMode.IDLE:
-            self._guard.set(batch, None)
-            return
-        layout = md.build_layout(batch, self.kv_cache.req_to_token, self.page_size)
-        self._guard.set(batch, _Plans(layout, self._graph_wrappers.get(self._graph_mode or (-1, ""))))
+    def build_metadata(self, batch: Any) -> "_Plans":
+        layout = md.build_layout(batch, self.cache.req_to_token, self.page_size)
+        return _Plans(layout, self._graph_wrappers.get(self._graph_mode or (-1, "")))
 
     def _plan_key(self, layer: Any) -> tuple[Any, ...]:
         return (md.window_left(layer), md.logits_soft_cap(layer), float(layer.scaling),
@@ -140,9 +122,9 @@ class FlashInferBackend(AttentionBackend):
             return plans.planned[key]
         lay = plans.layout
         win, cap, scale = md.window_left(layer), md.logits_soft_cap(layer), float(layer.scaling)
-        kv_dtype = self.kv_cache.dtype if kind != "ragged" else q_dtype
+        kv_dtype = self.cache.dtype
         common = dict(window_left=win, logits_soft_cap=cap, sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
-        if plans.graph_wrapper is not None and kind != "ragged":
+        if plans.graph_wrapper is not None:
             wrapper = plans.graph_wrapper
             if plans.planned:
                 raise AttnplugError(
@@ -168,15 +150,6 @@ class FlashInferBackend(AttentionBackend):
             else:
                 wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads,
                              layer.num_kv_heads, layer.head_dim, self.page_size, causal=True, **common, **split)
-        else:  # ragged: K/V not in the cache
-            kv_indptr = lay.ragged_kv_indptr()
-            if lay.kind == "verify":
-                common["window_left"] = -1
-                wrapper.plan(lay.qo_indptr, kv_indptr, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                             custom_mask=lay.custom_mask(None if win < 0 else win), causal=False, **common, **split)
-            else:
-                wrapper.plan(lay.qo_indptr, kv_indptr, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                             causal=True, **common, **split)
         plans.planned[key] = wrapper
         return wrapper
 
@@ -184,46 +157,23 @@ class FlashInferBackend(AttentionBackend):
         if kind == "decode":
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                use_tensor_cores=self._decode_tensor_cores())
-        if kind == "prefill":
-            return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self._prefill_backend())
-        # the ragged wrapper reads K/V in the query dtype (never fp8), so only determinism pins it
-        return self.fi.BatchPrefillWithRaggedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend("", self.deterministic))
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self._prefill_backend())
 
     def _prefill_backend(self) -> str:
         return prefill_backend(self.ctx.kv_cache_dtype, self.deterministic)
 
     # -- forward -------------------------------------------------------
     def _paged_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.kv_cache.get_kv(layer_id)
+        k, v = self.cache.get_kv(layer_id)
         ps = self.page_size
         return k.view(-1, ps, k.shape[1], k.shape[2]), v.view(-1, ps, v.shape[1], v.shape[2])
 
-    def _run(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
-        plans: _Plans = self._guard.require(batch)
-        self.require_supported(layer)  # md.layer_problems, memoised per layer
-        md.check_dtype(q.dtype)
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        lay = plans.layout
-        if k is not None and save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        if save_kv_cache or k is None:
-            kind = "decode" if lay.kind == "decode" else "prefill"
-            wrapper = self._wrapper(plans, layer, kind, q.dtype)
-            return wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
-        # Not writing the cache: FlashInfer's ragged wrapper over gathered prefix + new K/V.
-        kc, vc = self.kv_cache.get_kv(layer.layer_id)
-        idx = lay.ragged_index(self.kv_cache.req_to_token, batch.req_pool_indices, kc.shape[0])
-        k_all = torch.cat([kc.to(q.dtype), k]).index_select(0, idx)
-        v_all = torch.cat([vc.to(q.dtype), v]).index_select(0, idx)
-        wrapper = self._wrapper(plans, layer, "ragged", q.dtype)
-        return wrapper.run(q.contiguous(), k_all, v_all)
-
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
+    def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, plans: "_Plans") -> torch.Tensor:
+        """Every mode: the decode or prefill wrapper planned for the layer, over the paged cache that
+        already holds this forward's K/V (``new_kv_source = "cache"``)."""
+        kind = "decode" if plans.layout.kind == "decode" else "prefill"
+        wrapper = self._wrapper(plans, layer, kind, q.dtype)
+        return wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
 
     # -- CUDA graphs -----------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
@@ -284,7 +234,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan the graph wrapper now (plan is host work: never inside the captured region)."""
         layers = self.ctx.layers or ()
         layer = layers[0] if layers else _DefaultLayer(self.ctx)
-        plans = self._guard.require(batch)
+        plans = self.forward_metadata(batch)
         kind = "decode" if batch.forward_mode is ForwardMode.DECODE else "prefill"
         self._wrapper(plans, layer, kind, _torch_dtype(self.ctx.dtype))
 

@@ -34,25 +34,15 @@ import torch
 
 from attnplug.descriptor import version_key as parse_version
 from attnplug.errors import ShapeError
+from attnplug.kvcache import indptr
 from attnplug.modes import ForwardMode
 
-#: Head dims the FlashInfer FA2 kernels are built and tested for.
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 I32 = torch.int32
 
 
 # ---------------------------------------------------------------------------
 # layout builders
 # ---------------------------------------------------------------------------
-
-
-def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = "cpu") -> torch.Tensor:
-    """``[0, l0, l0+l1, …]`` as int32 (``qo_indptr``, ragged ``kv_indptr``)."""
-    lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
-    out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lens, 0, out=out[1:])
-    return out.to(I32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,25 +87,6 @@ def paged_kv(
     return PagedKV(kv_indptr, kv_indices, last, tuple(lens), page_size)
 
 
-def check_page_table(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: Sequence[int], page_size: int
-) -> None:
-    """Raise ``ShapeError`` unless every position ``j`` of every request sits at offset ``j % P`` of
-    its page (the ``PagedKVCache`` contract FlashInfer's page table relies on). Debug aid: syncs."""
-    for i, (r, n) in enumerate(zip(req_pool_indices.tolist(), kv_lens)):
-        slots = req_to_token[r, :n].to(torch.int64)
-        pos = torch.arange(n, device=slots.device)
-        bad = (slots % page_size != pos % page_size) | (
-            slots // page_size != (slots[(pos // page_size) * page_size] // page_size)
-        )
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0])
-            raise ShapeError(
-                f"req_to_token[{r}, {j}] = {int(slots[j])} is not offset {j % page_size} of the page holding "
-                f"position {j - j % page_size} (request {i}); FlashInfer needs page-aligned slots"
-            )
-
-
 def verify_custom_mask(
     prefix_lens: Sequence[int],
     num_draft: int,
@@ -145,29 +116,6 @@ def verify_custom_mask(
     return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device=device)
 
 
-def ragged_gather_index(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: Sequence[int],
-    extend_lens: Sequence[int],
-    num_slots: int,
-) -> torch.Tensor:
-    """Rows to gather from ``cat([cache_rows, new_rows])`` for FlashInfer's *ragged* wrapper.
-
-    Request ``i`` contributes its ``prefix_i`` cached slots (``< num_slots``)
-    then ``num_slots + t`` for each of its new tokens ``t`` (global token
-    index), so the ragged K/V of request ``i`` is positions ``0 … seq_i - 1``
-    in order. Used when the forward must not write the cache first.
-    """
-    device = req_to_token.device
-    parts, t0 = [], 0
-    for r, p0, e in zip(req_pool_indices.tolist(), prefix_lens, extend_lens):
-        parts.append(req_to_token[r, :p0].to(torch.int64))
-        parts.append(num_slots + torch.arange(t0, t0 + e, dtype=torch.int64, device=device))
-        t0 += e
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
-
-
 @dataclasses.dataclass
 class ForwardLayout:
     """What one forward needs, built once in ``init_forward_metadata`` and shared by every layer.
@@ -176,7 +124,7 @@ class ForwardLayout:
     tokens: the kernels read the new K/V back from the cache, written first).
     ``kind`` is ``"decode"`` (BatchDecode wrapper), ``"prefill"`` (causal
     BatchPrefill) or ``"verify"`` (BatchPrefill with a custom mask).
-    Per-window masks and the ragged gather index are built on first use.
+    Per-window masks are built on first use.
     """
 
     mode: ForwardMode
@@ -193,10 +141,6 @@ class ForwardLayout:
     def batch_size(self) -> int:
         return self.paged.batch_size
 
-    @property
-    def max_q_len(self) -> int:
-        return max(self.extend_lens, default=0)
-
     def custom_mask(self, window: int | None) -> torch.Tensor:
         key = ("mask", window)
         if key not in self._memo:
@@ -204,20 +148,6 @@ class ForwardLayout:
                 self.prefix_lens, self.num_draft or 0, self.spec_custom_mask, window, self.qo_indptr.device
             )
         return self._memo[key]
-
-    def ragged_index(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, num_slots: int) -> torch.Tensor:
-        key = ("ragged", num_slots)
-        if key not in self._memo:
-            self._memo[key] = ragged_gather_index(
-                req_to_token, req_pool_indices, self.prefix_lens, self.extend_lens, num_slots
-            )
-        return self._memo[key]
-
-    def ragged_kv_indptr(self) -> torch.Tensor:
-        if "ragged_indptr" not in self._memo:
-            self._memo["ragged_indptr"] = indptr(self.paged.kv_lens, self.qo_indptr.device)
-        return self._memo["ragged_indptr"]
-
 
 def build_layout(batch: Any, req_to_token: torch.Tensor, page_size: int) -> ForwardLayout:
     """Translate a validated ``ForwardBatch`` into FlashInfer's layout (no per-layer work)."""
@@ -236,7 +166,7 @@ def build_layout(batch: Any, req_to_token: torch.Tensor, page_size: int) -> Forw
     return ForwardLayout(
         mode=mode,
         kind=kind,
-        qo_indptr=indptr(ext, device),
+        qo_indptr=batch.qo_indptr(device),
         paged=paged_kv(req_to_token, batch.req_pool_indices, seq, page_size),
         prefix_lens=tuple(prefix),
         extend_lens=tuple(ext),
@@ -263,25 +193,6 @@ def logits_soft_cap(layer: Any) -> float:
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1:
         raise ShapeError(f"flashinfer: page_size={page_size!r} (expected a positive integer)")
-
-
-def layer_problems(layer: Any) -> list[str]:
-    """Backend-specific reasons (beyond the generic capability checks) a layer cannot run."""
-    reasons = []
-    if layer.head_dim not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"head_dim={layer.head_dim} (flashinfer supports {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
-    if layer.v_head_dim != layer.head_dim:
-        reasons.append(f"v_head_dim={layer.v_head_dim} differs from head_dim={layer.head_dim}")
-    if layer.sinks is not None:
-        reasons.append("attention sinks: the FA2 paged kernels do not take sinks")
-    if layer.is_cross_attention:
-        reasons.append("cross-attention is not wired for flashinfer in attnplug")
-    return reasons
-
-
-def check_dtype(dtype: torch.dtype, field: str = "q.dtype") -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise ShapeError(f"flashinfer: {field}={dtype} (supported: float16, bfloat16)")
 
 
 def check_library_version(version: str, floor: str, library: str = "flashinfer-python") -> None:

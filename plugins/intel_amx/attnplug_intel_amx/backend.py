@@ -6,11 +6,12 @@ is read once: builds whose ops take ``sliding_window_size`` and ``sinks``
 (recent sgl-kernel) serve windowed and sink layers; older builds refuse them
 in ``not_supported_reasons`` and at forward.
 
-Extend: the new K/V are written at ``out_cache_loc`` (``save_kv_cache``),
-and the op reads the prefix from the cache and the new tokens from
-``k_extend``/``v_extend``. Decode: the op writes ``key``/``value`` at ``loc``
-itself; with ``save_kv_cache=False`` the overwritten rows are restored after
-the call.
+On the core's ``PagedBackend`` (``new_kv_source = "cache"``: the base writes
+the new K/V at ``out_cache_loc`` before the op and restores the rows after a
+``save_kv_cache=False`` forward). Extend (``compute_extend``): the op reads
+the prefix from the cache and the new tokens from ``k_extend``/``v_extend``.
+Decode (``compute_decode``): the op writes ``key``/``value`` at ``loc``
+itself, then reads them back through ``req_to_token``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, BackendUnavailableError, ShapeError
+from attnplug import PagedBackend
+from attnplug.errors import BackendUnavailableError
 
 from . import CAPABILITIES, LIBRARY, NAME
 from .metadata import AmxMetadata, build_metadata, window_arg
@@ -74,20 +74,21 @@ def create(ctx: Any) -> tuple[str, "IntelAmxBackend"]:
     return NAME, IntelAmxBackend(ctx)
 
 
-class IntelAmxBackend(AttentionBackend):
+class IntelAmxBackend(PagedBackend):
     """sgl-kernel CPU attention over the canonical slot buffers and ``req_to_token``."""
 
     capabilities = CAPABILITIES
+    backend_name = NAME
+    #: the decode op writes this forward's K/V at ``loc`` itself and reads them back through
+    #: ``req_to_token``, so the base stages the write (and restores it for ``save_kv_cache=False``)
+    new_kv_source = "cache"
 
     def __init__(self, ctx: Any, *, ops: Ops | None = None) -> None:
         self.ops = ops or load_ops()
-        self.ctx = ctx
-        self.kv_cache = ctx.kv_cache
-        self._guard = MetadataGuard(NAME)
-        self.metadata_builds = 0
+        super().__init__(ctx)
 
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        reasons = super().not_supported_reasons(layer, ctx)
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        reasons = []
         if not self.ops.extended:
             old = f"this {LIBRARY} build's ops have no sliding_window_size/sinks arguments (a newer build has)"
             if layer.uses_sliding_window:
@@ -99,54 +100,35 @@ class IntelAmxBackend(AttentionBackend):
         return reasons
 
     # -- metadata ----------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        meta = build_metadata(batch, self._cache().req_to_token)
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
+    def build_metadata(self, batch: Any) -> AmxMetadata:
+        return build_metadata(batch, self.cache.req_to_token)
 
     # -- forward -------------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def _cache(self) -> Any:
-        if self.kv_cache is None:
-            raise AttnplugError(f"{NAME} was built without a KV cache (BuildContext.kv_cache is None); "
-                                f"build it with the engine's PagedKVCache to run forwards")
-        return self.kv_cache
-
-    def _run(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
-        meta: AmxMetadata | None = self._guard.require(batch)
-        if meta is None:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        if k is None:
-            raise ShapeError(f"{NAME}: k and v are None for layer {layer.layer_id}; "
-                             f"cross-attention is not supported, self-attention needs the new K/V")
-        self.require_supported(layer)  # memoised per layer: not re-derived every forward
+    def _common(self, q: torch.Tensor, layer: Any) -> tuple[Any, ...]:
+        """What both ops take besides their own inputs: a fresh output, the layer's buffers, the table,
+        scale, soft-cap, and the newer ops' trailing (is_cross_attention, sliding_window_size,
+        encoder_lens, sinks)."""
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        if meta.num_tokens == 0:
-            return out
-        cache = self._cache()
-        kb, vb = cache.get_kv(layer.layer_id)
-        r2t = cache.req_to_token
+        kb, vb = self.cache.get_kv(layer.layer_id)
         named: dict[str, Any] = {}
         if self.ops.extended:  # by name: the schema's positions after logit_cap moved upstream
             sinks = None if layer.sinks is None else \
                 torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
             named = dict(is_cross_attention=False, sliding_window_size=window_arg(layer.sliding_window),
                          encoder_lens=None, sinks=sinks)
-        scale, cap = float(layer.scaling), float(layer.logit_cap or 0.0)
-        if meta.decode:
-            with cache.staged(layer.layer_id, batch.out_cache_loc, keep=save_kv_cache):  # the op writes them
-                self.ops.decode(q.contiguous(), kb, vb, out, k.to(kb.dtype), v.to(vb.dtype), batch.out_cache_loc,
-                                meta.attn_logits(layer.num_heads, layer.v_head_dim), r2t, meta.req_pool_indices,
-                                meta.seq_lens, scale, cap, **named)
-            return out
-        if save_kv_cache:
-            cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        return out, kb, vb, self.cache.req_to_token, float(layer.scaling), float(layer.logit_cap or 0.0), named
+
+    def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
+                       meta: AmxMetadata) -> torch.Tensor:
+        out, kb, vb, r2t, scale, cap, named = self._common(q, layer)
+        self.ops.decode(q.contiguous(), kb, vb, out, k.to(kb.dtype), v.to(vb.dtype), batch.out_cache_loc,
+                        meta.attn_logits(layer.num_heads, layer.v_head_dim), r2t, meta.req_pool_indices,
+                        meta.seq_lens, scale, cap, **named)
+        return out
+
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
+                       meta: AmxMetadata) -> torch.Tensor:
+        out, kb, vb, r2t, scale, cap, named = self._common(q, layer)
         self.ops.extend(q.contiguous(), k.contiguous(), v.contiguous(), out, kb, vb, r2t, meta.req_pool_indices,
                         meta.seq_lens, meta.extend_seq_lens, meta.extend_start_loc, meta.max_len_extend,
                         scale, cap, **named)

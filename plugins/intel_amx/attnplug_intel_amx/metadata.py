@@ -47,16 +47,11 @@ class AmxMetadata:
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
     max_len_extend: int
-    num_tokens: int
     _logits: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.numel())
-
-    @property
-    def decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
 
     def attn_logits(self, num_heads: int, v_head_dim: int) -> torch.Tensor:
         """float32 ``[batch, num_heads, NUM_KV_SPLITS, v_head_dim + 1]`` scratch (built once per shape)."""
@@ -73,19 +68,14 @@ def build_metadata(batch: Any, req_to_token: torch.Tensor) -> AmxMetadata | None
     if mode is ForwardMode.IDLE:
         return None
     device, index = req_to_token.device, req_to_token.dtype
-    ext = batch.extend_seq_lens if mode is not ForwardMode.DECODE else torch.ones_like(batch.seq_lens)
-    ext = ext.to(device=device, dtype=index)
-    start = torch.zeros_like(ext)
-    if ext.numel() > 1:
-        torch.cumsum(ext[:-1], 0, out=start[1:])
+    starts = batch.qo_indptr(device).to(index)  # the core's cu_seqlens_q: starts, then the token count
     return AmxMetadata(
         mode=mode,
         req_pool_indices=batch.req_pool_indices.to(device=device, dtype=torch.int64),
         seq_lens=batch.seq_lens.to(device=device, dtype=torch.int64),
-        extend_seq_lens=ext,
-        extend_start_loc=start,
-        max_len_extend=max(batch.extend_seq_lens_cpu, default=0),
-        num_tokens=batch.num_tokens,
+        extend_seq_lens=starts[1:] - starts[:-1],
+        extend_start_loc=starts[:-1],
+        max_len_extend=batch.max_extend_len,
     )
 
 

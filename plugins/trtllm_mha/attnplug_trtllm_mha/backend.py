@@ -5,9 +5,10 @@ inside ``load_kernels``. Decode calls
 ``flashinfer.decode.trtllm_batch_decode_with_kv_cache``; every extend-shaped
 mode calls ``flashinfer.prefill.trtllm_batch_context_with_kv_cache``. Both
 read prefix and new tokens from the cache through block tables
-(``attnplug_trtllm_mha.metadata``), so each layer first writes its new K/V
-at ``out_cache_loc``; with ``save_kv_cache=False`` the overwritten rows are
-restored after the call. One zero-initialised workspace buffer (512 MiB by
+(``attnplug_trtllm_mha.metadata``); the core's ``PagedBackend``
+(``new_kv_source = "cache"``) writes each layer's new K/V at
+``out_cache_loc`` first and restores the rows after a
+``save_kv_cache=False`` forward. One zero-initialised workspace buffer (512 MiB by
 default, as SGLang uses) is shared by every layer.
 """
 
@@ -17,13 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError, ShapeError
-from attnplug.modes import ForwardMode
+from attnplug import PagedBackend
+from attnplug.capabilities import support_reasons
+from attnplug.errors import BackendUnavailableError, NotSupportedError
 
-from . import CAPABILITIES, LIBRARY, NAME, PAGE_SIZES
-from .metadata import TrtllmMetadata, build_metadata, hnd_view, page_size_reasons, window_left
+from . import CAPABILITIES, LIBRARY, NAME
+from .metadata import TrtllmMetadata, build_metadata, hnd_view, window_left
 
 DEFAULT_WORKSPACE_BYTES = 512 << 20
 #: Every library function this backend calls (bound against the real signatures by the contract tier).
@@ -49,108 +49,56 @@ def create(ctx: Any) -> tuple[str, "TrtllmMHABackend"]:
     return NAME, TrtllmMHABackend(ctx)
 
 
-class TrtllmMHABackend(AttentionBackend):
+class TrtllmMHABackend(PagedBackend):
     """trtllm-gen FMHA over the canonical paged cache (viewed ``HND``: ``[pages, kv_heads, page_size, dim]``)."""
 
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "cache"  # both entry points read prefix and new tokens through the block tables
 
     def __init__(self, ctx: Any, *, kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
-        reasons = page_size_reasons(ctx.page_size, PAGE_SIZES)
+        reasons = support_reasons(CAPABILITIES, page_size=ctx.page_size)
         if reasons:
             raise NotSupportedError(NAME, reasons)
         self.decode_kernel, self.context_kernel = kernels or load_kernels()
-        self.ctx = ctx
-        self.kv_cache = ctx.kv_cache
+        super().__init__(ctx)
         self.page_size = ctx.page_size
         #: static upper bound on a request's KV length (what SGLang passes; stable across CUDA-graph replays)
         self.max_seq_len = ctx.max_context_len
-        device = ctx.device if ctx.kv_cache is None else ctx.kv_cache.device
-        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self._guard = MetadataGuard(NAME)
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph: dict[str, torch.Tensor] | None = None
-        self.metadata_builds = 0
 
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        reasons = super().not_supported_reasons(layer, ctx)
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
         if ctx is not None:
             kv = ctx.kv_cache_dtype
             if kv in ("float16", "bfloat16") and kv != ctx.dtype:
-                reasons.append(f"kv_cache_dtype={kv} with dtype={ctx.dtype}: the query and the cache share one dtype")
-        return reasons
+                return [f"kv_cache_dtype={kv} with dtype={ctx.dtype}: the query and the cache share one dtype"]
+        return []
 
     # -- metadata ----------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
+    def build_metadata(self, batch: Any) -> TrtllmMetadata:
+        return build_metadata(batch, self.cache)
 
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         pages = (self.ctx.max_context_len + self.page_size - 1) // self.page_size
         dev = self.workspace.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+        # the metadata fields the captured kernels read, by name (see graph_metadata)
         self._graph = {"block_tables": z(max_batch_size, pages), "seq_lens": z(max_batch_size),
                        "cum_seq_lens_q": z(max_batch_size + 1), "cum_seq_lens_kv": z(max_batch_size + 1)}
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
-        self._graph_metadata(batch)
+        self.graph_metadata(batch, self._graph)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
-        self._graph_metadata(batch)
-
-    def _graph_metadata(self, batch: Any) -> None:
-        if self._graph is None:
-            raise AttnplugError(f"{NAME}: call init_cuda_graph_state(max_batch_size, max_num_tokens) before capture")
-        meta = build_metadata(batch, self._cache().req_to_token, self.page_size)
-        if meta is not None:
-            g, b = self._graph, meta.batch_size
-            if b > g["seq_lens"].numel():
-                raise ShapeError(f"batch of {b} requests exceeds the CUDA-graph max_batch_size {g['seq_lens'].numel()}")
-            bt = g["block_tables"]
-            bt[:b].zero_()
-            bt[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-            meta.block_tables = bt[:b]
-            for name in ("seq_lens", "cum_seq_lens_q", "cum_seq_lens_kv"):
-                src = getattr(meta, name)
-                g[name][:src.numel()].copy_(src)
-                setattr(meta, name, g[name][:src.numel()])
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
+        self.graph_metadata(batch, self._graph)
 
     # -- forward -------------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._run(q, k, v, layer, batch, save_kv_cache)
-
-    def _cache(self) -> Any:
-        if self.kv_cache is None:
-            raise AttnplugError(f"{NAME} was built without a KV cache (BuildContext.kv_cache is None); "
-                                f"build it with the engine's PagedKVCache to run forwards")
-        return self.kv_cache
-
-    def _run(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> torch.Tensor:
-        meta: TrtllmMetadata | None = self._guard.require(batch)
-        if meta is None:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        if k is None:
-            raise ShapeError(f"{NAME}: k and v are None for layer {layer.layer_id}; "
-                             f"cross-attention is not supported, self-attention needs the new K/V")
-        if layer.is_cross_attention:
-            raise NotSupportedError(NAME, ["cross-attention is not claimed"])
-        if layer.uses_softcap:
-            raise NotSupportedError(NAME, [f"logit_cap={layer.logit_cap} is not claimed"])
-        if batch.forward_mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
-            raise NotSupportedError(NAME, ["target-verify with a custom draft mask is not claimed"])
-        if meta.num_tokens == 0:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        with self._cache().staged(layer.layer_id, batch.out_cache_loc, k, v, keep=save_kv_cache):
-            return self._attend(q, layer, meta)
-
-    def _attend(self, q: torch.Tensor, layer: Any, meta: TrtllmMetadata) -> torch.Tensor:
-        kb, vb = self._cache().get_kv(layer.layer_id)
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
+                       meta: TrtllmMetadata) -> torch.Tensor:
+        """Every mode (decode picks the decode entry point): the new K/V are in the cache already."""
+        kb, vb = self.cache.get_kv(layer.layer_id)
         kv_cache = (hnd_view(kb, self.page_size), hnd_view(vb, self.page_size))
         query = q.to(kb.dtype) if kb.dtype in _FP8 else q
         common: dict[str, Any] = dict(

@@ -27,36 +27,6 @@ import torch
 from attnplug.errors import ShapeError
 from attnplug.modes import ForwardMode
 
-I32 = torch.int32
-
-
-def cu_seqlens(lens: torch.Tensor) -> torch.Tensor:
-    """``[0, l0, l0+l1, …]`` as int32."""
-    out = torch.zeros(lens.numel() + 1, dtype=I32, device=lens.device)
-    if lens.numel():
-        torch.cumsum(lens.to(I32), 0, out=out[1:])
-    return out
-
-
-def block_tables(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, max_len: int, page_size: int
-) -> torch.Tensor:
-    """int32 ``[batch, ceil(max_len / page_size)]``: column ``j`` holds the page of positions ``j*page_size …``
-    (``req_to_token`` at ``j*page_size`` floor-divided by the page size); columns past a request's pages are 0."""
-    if page_size < 1:
-        raise ShapeError(f"page_size={page_size} (expected >= 1)")
-    b = req_pool_indices.numel()
-    pages = (max_len + page_size - 1) // page_size
-    if max_len > req_to_token.shape[1]:
-        raise ShapeError(f"a request needs {max_len} positions but req_to_token has {req_to_token.shape[1]} columns")
-    if b == 0 or pages == 0:
-        return torch.zeros(b, pages, dtype=I32, device=req_to_token.device)
-    cols = torch.arange(pages, device=req_to_token.device) * page_size
-    rows = req_to_token.index_select(0, req_pool_indices.to(req_to_token.device).long())[:, cols]
-    valid = cols[None, :] < lens.to(req_to_token.device)[:, None]
-    return torch.div(rows, page_size, rounding_mode="floor").masked_fill(~valid, 0).to(I32)
-
-
 def hnd_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """The slot buffer ``[slots, heads, dim]`` as ``[num_pages, heads, page_size, dim]`` (a view, no copy).
 
@@ -86,7 +56,6 @@ class TrtllmMetadata:
     cum_seq_lens_kv: torch.Tensor
     max_q_len: int
     max_kv_len: int
-    num_tokens: int
 
     @property
     def batch_size(self) -> int:
@@ -97,35 +66,20 @@ class TrtllmMetadata:
         return self.mode is ForwardMode.DECODE
 
 
-def build_metadata(batch: Any, req_to_token: torch.Tensor, page_size: int) -> TrtllmMetadata | None:
-    """trtllm-gen metadata for ``batch`` (``None`` when idle). Once per forward."""
+def build_metadata(batch: Any, cache: Any) -> TrtllmMetadata | None:
+    """trtllm-gen metadata for ``batch`` over ``cache`` (``None`` when idle), from the core's shared
+    pieces (``PagedKVCache.page_table``, ``ForwardBatch.qo_indptr`` …). Once per forward."""
     mode = batch.forward_mode
     if mode is ForwardMode.IDLE:
         return None
-    device = req_to_token.device
-    req = batch.req_pool_indices.to(device)
-    seq = batch.seq_lens.to(device)
-    max_kv = max(batch.seq_lens_cpu, default=0)
-    if mode is ForwardMode.DECODE:
-        q_lens, max_q = torch.ones_like(seq), 1
-    else:
-        q_lens, max_q = batch.extend_seq_lens.to(device), max(batch.extend_seq_lens_cpu, default=0)
+    device = cache.req_to_token.device
     return TrtllmMetadata(
-        mode=mode, page_size=page_size,
-        block_tables=block_tables(req_to_token, req, seq, max_kv, page_size),
-        seq_lens=seq.to(I32), cum_seq_lens_q=cu_seqlens(q_lens), cum_seq_lens_kv=cu_seqlens(seq),
-        max_q_len=max_q, max_kv_len=max_kv, num_tokens=batch.num_tokens,
+        mode=mode, page_size=cache.page_size, block_tables=cache.page_table(batch),
+        seq_lens=batch.seq_lens_int32(device), cum_seq_lens_q=batch.qo_indptr(device),
+        cum_seq_lens_kv=batch.kv_indptr(device), max_q_len=batch.max_extend_len, max_kv_len=batch.max_seq_len,
     )
 
 
 def window_left(sliding_window: int | None) -> int:
     """``window_left`` for a layer: the window (keys ``>= position - window``), or -1 without one."""
     return -1 if sliding_window is None else int(sliding_window)
-
-
-def page_size_reasons(page_size: int, supported: tuple[int, ...]) -> list[str]:
-    """Why ``page_size`` cannot be used (empty when it can)."""
-    if page_size in supported:
-        return []
-    return [f"page_size={page_size}: trtllm-gen kernels read {'/'.join(map(str, supported))}-token pages "
-            f"(resolution fills page_size=64 when it is unset; a page size you set is kept)"]
