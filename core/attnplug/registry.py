@@ -271,7 +271,7 @@ class Registry:
         try:
             return self.descriptors[name]
         except KeyError:
-            raise UnknownBackendError(self._unknown_message(name, self._host or self.host)) from None
+            raise UnknownBackendError(self._unknown_message(name, self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
         return [p for p in self.plugins if p.status == "failed"]
