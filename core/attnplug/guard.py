@@ -656,29 +656,26 @@ def _check_source(source: str, display: str, attr: str, reason: str) -> tuple[li
 def _report(found: list[tuple[ast.AST, str]], nodes: _Nodes, source: str, display: str, attr: str,
             reason: str) -> tuple[list[Finding], list[Finding]]:
     lines = _Lines(source)
-    hits: list[tuple[ast.AST, str]] = []
-    seen: set[tuple[int, int, int, int]] = set()
-    # source order; of two reads starting together, the enclosing one first
-    found = sorted(found, key=lambda h: (h[0].lineno, h[0].col_offset,  # type: ignore[attr-defined]
-                                         -(h[0].end_lineno or 0), -(h[0].end_col_offset or 0)))  # type: ignore[attr-defined]
+    # (start, col, end, end_col) -> (node, kind); the first kind found for a span wins
+    spans: dict[tuple[int, int, int, int], tuple[ast.AST, str]] = {}
     for node, kind in found:
-        start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
-        key = (start, node.col_offset, end, node.end_col_offset or 0)  # type: ignore[attr-defined]
-        if key not in seen:
-            seen.add(key)
-            hits.append((node, kind))
-    marked = {n for node, _ in hits
-              for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)  # type: ignore[attr-defined]
-              if b"allow-base-field" in lines.raw(n)}
+        key = (node.lineno, node.col_offset, node.end_lineno or node.lineno,  # type: ignore[attr-defined]
+               node.end_col_offset or 0)  # type: ignore[attr-defined]
+        if key not in spans:
+            spans[key] = (node, kind)
+    # source order; of two reads starting together, the enclosing one first
+    keys = sorted(spans, key=lambda k: (k[0], k[1], -k[2], -k[3]))
+    hit_lines = {n for k in keys for n in range(k[0], k[2] + 1)}
+    marked = {n for n in hit_lines if b"allow-base-field" in lines.raw(n)}
     allow_lines = _allow_comment_lines(nodes.strings, lines, marked)
     findings: list[Finding] = []
     suppressed: list[Finding] = []
-    for node, kind in hits:
-        start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    for key in keys:
+        node, kind = spans[key]
+        start, col, end = key[0], key[1], key[2]
         segment = lines.segment(node) or f"<{kind} read of {attr}>"
-        expr = _one_line(segment)
-        finding = Finding(display, start, lines.char_col(start, node.col_offset) + 1, expr, reason, kind)  # type: ignore[attr-defined]
-        if any(n in allow_lines for n in range(start, end + 1)):
+        finding = Finding(display, start, lines.char_col(start, col) + 1, _one_line(segment), reason, kind)
+        if allow_lines and (start in allow_lines or any(n in allow_lines for n in range(start + 1, end + 1))):
             suppressed.append(finding)
         else:
             findings.append(finding)

@@ -274,7 +274,7 @@ class Registry:
         try:
             return self.descriptors[name]
         except KeyError:
-            raise UnknownBackendError(self._unknown_message(name, self._host or self.host)) from None
+            raise UnknownBackendError(self._unknown_message(name, self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
         """Plugins set aside (import error, broken hook, malformed value), with distribution and error."""
@@ -332,7 +332,8 @@ class Registry:
             if filtered:
                 parts.append(self._filtered_summary())
             return "no backends loaded: " + "; ".join(parts)
-        return "no backends found: install a plugin, e.g. `pip install attnplug-torch-native`"
+        return ("no backends found: install a plugin, e.g. `pip install -c constraints.txt ./plugins/torch_native` "
+                "from an attnplug checkout (the plugin distributions are not published on PyPI yet)")
 
     def _filtered_summary(self) -> str:
         """The filtered plugins, grouped by the variable that removed them."""

@@ -234,10 +234,13 @@ def test_a_backend_whose_plugin_is_filtered_says_which_filter(test_dists_site):
             "'attnplug-torch-native' (torch_native), which was filtered out by ATTNPLUG_PLUGINS=") in proc.stdout
 
 
-def test_list_with_everything_filtered_or_failed_does_not_say_install(test_dists_site):
-    proc = cli(test_dists_site, "list", mode="import_systemexit", env={"ATTNPLUG_PLUGINS": DIST})
+@pytest.mark.parametrize("command", ["list", "doctor"])
+def test_everything_filtered_or_failed_does_not_say_install(test_dists_site, command):
+    proc = cli(test_dists_site, command, mode="import_systemexit", env={"ATTNPLUG_PLUGINS": DIST})
+    no_traceback(proc)
     assert "pip install" not in proc.stdout
-    assert f"no backends loaded: {DIST} (import of 'attnplug_test_hostile' raised SystemExit: 3)" in proc.stdout
+    assert f"no backends loaded: {DIST} (import of 'attnplug_test_hostile' raised SystemExit: 3); " in proc.stdout
+    assert "attnplug-torch-native" in proc.stdout and "(filtered out by ATTNPLUG_PLUGINS=" in proc.stdout
 
 
 @pytest.mark.parametrize("value", [",", " , ", ",,"])

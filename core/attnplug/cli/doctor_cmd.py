@@ -242,6 +242,7 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
         "failed_plugins": [p.to_dict() for p in registry.failed_plugins()],
         "conflicts": {n: str(e) for n, e in registry.conflicts.items()},
         "problems": list(registry.problems),
+        "empty_hint": registry.empty_hint(),
         "default_pair": default,
         "backends": [b.to_dict() for b in backends],
         "failed": failed,
@@ -292,8 +293,7 @@ def render(report: dict[str, Any]) -> str:
                 if not m["ok"]:
                     lines.append(f"  {b['name']} FAILED{where} in {m['mode']}: {m['error']}")
     if not report["backends"]:
-        lines.append("no backends found: install a plugin, e.g. `pip install -c constraints.txt ./plugins/torch_native` "
-                     "from an attnplug checkout (the plugin distributions are not published on PyPI yet)")
+        lines.append(report.get("empty_hint") or "no backends found")
     lines.append("doctor: " + ("all checks passed" if report["ok"] else
                                "FAILED: " + (", ".join(report["failed"]) or "no default pair")))
     return "\n".join(lines)

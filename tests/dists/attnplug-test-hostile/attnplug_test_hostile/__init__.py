@@ -57,9 +57,6 @@ def _descriptors():
         kw["factory"] = "attnplug_test_hostile.kernel:make_exits"
     elif MODE == "factory_keyboardinterrupt":
         kw["factory"] = "attnplug_test_hostile.kernel:make_interrupts"
-    elif MODE == "fp32_only":
-        kw["capabilities"] = Capabilities(devices=("cpu",), dtypes=("float32", "bfloat16"), head_dims=(64, 128),
-                                          page_sizes=(16,))
     return [BackendDescriptor(**kw)]
 
 
