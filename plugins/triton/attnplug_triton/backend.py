@@ -237,8 +237,8 @@ class TritonBackend(PagedBackend):
         """
         limit = self.max_workspace_bytes
         widest = max(b - a for a, b in zip(meta.starts, meta.starts[1:]))
-        self.check_workspace(widest * per_token, f"decode split-KV partials of one request ({splits} splits "
-                                                 f"x {widest} tokens)")
+        tokens = f"{widest} token" + ("s" if widest != 1 else "")
+        self.check_workspace(widest * per_token, f"decode split-KV partials of one request ({splits} splits x {tokens})")
         if meta.num_tokens * per_token <= limit:
             return [(0, meta.batch_size)]
         runs, a = [], 0
