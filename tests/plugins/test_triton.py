@@ -672,7 +672,7 @@ def fill_unowned(s: Setup, batch: ForwardBatch, layer: LayerSpec, value: float) 
 
 @needs_kernels
 @pytest.mark.parametrize("garbage", list(GARBAGE))
-@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks_softcap"])
 @pytest.mark.parametrize("window", [None, 2], ids=["no_window", "window2"])
 @pytest.mark.parametrize("ps", [1, 4, 16])
 @pytest.mark.parametrize("mode", list(GARBAGE_MODES))
@@ -684,8 +684,8 @@ def test_garbage_in_unowned_slots_never_reaches_an_output(mode, ps, window, sink
     dtype, value = GARBAGE[garbage]
     fmode, prefix, ext, kw = GARBAGE_MODES[mode]
     layer_kw: dict[str, Any] = {"sliding_window": window, "is_cross_attention": "encoder_lens" in kw}
-    if sinks:
-        layer_kw["sinks"] = torch.linspace(-1.0, 2.0, 8)
+    if sinks:  # with a soft-cap too: tanh of a garbage score must be selected away like the score
+        layer_kw.update(sinks=torch.linspace(-1.0, 2.0, 8), logit_cap=3.0)
     s = make_setup(page_size=ps, dtype=dtype, layer_kw=layer_kw, canary=value, decode_split_len=4, block_n=16,
                    extend_rows=8)
     batch = make_batch(s, fmode, prefix, ext, **kw)
@@ -878,7 +878,8 @@ def test_a_decode_whose_partials_cannot_fit_is_refused_before_allocating():
     q, k, v = qkv(s, s.layers[0], batch.num_tokens)
     before = cache_bytes(s.cache)
     s.backend.init_forward_metadata(batch)
-    with pytest.raises(ResourceLimitError, match=r"decode split-KV partials of one request \(3 splits x 1 token\).*max_workspace_bytes"):
+    want = r"decode split-KV partials of one request \(3 splits x 1 token\).*max_workspace_bytes"
+    with pytest.raises(ResourceLimitError, match=want):
         s.backend.forward(q, k, v, s.layers[0], batch)
     assert_cache_unchanged(s.cache, before)
 

@@ -48,7 +48,8 @@ from . import CAPABILITIES, NAME
 from .kernels import INTERPRETED, _attn_kernel, _combine_kernel
 
 _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
-#: bytes of decode partials per token, split and head beyond ``v_head_dim`` floats: running max and sum
+#: float32s of decode partials per token, split and head besides the ``v_head_dim`` accumulator:
+#: the running max and the running sum
 _PARTIAL_EXTRA = 2
 
 
@@ -238,7 +239,8 @@ class TritonBackend(PagedBackend):
         limit = self.max_workspace_bytes
         widest = max(b - a for a, b in zip(meta.starts, meta.starts[1:]))
         tokens = f"{widest} token" + ("s" if widest != 1 else "")
-        self.check_workspace(widest * per_token, f"decode split-KV partials of one request ({splits} splits x {tokens})")
+        self.check_workspace(widest * per_token,
+                             f"decode split-KV partials of one request ({splits} splits x {tokens})")
         if meta.num_tokens * per_token <= limit:
             return [(0, meta.batch_size)]
         runs, a = [], 0
