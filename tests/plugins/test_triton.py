@@ -44,6 +44,7 @@ from attnplug import (  # noqa: E402
     MetadataNotInitializedError,
     PageAllocator,
     PagedKVCache,
+    ResourceLimitError,
     ShapeError,
 )
 from attnplug.dtypes import dtype_name  # noqa: E402
@@ -269,20 +270,37 @@ class Setup:
 def make_setup(
     *, page_size: int = 16, heads: int = 8, kv_heads: int = 2, head_dim: int = 32, v_head_dim: int | None = None,
     dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None, num_layers: int = 1, seed: int = 0,
-    layer_kw: dict[str, Any] | None = None, via_registry: bool = False, **backend_kw: Any,
+    layer_kw: dict[str, Any] | None = None, via_registry: bool = False, unassigned: int | None = None,
+    canary: float | None = None, max_workspace_bytes: int = 4 << 30, num_pages: int | None = None,
+    **backend_kw: Any,
 ) -> Setup:
+    """A paged cache with noise in every slot and a backend over it.
+
+    ``unassigned``: what ``req_to_token`` holds at positions no page was assigned to (default
+    the cache's own ``UNASSIGNED``, -1). ``canary``: each K/V buffer becomes a view into a larger
+    tensor whose rows just before slot 0 and after the last slot hold this value, so a load
+    through a negative or too-large slot index (an unmasked ``-1``) shows in the output.
+    """
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
-    num_pages = max(8, 640 // page_size)
+    num_pages = num_pages or max(8, 640 // page_size)
     cache = PagedKVCache(num_layers, num_pages, kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
                          dtype=kv_dtype, max_requests=8, max_context_len=320)
+    if canary is not None:
+        margin = 4 * page_size
+        for bufs in (cache.k_buffers, cache.v_buffers):
+            for i, buf in enumerate(bufs):
+                big = torch.full((buf.shape[0] + 2 * margin, *buf.shape[1:]), canary, dtype=kv_dtype)
+                bufs[i] = big[margin:margin + buf.shape[0]]
     for buf in cache.k_buffers + cache.v_buffers:  # noise everywhere: reading a wrong slot shows
         buf.copy_(torch.randn(buf.shape, generator=gen).to(kv_dtype))
-    cache.req_to_token.fill_(cache.num_slots + 12345)  # positions no request owns point outside the cache
+    if unassigned is not None:
+        cache.req_to_token.fill_(unassigned)
     ctx = BuildContext(
         config=AttentionConfig(attention_backend="triton"), host=CPU, dtype=dtype_name(dtype),
         kv_cache_dtype=dtype_name(kv_dtype), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=320,
+        max_workspace_bytes=max_workspace_bytes,
     )
     if via_registry:
         from attnplug.registry import default_registry
@@ -324,9 +342,13 @@ def qkv(s: Setup, layer: LayerSpec, tokens: int, with_kv: bool = True, q_scale: 
 
 
 def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, *, save: bool = True,
-                  init: bool = True, q_scale: float = 1.0) -> torch.Tensor:
+                  init: bool = True, q_scale: float = 1.0, edit: Any = None) -> torch.Tensor:
+    """One forward checked against the reference and the expected cache; ``edit(q, k, v)`` may change
+    the drawn inputs in place first."""
     layer = layer or s.layers[0]
     q, k, v = qkv(s, layer, batch.num_tokens, not layer.is_cross_attention, q_scale)
+    if edit is not None:
+        edit(q, k, v)
     kc0, vc0 = (b.clone() for b in s.cache.get_kv(layer.layer_id))
     r2t = s.cache.req_to_token.clone()
     if init:
@@ -340,9 +362,25 @@ def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None,
     kc1, vc1 = s.cache.get_kv(layer.layer_id)
     writes = save and k is not None and not layer.is_cross_attention
     exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc) if writes else (kc0, vc0)
-    assert torch.equal(kc1, exp_k) and torch.equal(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
+    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
     assert torch.equal(s.cache.req_to_token, r2t)
     return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN equals the same NaN, unlike ``torch.equal``)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def cache_bytes(cache: PagedKVCache) -> list[torch.Tensor]:
+    """Every byte of the cache: each layer's K and V buffers and ``req_to_token``."""
+    return [b.clone() for b in cache.k_buffers + cache.v_buffers] + [cache.req_to_token.clone()]
+
+
+def assert_cache_unchanged(cache: PagedKVCache, before: list[torch.Tensor]) -> None:
+    after = cache_bytes(cache)
+    assert all(same_bytes(a, b) for a, b in zip(before, after)), "a rejected forward changed the KV cache"
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -428,10 +466,8 @@ def test_forward_without_kv_cache_raises_clearly():
     s = make_setup()
     backend = TritonBackend(s.backend.ctx.replace(kv_cache=None))
     batch = ForwardBatch.decode([0], [3], [5])
-    backend.init_forward_metadata(batch)
-    q, k, v = qkv(s, s.layers[0], 1)
-    with pytest.raises(AttnplugError, match="without a KV cache"):
-        backend.forward(q, k, v, s.layers[0], batch)
+    with pytest.raises(AttnplugError, match="triton was built without a KV cache"):
+        backend.init_forward_metadata(batch)  # the batch's indices are checked against the cache here
 
 
 @needs_kernels
@@ -594,6 +630,258 @@ def test_prefill_then_decodes_read_what_was_written():
             batch = ForwardBatch.extend(reqs, lens, ext, loc)
         run_and_check(s, batch)
         lens = [p + e for p, e in zip(lens, ext)]
+
+
+# ---------------------------------------------------------------------------
+# robustness (issue 9): garbage in unowned slots, rejected forwards write nothing, bounded workspaces
+# ---------------------------------------------------------------------------
+
+#: cache dtype and the garbage its unowned slots (and the rows around the buffers) hold
+GARBAGE = {"float32_nan": (torch.float32, float("nan")), "bfloat16_inf": (torch.bfloat16, float("inf"))}
+_VERIFY_MASK = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+#: mode, prefix lens, new tokens, batch fields; ragged so a short request sits beside a longer one
+#: (lengths 11 and 8 as in issue 9); cross-attention reads encoder_lens cached tokens instead
+GARBAGE_MODES: dict[str, tuple[ForwardMode, list[int], list[int], dict[str, Any]]] = {
+    "extend": (ForwardMode.EXTEND, [0, 5, 3], [11, 3, 1], {}),
+    "decode": (ForwardMode.DECODE, [10, 7, 0], [1, 1, 1], {}),
+    "mixed": (ForwardMode.MIXED, [10, 0, 5], [1, 8, 1], {}),
+    "target_verify": (ForwardMode.TARGET_VERIFY, [8, 3], [3, 3],
+                      {"spec_num_draft_tokens": 3, "spec_custom_mask": _VERIFY_MASK.expand(2, 3, 3).clone()}),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [6, 9], [2, 1], {}),
+    "cross_extend": (ForwardMode.EXTEND, [4, 9], [3, 2], {"encoder_lens": [6, 11]}),
+    "cross_decode": (ForwardMode.DECODE, [4, 9, 2], [1, 1, 1], {"encoder_lens": [11, 8, 0]}),  # 0: sees nothing
+}
+
+
+def fill_unowned(s: Setup, batch: ForwardBatch, layer: LayerSpec, value: float) -> int:
+    """Write ``value`` into every slot this forward must not read, in every layer; returns how many.
+
+    Owned are the slots of the positions a request reads from the cache: its cached prefix
+    (self-attention) or its encoder tokens (cross-attention). Everything else is garbage: free
+    slots, the rest of a request's last page, and this forward's ``out_cache_loc`` (its new K/V
+    come from the arguments and are written only after the kernel returned).
+    """
+    owned = torch.zeros(s.cache.num_slots, dtype=torch.bool)
+    reads = batch.encoder_lens.tolist() if layer.is_cross_attention else batch.extend_prefix_lens_cpu
+    for row, n in zip(batch.req_pool_indices_cpu, reads):
+        owned[s.cache.req_to_token[row, :n]] = True
+    for buf in s.cache.k_buffers + s.cache.v_buffers:
+        buf[~owned] = value
+    return int((~owned).sum())
+
+
+@needs_kernels
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks_softcap"])
+@pytest.mark.parametrize("window", [None, 2], ids=["no_window", "window2"])
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("mode", list(GARBAGE_MODES))
+def test_garbage_in_unowned_slots_never_reaches_an_output(mode, ps, window, sinks, garbage):
+    """NaN/inf in every slot no request owns, and just outside the buffers (so an unmasked load through
+    a ``-1`` index would show), with ``req_to_token`` -1 where unassigned: the output equals the float64
+    reference and is finite. Small split length and token blocks, so decode has empty splits (before the
+    window, past a short request's end) and an extend request spans several programs."""
+    dtype, value = GARBAGE[garbage]
+    fmode, prefix, ext, kw = GARBAGE_MODES[mode]
+    layer_kw: dict[str, Any] = {"sliding_window": window, "is_cross_attention": "encoder_lens" in kw}
+    if sinks:  # with a soft-cap too: tanh of a garbage score must be selected away like the score
+        layer_kw.update(sinks=torch.linspace(-1.0, 2.0, 8), logit_cap=3.0)
+    s = make_setup(page_size=ps, dtype=dtype, layer_kw=layer_kw, canary=value, decode_split_len=4, block_n=16,
+                   extend_rows=8)
+    batch = make_batch(s, fmode, prefix, ext, **kw)
+    assert fill_unowned(s, batch, s.layers[0], value) > 0
+    out = run_and_check(s, batch)
+    assert torch.isfinite(out).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+@pytest.mark.parametrize("mode", ["extend", "decode", "target_verify"])
+def test_garbage_in_out_cache_loc_with_save_false(mode, garbage):
+    """``save_kv_cache=False``: the new tokens' slots keep their garbage, and the output never sees it."""
+    dtype, value = GARBAGE[garbage]
+    fmode, prefix, ext, kw = GARBAGE_MODES[mode]
+    s = make_setup(page_size=4, dtype=dtype, canary=value, decode_split_len=4, block_n=16,
+                   layer_kw={"sinks": torch.linspace(0.0, 1.0, 8)})
+    batch = make_batch(s, fmode, prefix, ext, **kw)
+    fill_unowned(s, batch, s.layers[0], value)
+    out = run_and_check(s, batch, save=False)
+    assert torch.isfinite(out).all()
+    k_cache, _ = s.cache.get_kv(0)
+    assert (k_cache[batch.out_cache_loc].float().isnan() | k_cache[batch.out_cache_loc].float().isinf()).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_a_value_no_query_sees_is_selected_out_not_multiplied_by_zero(dtype):
+    """Target-verify with a mask under which no draft token sees the last one (not even itself), and
+    NaN as that token's k and v: every output is finite and equals the reference (0 * NaN would not)."""
+    s = make_setup(dtype=dtype, page_size=4)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool).expand(2, 3, 3).clone()
+    batch = make_batch(s, ForwardMode.TARGET_VERIFY, [5, 9], [3, 3], spec_num_draft_tokens=3,
+                       spec_custom_mask=mask)
+
+    def poison_last_draft(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for t in (2, 5):  # the third draft token of each request
+            k[t], v[t] = float("nan"), float("nan")
+
+    out = run_and_check(s, batch, edit=poison_last_draft)
+    assert torch.isfinite(out).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_combine_skips_empty_splits_whatever_their_partials_hold(sinks):
+    """``_combine_kernel`` alone: a split that saw no key (running max -inf) contributes nothing even when
+    its accumulator and sum hold NaN; a token whose every split is empty gets zeros (plus nothing from
+    a sink's own value, which has no V)."""
+    splits, T, H, DV = 3, 2, 4, 16
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randn(splits, T, H, DV, generator=g)
+    m = torch.randn(splits, T, H, generator=g)
+    l = torch.rand(splits, T, H, generator=g) + 0.5
+    acc[1], m[1], l[1] = float("nan"), float("-inf"), float("nan")  # token 0: split 1 empty
+    acc[:, 1], m[:, 1], l[:, 1] = float("nan"), float("-inf"), float("nan")  # token 1: every split empty
+    sink = torch.linspace(-1.0, 1.0, H)
+    out = torch.full((T, H, DV), 7.0)
+    K._combine_kernel[(T,)](
+        acc, m, l, sink, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1), splits, H=H, DV=DV, BLOCK_H=H, BLOCK_DV=DV, HAS_SINKS=sinks,
+    )
+    live = [0, 2]
+    top = torch.stack([m[s_, 0] for s_ in live]).max(0).values
+    if sinks:
+        top = torch.maximum(top, sink)
+    num = sum(torch.exp(m[s_, 0] - top)[:, None] * acc[s_, 0] for s_ in live)
+    den = sum(torch.exp(m[s_, 0] - top) * l[s_, 0] for s_ in live) + (torch.exp(sink - top) if sinks else 0)
+    torch.testing.assert_close(out[0], num / den[:, None], atol=1e-6, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros(H, DV))
+
+
+def _rejected(s: Setup, mode: str, case: str) -> tuple[Any, ...]:
+    """(batch, q, k, v, layer) of a forward the backend must refuse, over a cache with NaN in every
+    slot the valid version of the batch does not read."""
+    layer = s.layers[0]
+    prefix, ext = ([6, 13], [1, 1]) if mode == "decode" else ([6, 13], [3, 2])
+    fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+    batch = make_batch(s, fmode, prefix, ext, req_ids=[3, 5])
+    fill_unowned(s, batch, layer, float("nan"))
+    q, k, v = qkv(s, layer, batch.num_tokens)
+    rows, loc = batch.req_pool_indices_cpu, batch.out_cache_loc.clone()
+
+    def rebuild(rows: list[int] = rows, loc: torch.Tensor = loc, seq: list[int] | None = None) -> ForwardBatch:
+        if mode == "decode":
+            return ForwardBatch.decode(rows, seq or [p + 1 for p in prefix], loc)
+        return ForwardBatch.extend(rows, [x - e for x, e in zip(seq, ext)] if seq else prefix, ext, loc)
+
+    if case == "q_float64":
+        return batch, q.double(), k.double(), v.double(), layer
+    if case == "q_int32":
+        return batch, q.to(torch.int32), k.to(torch.int32), v.to(torch.int32), layer
+    if case == "q_complex64":
+        return batch, q.to(torch.complex64), k.to(torch.complex64), v.to(torch.complex64), layer
+    if case == "k_dtype_differs":
+        return batch, q, k.to(torch.float16), v, layer
+    if case == "out_cache_loc_past_the_cache":
+        bad = loc.clone()
+        bad[-1] = s.cache.num_slots
+        return rebuild(loc=bad), q, k, v, layer
+    if case == "req_pool_index_past_the_rows":
+        return rebuild(rows=[rows[0], s.cache.max_requests]), q, k, v, layer
+    if case == "seq_len_past_max_context_len":
+        return rebuild(seq=[prefix[0] + ext[0], s.cache.max_context_len + 1]), q, k, v, layer
+    if case == "prefix_position_unassigned":
+        s.cache.req_to_token[rows[1], 4] = -1
+        return batch, q, k, v, layer
+    if case == "layer_id_past_the_cache":
+        return batch, q, k, v, dataclasses.replace(layer, layer_id=s.cache.num_layers)
+    raise AssertionError(case)
+
+
+REJECTED = {
+    "q_float64": (AttnplugError, "dtype=float64 \\(supported: float32, float16, bfloat16\\)"),
+    "q_int32": (AttnplugError, "dtype=int32"),
+    "q_complex64": (AttnplugError, "dtype=complex64"),
+    "k_dtype_differs": (ShapeError, "k"),
+    "out_cache_loc_past_the_cache": (ShapeError, "out_cache_loc\\[\\d+\\]=\\d+ is out of range"),
+    "req_pool_index_past_the_rows": (ShapeError, "req_pool_indices\\[1\\]=8 is out of range"),
+    "seq_len_past_max_context_len": (ShapeError, "seq_lens=321 exceeds max_context_len=320"),
+    "prefix_position_unassigned": (ShapeError, "position 4 .* is unassigned"),
+    "layer_id_past_the_cache": (ShapeError, "layer_id=1 is out of range"),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+@pytest.mark.parametrize("case", list(REJECTED))
+def test_a_rejected_forward_leaves_the_cache_byte_identical(case, mode):
+    """Bad dtypes are refused per layer, bad indices once per forward; either way no byte of the cache
+    (K/V of every layer, garbage NaN slots included, and req_to_token) changes."""
+    s = make_setup(page_size=4, canary=float("nan"))
+    batch, q, k, v, layer = _rejected(s, mode, case)
+    before = cache_bytes(s.cache)
+    exc, match = REJECTED[case]
+    with pytest.raises(exc, match=match):
+        s.backend.init_forward_metadata(batch)
+        s.backend.forward(q, k, v, layer, batch)
+    assert_cache_unchanged(s.cache, before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_a_kernel_that_raises_writes_nothing(monkeypatch, mode):
+    """A launch failure (simulated: a GPU out of memory or a failed launch cannot happen here) escapes
+    the forward and the new K/V were not written: the core writes them only after compute returned."""
+    s = make_setup(page_size=4)
+    fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+    batch = make_batch(s, fmode, [6, 13], [1, 1] if mode == "decode" else [3, 2])
+    q, k, v = qkv(s, s.layers[0], batch.num_tokens)
+    before = cache_bytes(s.cache)
+
+    def launch_fails(*args: Any, **kw: Any) -> None:
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(s.backend, "_attend", launch_fails)
+    s.backend.init_forward_metadata(batch)
+    with pytest.raises(RuntimeError, match="simulated launch failure"):
+        s.backend.forward(q, k, v, s.layers[0], batch)
+    assert_cache_unchanged(s.cache, before)
+
+
+def _partials_per_token(layer: LayerSpec, splits: int) -> int:
+    return splits * layer.num_heads * (layer.v_head_dim + 2) * 4
+
+
+@needs_kernels
+def test_decode_partials_are_chunked_under_the_workspace_limit():
+    """Partials for the whole batch exceed ``max_workspace_bytes``: the decode runs in runs of requests
+    that fit, and the output is bit-identical to one unbounded launch (and matches the reference)."""
+    prefix = [69, 3, 40, 0, 22]  # longest 70 keys -> 5 splits of 16
+    per_token = _partials_per_token(make_setup().layers[0], 5)
+    limited = make_setup(decode_split_len=16, block_n=16, max_workspace_bytes=2 * per_token + 7, seed=3)
+    free = make_setup(decode_split_len=16, block_n=16, seed=3)
+    outs = []
+    for s in (limited, free):
+        batch = make_batch(s, ForwardMode.DECODE, prefix, [1] * 5)
+        fill_unowned(s, batch, s.layers[0], float("nan"))
+        outs.append(run_and_check(s, batch))
+        meta = s.backend.build_metadata(batch)
+        runs = s.backend.decode_chunks(meta, per_token, 5)
+        assert runs == ([(0, 2), (2, 4), (4, 5)] if s is limited else [(0, 5)])
+    assert same_bytes(outs[0], outs[1])
+
+
+@needs_kernels
+def test_a_decode_whose_partials_cannot_fit_is_refused_before_allocating():
+    s = make_setup(decode_split_len=16, max_workspace_bytes=1000)
+    batch = make_batch(s, ForwardMode.DECODE, [40, 3], [1, 1])
+    q, k, v = qkv(s, s.layers[0], batch.num_tokens)
+    before = cache_bytes(s.cache)
+    s.backend.init_forward_metadata(batch)
+    want = r"decode split-KV partials of one request \(3 splits x 1 token\).*max_workspace_bytes"
+    with pytest.raises(ResourceLimitError, match=want):
+        s.backend.forward(q, k, v, s.layers[0], batch)
+    assert_cache_unchanged(s.cache, before)
 
 
 # ---------------------------------------------------------------------------

@@ -5,19 +5,33 @@ Imported only when the backend is built; imports ``torch`` and ``triton``
 ``kernels.py``; this module translates a ``ForwardBatch`` into their inputs
 once per forward and launches them per layer.
 
-Per forward (``init_forward_metadata``), shared by every layer:
-``req`` (the request rows of ``req_to_token``), ``q_start`` (each request's
-first token in q/k/v), ``prefix`` (cached keys before this forward), ``ext``
-(new tokens), the target-verify mask as bytes, and the host-side grid sizes.
+``TritonBackend`` is a ``PagedBackend``: the core looks up this forward's
+metadata, returns early for idle, checks the batch's indices against the
+cache (once per forward) and each layer's shapes, dtype, device and support
+verdict, and writes the new K/V at ``out_cache_loc`` *after* the kernels
+returned (``new_kv_source = "args"``: the kernels take this forward's K/V from
+their arguments and read from the cache only positions ``< extend_prefix_lens``,
+or ``< encoder_lens`` for cross-attention), so a forward that raises writes
+nothing.
 
-Per layer: K/V are written at ``out_cache_loc`` (``PagedKVCache.set_kv``),
-then one launch of ``_attn_kernel``:
+Per forward (``build_metadata``), shared by every layer: ``req`` (the request
+rows of ``req_to_token``), ``q_start`` (each request's first token in q/k/v),
+``prefix`` (cached keys before this forward), ``ext`` (new tokens), the
+target-verify mask as bytes, and the host-side grid sizes.
 
-* decode, grid ``(batch, kv_heads, splits)``: split-KV over fixed
-  ``decode_split_len`` position ranges, then ``_combine_kernel`` (grid
-  ``(batch,)``) merges the partials and adds the sinks;
-* every other mode (extend, mixed, target-verify, draft-extend), grid
-  ``(batch, kv_heads, blocks of BLOCK_M new tokens)``, normalised in place.
+Per layer, one launch of ``_attn_kernel``:
+
+* decode (``compute_decode``), grid ``(requests, kv_heads, splits)``: split-KV
+  over fixed ``decode_split_len`` position ranges, then ``_combine_kernel``
+  (grid ``(tokens,)``) merges the partials and adds the sinks. The partials
+  (``splits x tokens x heads x (v_head_dim + 2)`` float32) are bounded by
+  ``BuildContext.max_workspace_bytes``: a batch whose partials exceed it runs
+  in chunks of requests (the same arithmetic per request, so the same bits),
+  and a request whose own partials do not fit is refused before anything is
+  allocated (``ResourceLimitError``);
+* every other mode (``compute_extend``: extend, mixed, target-verify,
+  draft-extend), grid ``(requests, kv_heads, blocks of BLOCK_M new tokens)``,
+  normalised in place (no workspace beyond the output).
 """
 
 from __future__ import annotations
@@ -28,15 +42,15 @@ from typing import Any
 import torch
 import triton
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, ShapeError
-from attnplug.modes import ForwardMode
+from attnplug import AttnplugError, ForwardMode, PagedBackend
 
 from . import CAPABILITIES, NAME
 from .kernels import INTERPRETED, _attn_kernel, _combine_kernel
 
 _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
+#: float32s of decode partials per token, split and head besides the ``v_head_dim`` accumulator:
+#: the running max and the running sum
+_PARTIAL_EXTRA = 2
 
 
 def create(ctx: Any) -> tuple[str, "TritonBackend"]:
@@ -57,7 +71,7 @@ class Tiles:
 
 @dataclasses.dataclass
 class Metadata:
-    """One forward's kernel inputs, built once by ``init_forward_metadata``."""
+    """One forward's kernel inputs, built once by ``build_metadata`` (or a run of its requests)."""
 
     mode: ForwardMode
     batch_size: int
@@ -68,13 +82,23 @@ class Metadata:
     ext: torch.Tensor  # int32 [B]: new tokens
     max_ext: int
     max_seq: int
+    starts: list[int]  # host copy of q_start, plus num_tokens at the end
     encoder: torch.Tensor | None = None  # int32 [B] (cross-attention)
     max_encoder: int = 0
     mask: torch.Tensor | None = None  # uint8 [B, d, d] (target-verify custom mask)
 
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
+    def requests(self, a: int, b: int) -> "Metadata":
+        """The metadata of requests ``a … b-1`` alone, token offsets counted from request ``a``'s."""
+        if (a, b) == (0, self.batch_size):
+            return self
+        t0 = self.starts[a]
+        return dataclasses.replace(
+            self, batch_size=b - a, num_tokens=self.starts[b] - t0, req=self.req[a:b],
+            q_start=self.q_start[a:b] - t0, prefix=self.prefix[a:b], ext=self.ext[a:b],
+            starts=[t - t0 for t in self.starts[a:b + 1]],
+            encoder=None if self.encoder is None else self.encoder[a:b],
+            mask=None if self.mask is None else self.mask[a:b],
+        )
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -118,10 +142,12 @@ def choose_tiles(
         block_m = max(1, block_m // 2)
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(PagedBackend):
     """Paged attention in Triton. Capabilities are the descriptor's, as class data."""
 
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "args"  # the kernels take this forward's K/V from their arguments, never the cache
 
     def __init__(
         self,
@@ -135,9 +161,7 @@ class TritonBackend(AttentionBackend):
         ``block_n``: keys per inner step. ``extend_rows``: target tile rows (tokens x group heads)
         of an extend program. ``"auto"`` picks for the device: big blocks in the interpreter (each
         program and loop step costs Python time there), GPU-sized ones otherwise."""
-        self.ctx = ctx
-        self.kv_cache = ctx.kv_cache
-        self.device = torch.device(ctx.device if ctx.kv_cache is None else ctx.kv_cache.device)
+        super().__init__(ctx)
         #: the kernels run in Triton's interpreter (decided when ``kernels`` was imported)
         self.interpret = INTERPRETED
         if not self.interpret and self.kv_cache is not None and self.device.type == "cpu":
@@ -146,50 +170,37 @@ class TritonBackend(AttentionBackend):
                 "(TRITON_INTERPRET was not set when attnplug_triton.kernels was first imported); "
                 "set TRITON_INTERPRET=1 before importing triton to run them in Triton's interpreter"
             )
-        if decode_split_len == "auto":
-            decode_split_len = 64 if self.interpret else 256
-        if block_n == "auto":
-            block_n = 64 if self.interpret else 0  # 0: per head dim, below
-        if extend_rows == "auto":
-            extend_rows = 256 if self.interpret else 64
-        if int(decode_split_len) < 1:
-            raise ValueError(f"decode_split_len={decode_split_len} (expected >= 1)")
-        self.decode_split_len = int(decode_split_len)
-        self.block_n = int(block_n)
-        self.extend_rows = int(extend_rows)
-        self._guard = MetadataGuard(NAME)
+        auto = {"decode_split_len": 64 if self.interpret else 256,
+                "block_n": 64 if self.interpret else 0,  # 0: per head dim, in choose_tiles
+                "extend_rows": 256 if self.interpret else 64}
+        given = {"decode_split_len": decode_split_len, "block_n": block_n, "extend_rows": extend_rows}
+        for field, value in given.items():
+            value = auto[field] if value == "auto" else value
+            least = 0 if field == "block_n" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"TritonBackend {field}={given[field]!r} (expected 'auto' or an integer >= {least})")
+            setattr(self, field, value)
         self._tiles: dict[tuple[Any, ...], Tiles] = {}
-        #: how many times ``init_forward_metadata`` built metadata (tests: once per forward)
-        self.metadata_builds = 0
 
-    # -- metadata --------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        mode = batch.forward_mode
-        meta: Metadata | None = None
-        if mode is not ForwardMode.IDLE:
-            meta = self._metadata(batch)
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
-
-    def _metadata(self, batch: Any) -> Metadata:
+    # -- per forward: the kernels' inputs, shared by every layer -----------------------
+    def build_metadata(self, batch: Any) -> Metadata:
         dev = self.device
         B = batch.batch_size
-        prefix = batch.extend_prefix_lens_cpu
-        ext = batch.extend_seq_lens_cpu
-        starts, t = [], 0
+        ext = list(batch.extend_seq_lens_cpu)
+        starts = [0]
         for e in ext:
-            starts.append(t)
-            t += e
+            starts.append(starts[-1] + e)
         meta = Metadata(
             mode=batch.forward_mode,
             batch_size=B,
-            num_tokens=t,
+            num_tokens=starts[-1],
             req=batch.req_pool_indices.to(device=dev, dtype=_I64),
-            q_start=torch.tensor(starts, dtype=_I64, device=dev),
-            prefix=torch.tensor(prefix, dtype=_I32, device=dev),
+            q_start=torch.tensor(starts[:-1], dtype=_I64, device=dev),
+            prefix=torch.tensor(batch.extend_prefix_lens_cpu, dtype=_I32, device=dev),
             ext=torch.tensor(ext, dtype=_I32, device=dev),
             max_ext=max(ext, default=0),
             max_seq=max(batch.seq_lens_cpu, default=0),
+            starts=starts,
         )
         if batch.encoder_lens is not None:
             enc = batch.encoder_lens.to(device=dev, dtype=_I32)
@@ -198,54 +209,49 @@ class TritonBackend(AttentionBackend):
             meta.mask = batch.spec_custom_mask.to(device=dev, dtype=torch.uint8).contiguous()
         return meta
 
-    # -- forward -----------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._forward(q, k, v, layer, batch, save_kv_cache)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        return self._forward(q, k, v, layer, batch, save_kv_cache)
-
-    def _forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> Any:
-        meta = self._guard.require(batch)
-        if meta is None:  # idle
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        self._check(q, k, v, layer, batch)
-        if save_kv_cache and k is not None and not layer.is_cross_attention and meta.num_tokens:
-            self._cache().set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        out = q.new_empty((meta.num_tokens, layer.num_heads, layer.v_head_dim))
+    # -- per layer: the launches (the base checked the call and writes K/V afterwards) ---
+    def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
+        out = self.empty_output(q, layer, meta.num_tokens)
         if meta.num_tokens:
-            self._attend(q, k, v, layer, meta, out)
+            self._attend(q, k, v, layer, meta, out, decode=False, splits=1)
         return out
 
-    # -- helpers -----------------------------------------------------------
-    def _cache(self) -> Any:
-        if self.kv_cache is None:
-            raise AttnplugError(
-                "triton was built without a KV cache (BuildContext.kv_cache is None); "
-                "build it with the engine's PagedKVCache to run forwards"
-            )
-        return self.kv_cache
+    def compute_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
+        out = self.empty_output(q, layer, meta.num_tokens)
+        if not meta.num_tokens:
+            return out
+        max_keys = meta.max_encoder if layer.is_cross_attention else meta.max_seq
+        splits = max(1, triton.cdiv(max(max_keys, 1), self.decode_split_len))
+        per_token = splits * layer.num_heads * (layer.v_head_dim + _PARTIAL_EXTRA) * 4
+        for a, b in self.decode_chunks(meta, per_token, splits):
+            part = meta.requests(a, b)
+            t0, t1 = meta.starts[a], meta.starts[b]
+            self._attend(q[t0:t1], None if k is None else k[t0:t1], None if v is None else v[t0:t1],
+                         layer, part, out[t0:t1], decode=True, splits=splits)
+        return out
 
-    def _check(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        if k is None and not layer.is_cross_attention:
-            raise ShapeError(
-                f"k and v are None for self-attention layer {layer.layer_id}; "
-                f"only cross-attention layers may omit them"
-            )
-        kb, vb = self._cache().get_kv(layer.layer_id)
-        if tuple(kb.shape[1:]) != (layer.num_kv_heads, layer.head_dim) or tuple(vb.shape[1:]) != (
-            layer.num_kv_heads, layer.v_head_dim
-        ):
-            raise ShapeError(
-                f"kv_cache rows for layer {layer.layer_id} are k {tuple(kb.shape[1:])} / v {tuple(vb.shape[1:])}, "
-                f"expected ({layer.num_kv_heads}, {layer.head_dim}) / ({layer.num_kv_heads}, {layer.v_head_dim})"
-            )
-        if layer.is_cross_attention and batch.encoder_lens is None:
-            raise ShapeError(f"cross-attention layer {layer.layer_id} but ForwardBatch.encoder_lens is None")
-        if q.device.type != self.device.type or (k is not None and k.device.type != self.device.type):
-            raise ShapeError(f"q/k/v are on {q.device}, the KV cache on {self.device}")
+    def decode_chunks(self, meta: Metadata, per_token: int, splits: int) -> list[tuple[int, int]]:
+        """Runs of requests ``[a, b)`` whose split-KV partials fit ``max_workspace_bytes``.
 
+        One run (the whole batch) when it fits; a request whose own partials exceed the limit is
+        refused here, before anything is allocated or written.
+        """
+        limit = self.max_workspace_bytes
+        widest = max(b - a for a, b in zip(meta.starts, meta.starts[1:]))
+        tokens = f"{widest} token" + ("s" if widest != 1 else "")
+        self.check_workspace(widest * per_token,
+                             f"decode split-KV partials of one request ({splits} splits x {tokens})")
+        if meta.num_tokens * per_token <= limit:
+            return [(0, meta.batch_size)]
+        runs, a = [], 0
+        for b in range(1, meta.batch_size + 1):
+            if (meta.starts[b] - meta.starts[a]) * per_token > limit:
+                runs.append((a, b - 1))
+                a = b - 1
+        runs.append((a, meta.batch_size))
+        return runs
+
+    # -- helpers -------------------------------------------------------------------------
     def tiles(self, layer: Any, decode: bool, fp32: bool) -> Tiles:
         """Block sizes for ``layer`` (memoised; they depend on the layer shape, never on the batch)."""
         key = (decode, layer.gqa_group_size, layer.head_dim, layer.v_head_dim, fp32)
@@ -261,9 +267,12 @@ class TritonBackend(AttentionBackend):
         """``x`` with a unit stride in its last dim (the kernels index ``[token, head, dim]``)."""
         return x if x.stride(-1) == 1 else x.contiguous()
 
-    def _attend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: Metadata, out: torch.Tensor) -> None:
-        kb, vb = self._cache().get_kv(layer.layer_id)
-        r2t = self._cache().req_to_token
+    def _attend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: Metadata, out: torch.Tensor, *,
+                decode: bool, splits: int) -> None:
+        """One launch over the requests of ``meta`` (``q``/``k``/``v``/``out`` hold exactly their tokens)."""
+        cache = self.cache
+        kb, vb = cache.get_kv(layer.layer_id)
+        r2t = cache.req_to_token
         cross = bool(layer.is_cross_attention)
         q = self._rowwise(q)
         if cross:
@@ -272,11 +281,9 @@ class TritonBackend(AttentionBackend):
             k, v = self._rowwise(k), self._rowwise(v)
         H, G, D, DV = layer.num_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
         B = meta.batch_size
-        decode = meta.is_decode
         fp32_dot = q.dtype == torch.float32 or (self.interpret and q.dtype == torch.bfloat16)
         tiles = self.tiles(layer, decode, fp32_dot)
         keys_len = meta.encoder if cross else meta.prefix
-        max_keys = meta.max_encoder if cross else meta.max_seq
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).contiguous()
@@ -285,15 +292,13 @@ class TritonBackend(AttentionBackend):
         mask = meta.mask if not cross else None
 
         if decode:
-            splits = max(1, triton.cdiv(max(max_keys, 1), self.decode_split_len))
             grid2 = splits
-            T = meta.num_tokens
+            T = meta.num_tokens  # bounded by decode_chunks against max_workspace_bytes
             part_acc = torch.empty((splits, T, H, DV), dtype=_F32, device=q.device)
             part_m = torch.empty((splits, T, H), dtype=_F32, device=q.device)
             part_l = torch.empty((splits, T, H), dtype=_F32, device=q.device)
             split_len = self.decode_split_len
         else:
-            splits = 1
             grid2 = triton.cdiv(meta.max_ext, tiles.block_m)
             part_acc = part_m = part_l = out  # unused
             split_len = 1 << 30  # one split covering every position

@@ -23,11 +23,21 @@ Scores are ``scale * q·k`` accumulated in float32 (``tl.dot`` in the input
 dtype for fp16/bf16, IEEE fp32 for fp32), optionally soft-capped, and reduced
 with an online softmax.
 
+Garbage never enters: slots no request owns (padding slots, freed pages, this
+forward's ``out_cache_loc`` before the core writes it) may hold anything, NaN
+and inf included. The kernels read the cache only at positions ``< P`` of the
+program's own request, and every load is masked with a neutral ``other``: the
+``req_to_token`` index load itself (its entries past a request's length may be
+``-1``), then the K/V rows it addresses. Masked scores are selected to
+``-inf`` and a value row no tile row sees is selected to zeros before the
+product (``0 * NaN`` is NaN, so masking never multiplies by zero).
+
 Split-KV (decode): the key positions of a request are cut into splits of a
 fixed ``split_len``; the program of split ``s`` covers positions
 ``[s * split_len, (s + 1) * split_len)`` and stores an unnormalised partial
 (accumulator, running max, running sum), empty for a split past the request's
-keys, and ``_combine_kernel`` merges them, adding the sink to the denominator.
+keys, and ``_combine_kernel`` merges them, adding the sink to the denominator
+(an empty split, running max ``-inf``, is skipped by selection).
 Decode always takes this path, even with one split, so a request's arithmetic
 does not depend on how many splits the longest request of its batch needs.
 Extend programs (``STORE_PARTIALS=False``) normalise and store directly.
@@ -55,7 +65,14 @@ def _attend_block(
     q, k, v, acc, m_i, l_i, visible, scale, cap,
     HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """One key block: online-softmax update of ``acc``/``m_i``/``l_i``."""
+    """One key block: online-softmax update of ``acc``/``m_i``/``l_i``.
+
+    Masking selects, never multiplies: a score no row may see becomes ``-inf`` by ``tl.where``
+    (whatever ``q·k`` gave, NaN included), so its probability is exactly 0; and a value row no
+    row of the tile sees is replaced by zeros before the product, because ``0 * NaN`` is NaN.
+    """
+    seen = tl.max(visible.to(tl.int32), 0) > 0  # keys at least one row of the tile sees
+    v = tl.where(seen[:, None], v, tl.zeros_like(v))
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -234,11 +251,14 @@ def _combine_kernel(
     for s in range(num_splits):
         ms = tl.load(Part_m + s * stride_ms + t * stride_mt + offs_h, mask=h_ok, other=float("-inf"))
         ls = tl.load(Part_l + s * stride_ms + t * stride_mt + offs_h, mask=h_ok, other=0.0)
+        # a split that saw no key (past the request's end, or before its window) has max -inf:
+        # its partial is skipped by selection, never weighted by exp(-inf) = 0
+        live = ms > float("-inf")
         a = tl.load(Part_acc + s * stride_ps + t * stride_pt + offs_h[:, None] * stride_ph + offs_dv[None, :],
-                    mask=tile_ok, other=0.0)
-        w = tl.exp(ms - m_safe)
-        num = num + w[:, None] * a
-        den = den + w * ls
+                    mask=tile_ok & live[:, None], other=0.0)
+        w = tl.exp(tl.where(live, ms, m_safe) - m_safe)
+        num = num + tl.where(live[:, None], w[:, None] * a, 0.0)
+        den = den + tl.where(live, w * ls, 0.0)
     if HAS_SINKS:
         den = den + tl.exp(sink - m_safe)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
