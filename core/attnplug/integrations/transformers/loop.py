@@ -53,6 +53,8 @@ class GenerationResult:
     finished: list[int]
     #: one record per forward (mode, requests, tokens, serving kernel)
     steps: list[StepRecord]
+    #: the loop step of each forward (steps with nothing to run are skipped)
+    forward_steps: list[int]
 
 
 def greedy(rid: Any, index: int, logits: torch.Tensor) -> int:
@@ -78,6 +80,7 @@ def generate(
     waiting = collections.deque(sorted(range(n), key=lambda i: (requests[i].arrival, i)))
     running: list[int] = []
     first_step = len(runner.steps)
+    forward_steps: list[int] = []
     step = 0
     while waiting or running:
         chunks = [Chunk(i, (tokens[i][-1],), decode=True) for i in running]
@@ -97,6 +100,7 @@ def generate(
             step = requests[waiting[0]].arrival
             continue
         out = runner.forward(chunks)
+        forward_steps.append(step)
         for row, chunk in enumerate(chunks):
             i = chunk.rid
             tok = int(sampler(i, len(tokens[i]), out[row]))
@@ -109,4 +113,4 @@ def generate(
                 runner.release(i)
                 finished[i] = step
         step += 1
-    return GenerationResult(tokens, logits, joined, finished, list(runner.steps[first_step:]))
+    return GenerationResult(tokens, logits, joined, finished, list(runner.steps[first_step:]), forward_steps)
