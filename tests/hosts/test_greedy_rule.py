@@ -36,7 +36,7 @@ def test_near_tie_accepts_any_tied_token_and_nothing_else():
 def test_follower_continues_from_the_reference_token_and_counts_ties():
     ref_logits = [torch.tensor([[0.0, 1.0], [1.0, 1.0005]])]
     f = Follower([[1, 1]], ref_logits, TOL)
-    assert f("r", 0, torch.tensor([0.0, 1.0])) == 1
+    assert f(0, 0, torch.tensor([0.0, 1.0])) == 1
     # near-tie: the backend picks 0, the follower returns the reference's 1 and records the tie
     assert f(0, 1, torch.tensor([1.0005, 1.0])) == 1
     assert f.near_ties == [(0, 1)] and f.checked == 2
