@@ -14,7 +14,9 @@ batch of prompts of different lengths, greedy decoding:
 Runs alternate (baseline, attnplug, baseline, ...) and the median of each is
 reported, with the ratio and, for attnplug, where its time goes (attention
 kernels, per-forward metadata, the rest of the model, the loop's own
-bookkeeping). Timings only; nothing is asserted.
+bookkeeping; means over the same runs). On a shared machine, compare
+``--threads 1`` runs: with more threads than free cores the small GEMMs of
+both runs are dominated by thread contention. Timings only; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -132,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<34} {'s':>8} {'tokens/s':>10} {'ratio':>7}")
     print(f"{'transformers generate(), sdpa':<34} {b:8.3f} {total / b:10.1f} {1.0:7.2f}")
     print(f"{'attnplug ' + args.backend + ', generate()':<34} {o:8.3f} {total / o:10.1f} {b / o:7.2f}")
-    n = args.repeats
+    n, mean = args.repeats, statistics.mean(our_t)
     attn, meta, mod = timers["attention"] / n, timers["metadata"] / n, model_time[0] / n
-    print(f"attnplug time per run: attention kernels {attn:.3f} s, metadata {meta:.3f} s, "
-          f"rest of the model {mod - attn - meta:.3f} s, loop and batching {o - mod:.3f} s")
+    print(f"attnplug, mean of {n} runs ({mean:.3f} s): attention kernels {attn:.3f} s, metadata {meta:.3f} s, "
+          f"rest of the model {mod - attn - meta:.3f} s, loop and batching {mean - mod:.3f} s")
     return 0
 
 
