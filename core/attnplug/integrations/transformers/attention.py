@@ -1,0 +1,113 @@
+"""The attention function transformers calls, registered as ``"attnplug"``.
+
+transformers' attention modules compute q/k/v (rotary applied), call
+``cache.update`` and then ``attention_interface(module, query, key, value,
+attention_mask, scaling=..., dropout=..., **kwargs)`` with the layer's own
+keyword arguments (``sliding_window``, ``softcap``, ``s_aux`` …) and
+whatever the caller passed to ``model(...)``. The runner passes one
+:class:`Forward` as ``attnplug_forward=...``: the backend serving this forward,
+its ``ForwardBatch`` (metadata already built, once) and the layer specs. Model
+code reads nothing global; the registration is transformers' own name table.
+
+The whole ragged batch arrives as one packed sequence (``query`` is
+``[1, heads, tokens, head_dim]``), so no padding token reaches attention and
+transformers builds no mask (``"attnplug"`` has no mask function).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from attnplug import AttnplugError, LayerSpec
+
+from .layers import attnplug_sliding_window
+
+#: The name under which the function is registered with transformers' AttentionInterface.
+ATTENTION_NAME = "attnplug"
+#: The keyword the runner passes to ``model(...)``; transformers hands it down to every layer.
+FORWARD_KWARG = "attnplug_forward"
+
+
+class Forward:
+    """What one forward's attention calls share: the backend, the batch, the layer specs."""
+
+    __slots__ = ("backend", "batch", "layers", "calls")
+
+    def __init__(self, backend: Any, batch: Any, layers: Sequence[LayerSpec]) -> None:
+        self.backend = backend
+        self.batch = batch
+        self.layers = layers
+        self.calls = 0
+
+    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise AttnplugError(f"attention module {type(module).__name__} has layer_idx={layer_idx!r}, "
+                                f"expected 0 … {len(self.layers) - 1}")
+        layer = self.layers[layer_idx]
+        _check_layer_kwargs(layer, module, scaling, dropout, attention_mask, kwargs)
+        if query.shape[0] != 1:
+            raise AttnplugError(f"layer {layer_idx}: query batch dimension is {query.shape[0]}; the runner "
+                                f"packs every request into one ragged sequence (expected 1)")
+        q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, head_dim]
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
+        out = self.backend.forward(q, k, v, layer, self.batch)  # writes k/v into the paged cache
+        self.calls += 1
+        return out.unsqueeze(0)  # [1, tokens, heads, v_head_dim], as transformers expects
+
+
+def attnplug_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; serves the call through attnplug."""
+    fwd = kwargs.pop(FORWARD_KWARG, None)
+    if not isinstance(fwd, Forward):
+        raise AttnplugError(
+            f"attention implementation {ATTENTION_NAME!r} was called without {FORWARD_KWARG}=...: run the model "
+            f"through attnplug.integrations.transformers.TransformersRunner, which builds the batch and passes it"
+        )
+    return fwd.attend(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+
+
+def register_attention() -> None:
+    """Register :func:`attnplug_attention_forward` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attnplug_attention_forward)
+
+
+def _check_layer_kwargs(layer: LayerSpec, module: Any, scaling: float | None, dropout: float,
+                        attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """What the model passes for this call must be what the spec says (else the spec is stale)."""
+    lid = layer.layer_id
+    if attention_mask is not None:
+        raise AttnplugError(f"layer {lid}: got an attention mask; attnplug masks by position (causal, window), "
+                            f"so custom masks are not served")
+    if dropout:
+        raise AttnplugError(f"layer {lid}: attention dropout={dropout} (the model is in training mode; "
+                            f"call model.eval())")
+    if scaling is not None and not math.isclose(scaling, layer.scaling, rel_tol=1e-6):
+        raise AttnplugError(f"layer {lid}: the model passes scaling={scaling}, the LayerSpec has {layer.scaling}")
+    window = kwargs.get("sliding_window")
+    if window is not None and attnplug_sliding_window(window) != layer.sliding_window:
+        raise AttnplugError(f"layer {lid}: the model passes sliding_window={window} (transformers: {window} keys), "
+                            f"the LayerSpec has sliding_window={layer.sliding_window} (expected {window - 1})")
+    cap = kwargs.get("softcap")
+    if (cap or None) != (layer.logit_cap or None):
+        raise AttnplugError(f"layer {lid}: the model passes softcap={cap}, the LayerSpec has logit_cap={layer.logit_cap}")
+    sinks = kwargs.get("s_aux")
+    if (sinks is None) != (layer.sinks is None):
+        raise AttnplugError(f"layer {lid}: the model passes sinks={'yes' if sinks is not None else 'none'}, "
+                            f"the LayerSpec has {'sinks' if layer.sinks is not None else 'none'}")

@@ -1,0 +1,208 @@
+"""``TransformersRunner``: a transformers causal LM served through an attnplug backend pair.
+
+Construction does what a host engine does once:
+
+1. configuration from the standard flags (``add_attention_args`` /
+   ``config_from_args``) or an ``AttentionConfig``; ``resolve`` fills what
+   the user left unset (``auto``) for the model's architecture and this host;
+2. one ``LayerSpec`` per decoder layer (``layers.layer_specs``);
+3. a ``PagedKVCache`` in the model's dtype, wrapped in an ``AttnplugCache``;
+4. ``registry.build_pair``: one backend, or a ``HybridBackend`` for a split pair;
+5. every layer checked against the backend (``not_supported_reasons``) *before*
+   the first forward: a layer it cannot serve is refused by number and reason;
+6. the model switched to transformers' attention implementation ``"attnplug"``.
+
+Each :meth:`forward` is one engine step over a ragged batch: requests still
+processing their prompt are ``EXTEND`` tokens, generated tokens are ``DECODE``
+tokens, both together make a ``MIXED`` forward. Pages are mapped for every new
+position, the ``ForwardBatch`` is built, ``init_forward_metadata`` runs once,
+then the model runs on the packed tokens and returns the logits of each
+request's last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from attnplug import (
+    AttentionConfig, AttnplugError, BuildContext, ForwardBatch, ForwardMode, NotSupportedError, PagedKVCache,
+    backend_name_for_mode, config_from_args, default_registry,
+)
+from attnplug.resolution import resolve
+
+from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
+from .cache import AttnplugCache
+from .layers import describe, layer_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request in one forward. ``decode``: a generated token (not prompt)."""
+
+    rid: Any
+    tokens: tuple[int, ...]
+    decode: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        if not self.tokens:
+            raise ValueError(f"Chunk for request {self.rid!r} has no tokens")
+        if self.decode and len(self.tokens) != 1:
+            raise ValueError(f"decode Chunk for request {self.rid!r} has {len(self.tokens)} tokens (expected 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one forward was: its mode, size, and the kernel that served it (from the stamps)."""
+
+    mode: ForwardMode
+    num_requests: int
+    num_tokens: int
+    served_by: str
+
+
+class TransformersRunner:
+    def __init__(
+        self,
+        model: Any,
+        config: AttentionConfig | argparse.Namespace | None = None,
+        *,
+        registry: Any = None,
+        arch: str | None = None,
+        page_size: int = 16,
+        max_requests: int = 16,
+        max_context_len: int = 2048,
+        num_pages: int | None = None,
+    ) -> None:
+        if isinstance(config, argparse.Namespace):
+            config = config_from_args(config)
+        config = config or AttentionConfig()
+        self.registry = registry or default_registry()
+        self.model = model.eval()
+        hf_config = model.config
+        archs = getattr(hf_config, "architectures", None) or [type(model).__name__]
+        self.arch = arch or archs[0]
+        self.resolution = resolve(config, arch=self.arch, registry=self.registry)
+        self.config: AttentionConfig = self.resolution.config
+        self.layers = layer_specs(model)
+        first = self.layers[0]
+        odd = [s.layer_id for s in self.layers
+               if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (first.num_kv_heads, first.head_dim, first.v_head_dim)]
+        if odd:
+            raise NotSupportedError("attnplug", [f"layers {odd} have KV shapes that differ from layer 0's; "
+                                                 f"one PagedKVCache needs the same shape in every layer"])
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        num_pages = num_pages or max_requests * -(-max_context_len // page_size)
+        self.kv_cache = PagedKVCache(
+            num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=self.dtype,
+            device=self.device, max_requests=max_requests, max_context_len=max_context_len,
+        )
+        self.cache = AttnplugCache(self.kv_cache, [s.sliding_window is not None for s in self.layers], max_requests)
+        self.ctx = BuildContext(
+            config=self.config, host=self.registry.host, device=str(self.device), dtype=self.dtype,
+            num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+            v_head_dim=first.v_head_dim, page_size=page_size, kv_cache=self.kv_cache,
+            max_batch_size=max_requests, max_context_len=max_context_len, layers=self.layers,
+        )
+        self.backend = self.registry.build_pair(self.ctx)
+        self._refuse_unsupported_layers()
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise AttnplugError(f"{type(model).__name__} did not accept attn_implementation={ATTENTION_NAME!r} "
+                                f"(it has {model.config._attn_implementation!r}); it must use AttentionInterface")
+        self.steps: list[StepRecord] = []
+
+    @property
+    def pair(self) -> tuple[str | None, str | None]:
+        return self.config.attention_backends()
+
+    def _refuse_unsupported_layers(self) -> None:
+        reasons = []
+        for spec in self.layers:
+            for r in self.backend.not_supported_reasons(spec, self.ctx):
+                reasons.append(f"layer {spec.layer_id} ({describe(spec)}): {r}")
+        if reasons:
+            p, d = self.pair
+            raise NotSupportedError(p if p == d else f"{p} (prefill) / {d} (decode)", reasons)
+
+    # -- requests -------------------------------------------------------------
+    def release(self, rid: Any) -> None:
+        """``rid`` finished: free its pages and its request row."""
+        self.cache.release(rid)
+
+    # -- one forward ------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Run one forward over ``chunks`` (one per request); returns ``[len(chunks), vocab]``
+        float32 logits of each request's last new token."""
+        if not chunks:
+            raise ValueError("forward needs at least one Chunk (an idle step runs no model)")
+        if len({c.rid for c in chunks}) != len(chunks):
+            raise ValueError(f"a request appears twice in one forward: {[c.rid for c in chunks]}")
+        n_decode = sum(c.decode for c in chunks)
+        mode = (ForwardMode.DECODE if n_decode == len(chunks)
+                else ForwardMode.EXTEND if n_decode == 0 else ForwardMode.MIXED)
+        prefix: dict[Any, int] = {}
+        slots = []
+        try:
+            for c in chunks:
+                if c.rid not in self.cache.requests:
+                    if c.decode:
+                        raise AttnplugError(f"decode Chunk for request {c.rid!r}, which has no prompt in the cache")
+                    self.cache.add_request(c.rid)
+                prefix[c.rid] = self.cache.length(c.rid)
+                slots.append(self.cache.extend(c.rid, len(c.tokens)))  # pages mapped before the forward
+            batch = self._batch(mode, chunks, prefix, torch.cat(slots))
+            logits = self._run(chunks, prefix, batch)
+        except BaseException:
+            for rid, length in prefix.items():
+                if rid in self.cache.requests:
+                    if length == 0:
+                        self.cache.release(rid)
+                    else:
+                        self.cache.truncate(rid, length)
+            raise
+        served = backend_name_for_mode(mode, self.config, self.backend)
+        self.steps.append(StepRecord(mode, len(chunks), batch.num_tokens, str(served)))
+        return logits
+
+    def _batch(self, mode: ForwardMode, chunks: Sequence[Chunk], prefix: dict[Any, int],
+               out_cache_loc: torch.Tensor) -> ForwardBatch:
+        rows = [self.cache.row(c.rid) for c in chunks]
+        if mode is ForwardMode.DECODE:
+            return ForwardBatch.decode(rows, [prefix[c.rid] + 1 for c in chunks], out_cache_loc)
+        return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
+                                   out_cache_loc, mode=mode)
+
+    def _run(self, chunks: Sequence[Chunk], prefix: dict[Any, int], batch: ForwardBatch) -> torch.Tensor:
+        dev = self.device
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
+        positions = batch.positions.to(dev)
+        last = torch.tensor(list(_cumsum(len(c.tokens) for c in chunks)), dtype=torch.long, device=dev) - 1
+        self.backend.init_forward_metadata(batch)  # once per forward, shared by every layer
+        fwd = Forward(self.backend, batch, self.layers)
+        self.cache.begin_forward(prefix)
+        out = self.model(
+            input_ids=ids[None], position_ids=positions[None], cache=self.cache, use_cache=True,
+            logits_to_keep=last, **{FORWARD_KWARG: fwd},
+        )
+        self.cache.end_forward()
+        if fwd.calls != len(self.layers):
+            raise AttnplugError(f"the model made {fwd.calls} attention calls through attnplug in one forward, "
+                                f"expected {len(self.layers)} (one per layer)")
+        return out.logits[0].float()
+
+
+def _cumsum(xs: Any) -> list[int]:
+    out, t = [], 0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out

@@ -1,0 +1,60 @@
+"""bfloat16 runs: logits within the bf16 tolerance, by a stated rule.
+
+The bf16 tolerance of attnplug.testing.tolerances bounds one attention call.
+Whole-model logits also carry the bf16 rounding of every other op (norms,
+MLPs, residual adds), which no attention backend controls: transformers' own
+eager bf16 run does not stay within the bf16 tolerance of the float32
+computation either (measured: up to ~0.08 past the bound on these models).
+So the rule, per prompt, over 8 steps that follow the float32 reference's
+tokens: with ``excess(x) = max(|x - fp32| - (atol + rtol * |fp32|))``, where
+``fp32`` is the model run in float32 on the same (bf16-rounded) weights,
+
+    excess(attnplug bf16) <= max(0, excess(transformers eager bf16))
+
+i.e. attnplug's logits are within the bf16 tolerance of the float32 result,
+or no further outside it than transformers' own bf16 attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as models
+from attnplug import AttentionConfig
+from attnplug.integrations.transformers import Request, TransformersRunner, generate
+from attnplug.testing.tolerances import tolerance_for
+
+BF16 = tolerance_for("bfloat16")
+STEPS = 8
+
+
+def _excess(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((x - ref).abs() - (BF16.atol + BF16.rtol * ref.abs())).max())
+
+
+def _teacher_forced_eager(model, prompts, tokens):
+    model.set_attn_implementation("eager")
+    out = []
+    with torch.inference_mode():
+        for p, toks in zip(prompts, tokens):
+            out.append(model(torch.tensor([p + toks[:-1]])).logits[0, len(p) - 1:].float())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
+def test_bf16_logits_within_the_bf16_rule(arch):
+    prompts = models.prompts()
+    fp32 = models.reference(models.build(arch, dtype=torch.bfloat16).float(), prompts, STEPS)
+    tokens = [t for t, _ in fp32]
+    model = models.build(arch, dtype=torch.bfloat16)
+    eager = _teacher_forced_eager(model, prompts, tokens)
+    runner = TransformersRunner(model, AttentionConfig(attention_backend="torch_native"), max_requests=4,
+                                max_context_len=512)
+    assert runner.kv_cache.dtype == torch.bfloat16
+    res = generate(runner, [Request(p, STEPS) for p in prompts], record_logits=True,
+                   sampler=lambda rid, i, logits: tokens[rid][i])
+    for i, (_, ref) in enumerate(fp32):
+        ours = _excess(torch.stack(res.logits[i]), ref)
+        theirs = _excess(eager[i], ref)
+        assert ours <= max(0.0, theirs), f"prompt {i}: attnplug {ours:.4f} past the bf16 bound, eager {theirs:.4f}"

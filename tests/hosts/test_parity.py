@@ -1,0 +1,73 @@
+"""Greedy tokens and per-step logits through attnplug equal transformers' own eager generate().
+
+For every CPU backend that claims the features a model needs (torch_native;
+the template where it claims them; triton under the interpreter) and for a
+split pair (prefill triton, decode torch_native through a HybridBackend):
+4 prompts of lengths 5 … 300, 32 new tokens, fp32. Tokens are compared under
+the margin rule of ``greedy_rule`` (which also follows the reference at
+near-ties), logits within the float32 tolerance of attnplug.testing.tolerances.
+
+Triton runs in Triton's interpreter here, which is slow: its own-pair cases
+use shorter prompts and fewer tokens (the split pair runs the full prompts
+through triton's prefill).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as models
+from attnplug import AttentionConfig, ForwardMode
+from attnplug.integrations.transformers import Request, TransformersRunner, generate
+from attnplug.testing.tolerances import tolerance_for
+from greedy_rule import Follower
+
+FP32 = tolerance_for("float32")
+SPLIT = AttentionConfig(prefill_attention_backend="triton", decode_attention_backend="torch_native")
+#: which backend serves which architectures (the template claims neither soft-cap nor sinks)
+CASES = (
+    [("torch_native", a) for a in models.ARCHS]
+    + [("template_sdpa", a) for a in ("llama", "qwen3", "qwen2_hd48")]
+    + [("split", a) for a in models.ARCHS]
+    + [("triton", a) for a in ("gemma2", "gpt_oss")]
+)
+#: triton's own pair runs interpreted: smaller problems (still past the sliding window of 24)
+TRITON_LENS, TRITON_TOKENS = (5, 17, 40, 61), 6
+
+
+def _config(backend: str) -> AttentionConfig:
+    return SPLIT if backend == "split" else AttentionConfig(attention_backend=backend)
+
+
+def run_and_compare(backend: str, arch: str, reference, lens=models.PROMPT_LENS, new_tokens=models.NEW_TOKENS):
+    ref = reference(arch, new_tokens, lens)
+    runner = TransformersRunner(models.build(arch), _config(backend), max_requests=4, max_context_len=512)
+    follower = Follower([t for t, _ in ref], [lg for _, lg in ref], FP32)
+    res = generate(runner, [Request(p, new_tokens) for p in models.prompts(lens)], sampler=follower,
+                   record_logits=True)
+    assert res.tokens == [t for t, _ in ref]
+    assert follower.checked == len(lens) * new_tokens
+    for i, (_, ref_logits) in enumerate(ref):
+        got = torch.stack(res.logits[i])
+        excess = (got - ref_logits).abs() - (FP32.atol + FP32.rtol * ref_logits.abs())
+        assert float(excess.max()) <= 0, f"prompt {i} (len {lens[i]}): logits off by {float(excess.max())} past tol"
+    return runner, res, follower
+
+
+@pytest.mark.parametrize("backend,arch", CASES, ids=[f"{b}-{a}" for b, a in CASES])
+def test_greedy_tokens_and_logits_match_transformers_eager(backend, arch, reference):
+    small = backend == "triton"
+    lens = TRITON_LENS if small else models.PROMPT_LENS
+    runner, res, follower = run_and_compare(backend, arch, reference, lens,
+                                            TRITON_TOKENS if small else models.NEW_TOKENS)
+    modes = [s.mode for s in res.steps]
+    assert modes[0] is ForwardMode.EXTEND and set(modes[1:]) == {ForwardMode.DECODE}
+    served = {s.mode: s.served_by for s in res.steps}
+    if backend == "split":
+        assert served == {ForwardMode.EXTEND: "triton", ForwardMode.DECODE: "torch_native"}
+        assert type(runner.backend).__name__ == "HybridBackend"
+    else:
+        assert set(served.values()) == {backend}
+    # every request's pages and row went back when it finished
+    assert runner.cache.requests == [] and runner.cache.pool.free_pages == runner.kv_cache.num_pages
