@@ -50,8 +50,11 @@ class AttentionBackend:
 
     # -- description ---------------------------------------------------
     def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
-        """Sentences saying why this backend cannot serve ``layer`` (under ``ctx``); empty if it can."""
+        """Sentences saying why this backend cannot serve ``layer`` (under ``ctx``, by default the build
+        context the registry recorded on the backend); empty if it can."""
         kw: dict[str, Any] = {}
+        if ctx is None:
+            ctx = self.__dict__.get("ctx")
         if ctx is not None:
             kw = dict(dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype, page_size=ctx.page_size, device=ctx.device)
         return support_reasons(type(self).capabilities, layer, **kw)

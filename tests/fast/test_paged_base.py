@@ -339,3 +339,21 @@ def test_set_kv_and_assign_pages_check_their_bounds():
     assert cache.slots(1, 0, 3).tolist() == [2, 3, 0]
     cache.release(1)
     assert cache.req_to_token[1].eq(-1).all()
+
+
+def test_not_supported_reasons_without_ctx_uses_the_build_context():
+    """A backend built for a float32 context answers for that context when asked without one."""
+    from attnplug import AttentionBackend
+
+    class Plain(AttentionBackend):
+        capabilities = Capabilities(dtypes=("bfloat16",), devices=("cpu",))
+
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+    ctx = BuildContext(config=AttentionConfig(), host=HostInfo(platform="cpu"), dtype="float32")
+    layer = LayerSpec(layer_id=0, num_heads=2, num_kv_heads=2, head_dim=8)
+    assert "dtype=float32 (supported: bfloat16)" in Plain(ctx).not_supported_reasons(layer)
+    backend, _ = make()
+    backend.ctx = backend.ctx.replace(dtype="float16")
+    assert any("dtype=float16" in r for r in backend.not_supported_reasons(LAYER))
