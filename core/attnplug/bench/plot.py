@@ -61,7 +61,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     if right.lines:
         right.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"attnplug bench on {m['device']}: {m.get('gpu', m['cpu'])}, torch threads: {m["torch_threads"]}",
+    fig.suptitle(f"attnplug bench on {m['device']}: {m.get('gpu', m['cpu'])}, torch threads: {m['torch_threads']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
