@@ -140,6 +140,15 @@ class PagedProblem:
 
         return call
 
+    def floor_tokens(self, out: Any) -> torch.Tensor:
+        """The floor's output in the backends' layout, ``[tokens, num_heads, head_dim]``."""
+        H, D = self.layer.num_heads, self.layer.head_dim
+        if isinstance(out, list):  # per request: [1, H, e, D] each
+            return torch.cat([o[0].movedim(0, 1) for o in out])
+        if self.p.mode == "decode":  # [B, Hkv, G, D]
+            return out.reshape(out.shape[0], H, D)
+        return out.transpose(1, 2).reshape(-1, H, D)  # [B, H, e, D]
+
     # -- baseline: the contiguous floor -----------------------------------------------
     def floor_call(self) -> tuple[str, Callable[[], Any]]:
         """``(method, call)``: the same attention over K/V gathered (once, here) into contiguous tensors."""

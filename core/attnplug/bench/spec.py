@@ -27,6 +27,13 @@ DEFAULT_BATCH: dict[str, int] = {"decode": 32, "extend": 4, "verify": 32, "mixed
 DEFAULT_MAX_KV_GIB = 8.0
 
 
+def goal_met(mode: str, ms: float, floor_ms: float, loop_ms: float) -> bool:
+    """Whether a backend row meets its mode's goal (``GOALS``): at most the ratio to the floor,
+    and for extend-shaped modes strictly faster than the per-request loop."""
+    ratio, need_loop = GOALS[mode]
+    return ms <= ratio * floor_ms and (not need_loop or ms < loop_ms)
+
+
 class BenchUsageError(ValueError):
     """A bad ``attnplug bench`` argument (the message is the one line the user sees)."""
 
