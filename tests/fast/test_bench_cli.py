@@ -93,3 +93,23 @@ def test_user_error_in_a_fresh_process_has_no_traceback(argv):
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("attnplug bench: error: ")
+
+
+def _spec(*argv: str):
+    from attnplug.cli.bench_cmd import parse_spec
+    from attnplug.cli.main import build_parser
+
+    return parse_spec(build_parser("bench").parse_args(["bench", *argv]))
+
+
+def test_lists_make_the_sweep_and_quick_fills_only_what_was_not_given():
+    s = _spec("--batch", "1,8,8", "--context", "128,1024", "--dtype", "fp32,bf16", "--mode", "all")
+    assert s.batches == (1, 8) and s.contexts == (128, 1024) and s.dtypes == ("float32", "bfloat16")
+    assert s.modes == ("decode", "extend", "verify", "mixed")
+    assert len(list(s.problems())) == 4 * 2 * 2 * 2
+    q = _spec("--quick", "--context", "64", "--mode", "decode")
+    assert q.contexts == (64,) and q.modes == ("decode",)  # given explicitly: kept
+    assert q.batches == (2,) and q.repeats == 3 and q.threads == 1 and q.head_dims == (32,)  # quick's
+    d = _spec()
+    assert d.batches is None and [p.batch for p in d.problems()] == [32]  # decode's default batch
+    assert [p.batch for p in _spec("--mode", "extend").problems()] == [4]
