@@ -150,3 +150,17 @@ def test_plot_writes_a_png(tmp_path, capsys):
     path = tmp_path / "b.png"
     assert main(["bench", *TINY, "--context", "20,24", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_backend_that_raises_is_a_note_and_the_baselines_still_run(monkeypatch, capsys):
+    """torch_native's forward is patched to raise, standing for a broken kernel."""
+    from attnplug_torch_native.backend import TorchNativeBackend
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TorchNativeBackend, "forward", boom)
+    assert main(["bench", *TINY, "--backend", "torch_native,template_sdpa", "--json", "-"]) == 0
+    (res,) = json.loads(capsys.readouterr().out)["problems"]
+    assert res["notes"] == ["torch_native: failed (RuntimeError: boom)"]
+    assert [r["name"] for r in res["rows"]] == ["template_sdpa", runner.LOOP, runner.FLOOR]
