@@ -212,14 +212,16 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     floor_diff = float((prob.floor_tokens(floor()).float() - expected.float()).abs().max())
     calls[LOOP] = loop
     calls[FLOOR] = floor
-    ms = interleaved_median_ms(calls, spec.repeats, spec.warmup, prob.sync, flush)
+    best: dict[str, float] = {}
+    ms = interleaved_median_ms(calls, spec.repeats, spec.warmup, prob.sync, flush, best)
     kv = p.kv_bytes()
     target, need_loop = GOALS[p.mode]
     rows = []
     for name, t in ms.items():
         kind = "backend" if name in built else ("loop" if name == LOOP else "floor")
         row: dict[str, Any] = {"name": name, "kind": kind, "ms": t, "ratio_to_floor": t / ms[FLOOR],
-                               "speedup_vs_loop": ms[LOOP] / t, "problem_label": p.label()}
+                               "speedup_vs_loop": ms[LOOP] / t, "problem_label": p.label(),
+                               "best_ms": best[name], "best_ratio_to_floor": best[name] / best[FLOOR]}
         if p.mode == "decode":
             row["kv_bytes_per_s"] = kv / (t / 1e3)
             row["bandwidth_fraction"] = row["kv_bytes_per_s"] / bandwidth

@@ -25,10 +25,12 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[
 
 def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, warmup: int,
                           sync: Callable[[], None] = lambda: None,
-                          flush: Callable[[], None] = lambda: None) -> dict[str, float]:
+                          flush: Callable[[], None] = lambda: None,
+                          best: dict[str, float] | None = None) -> dict[str, float]:
     """Median ms per call of each entry, timed round-robin (one call of each per round), so a
     change in machine load during the run hits every entry alike. ``flush`` runs (untimed)
-    before every timed call, so no entry finds the previous one's data in cache."""
+    before every timed call, so no entry finds the previous one's data in cache. ``best``, when
+    given, receives each entry's fastest call (the estimator least hurt by other jobs on the machine)."""
     for fn in calls.values():
         for _ in range(warmup):
             fn()
@@ -42,6 +44,8 @@ def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, war
             fn()
             sync()
             times[label].append(time.perf_counter() - t0)
+    if best is not None:
+        best.update({k: min(v) * 1e3 for k, v in times.items()})
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
