@@ -23,10 +23,11 @@ def require_matplotlib() -> None:
             from None
 
 
-def _series(result: dict[str, Any], decode_only: bool, key: str) -> dict[str, list[tuple[int, float]]]:
+def _series(result: dict[str, Any], decode_only: bool, key: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """``(row name, other swept values) -> [(context, value)]``."""
     probs = [res["problem"] for res in result["problems"]]
     varying = [f for f in _SWEPT if len({p[f] for p in probs}) > 1]
-    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    out: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for res in result["problems"]:
         p = res["problem"]
         if decode_only and p["mode"] != "decode":
@@ -34,9 +35,18 @@ def _series(result: dict[str, Any], decode_only: bool, key: str) -> dict[str, li
         tag = " ".join(f"{f}={p[f]}" for f in varying)
         for r in res["rows"]:
             if key in r:
-                name = r["name"].split(":")[0]
-                out[f"{name} {tag}".strip()].append((p["context"], r[key]))
+                out[(r["name"].split(":")[0], tag)].append((p["context"], r[key]))
     return {k: sorted(v) for k, v in out.items()}
+
+
+def _draw(ax: Any, series: dict[tuple[str, str], list[tuple[int, float]]]) -> None:
+    """One colour per row (backend, loop, floor), one line style per combination of the other values."""
+    names = list(dict.fromkeys(n for n, _ in series))
+    tags = list(dict.fromkeys(t for _, t in series))
+    styles = ["-", "--", ":", "-."]
+    for (name, tag), pts in series.items():
+        ax.plot([c for c, _ in pts], [v for _, v in pts], styles[tags.index(tag) % len(styles)], marker="o",
+                color=f"C{names.index(name) % 10}", label=f"{name} {tag}".strip())
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -46,15 +56,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for label, pts in _series(result, False, "ms").items():
-        style = "--" if label.startswith(("loop", "floor")) else "-"
-        left.plot([c for c, _ in pts], [t for _, t in pts], style, marker="o", label=label)
+    _draw(left, _series(result, False, "ms"))
     left.set(xscale="log", yscale="log", xlabel="context (cached tokens per request)", ylabel="ms per call",
              title="time per row vs context")
     left.legend(fontsize=7)
-    for label, pts in _series(result, True, "bandwidth_fraction").items():
-        style = "--" if label.startswith(("loop", "floor")) else "-"
-        right.plot([c for c, _ in pts], [f for _, f in pts], style, marker="o", label=label)
+    _draw(right, _series(result, True, "bandwidth_fraction"))
     gbs = result["bandwidth"]["bytes_per_s"] / 1e9
     right.set(xscale="log", xlabel="context (cached tokens per request)", ylim=(0, None),
               ylabel=f"K/V read rate / read bandwidth ({gbs:.1f} GB/s)", title="decode: fraction of read bandwidth")
