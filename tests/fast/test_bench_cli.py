@@ -113,3 +113,15 @@ def test_lists_make_the_sweep_and_quick_fills_only_what_was_not_given():
     d = _spec()
     assert d.batches is None and [p.batch for p in d.problems()] == [32]  # decode's default batch
     assert [p.batch for p in _spec("--mode", "extend").problems()] == [4]
+
+
+def test_a_reader_that_leaves_early_is_not_a_traceback():
+    """`attnplug bench --json - | head`: stdout is closed before the results are written."""
+    cmd = [sys.executable, "-m", "attnplug", "bench", "--batch", "2", "--context", "16", "--heads", "4",
+           "--kv-heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0", "--bandwidth-mib", "8",
+           "--threads", "1", "--json", "-"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -142,13 +142,19 @@ def run(args: argparse.Namespace) -> int:
 
     show = bool(args.progress) or sys.stderr.isatty()
     result = run_sweep(prepared, progress=sys.stderr if show else None)
-    if args.json == "-":
-        write_json(result, sys.stdout)
-    else:
-        print(format_table(result))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                write_json(result, fh)
+    try:
+        if args.json == "-":
+            write_json(result, sys.stdout)
+        else:
+            print(format_table(result))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `attnplug bench … | head`: the reader left; not an error of the run
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.json and args.json != "-":
+        with open(args.json, "w", encoding="utf-8") as fh:
+            write_json(result, fh)
     if args.plot:
         from ..bench.plot import plot
 
