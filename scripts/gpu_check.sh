@@ -42,9 +42,9 @@ timeout 300 $PY scripts/gpu_contract_cases.py --json "$OUT/contract_cases.json" 
 timeout 420 $PY -m pytest --backend=all -q -p no:cacheprovider -x \
   --conformance-report="$OUT/conformance.json" 2>&1 | tail -40 | tee "$OUT/conformance.txt"
 
-# decode benchmark on CUDA, fp16 and fp32, side by side with the baselines
-for dt in float16 float32; do
-  timeout 120 $PY -m attnplug bench --device cuda --dtype "$dt" --json > "$OUT/bench_$dt.json" 2>&1
-  tail -5 "$OUT/bench_$dt.json"
-done
+# benchmark on CUDA: decode and extend, fp16 and bf16, against the loop and the floor side by side
+# (docs/performance.md, "GPU rows", is filled in from bench.txt / bench.json)
+timeout 300 $PY -m attnplug bench --device cuda --backend all --mode decode,extend --dtype float16,bfloat16 \
+  --batch 1,32 --context 1024,8192 --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+tail -40 "$OUT/bench.txt"
 echo "gpu_check done; results in $OUT"

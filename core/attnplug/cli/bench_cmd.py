@@ -1,308 +1,163 @@
-"""``attnplug bench``: paged decode of one backend against two baselines, side by side.
+"""``attnplug bench``: backends against the per-request loop and the contiguous floor, side by side.
 
-Measured in one process, on one problem (pages scattered at random):
-
-* the backend under test: ``forward`` of one layer on a decode batch whose
-  metadata was built once (as in an engine, where every layer shares it);
-  it writes the new K/V and attends over the paged cache;
-* baseline (a), ``per-request SDPA``: what common engines' torch-native
-  backends do: write the new K/V, then for each request gather its K/V through
-  ``req_to_token`` and call ``torch.nn.functional.scaled_dot_product_attention``;
-* baseline (b), ``floor``: attention on K/V already gathered into contiguous
-  ``[batch, kv_heads, context, head_dim]`` tensors (no paging, no gather, no
-  write): the faster of SDPA and plain matmul-softmax-matmul.
-
-Numbers are medians of ``--repeats`` timed calls after ``--warmup`` calls,
-timed round-robin; before each timed call the CPU caches are flushed (unless
-``--warm``), as in a real forward where the other layers ran in between.
-torch is imported inside ``run`` only (``attnplug`` stays light).
+The flags are parsed here (no torch); the measuring lives in ``attnplug.bench``
+and is imported only when the command runs. A bad argument prints one line
+and exits 2; goals are information, so a finished run exits 0 whether or not
+they are met.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+import sys
 
-# json, statistics, time and torch are imported where used: `attnplug` builds every
-# subcommand's parser on each start (`attnplug list` included), so this module stays light.
+from ..bench.spec import DEFAULT_MAX_KV_GIB, MODES, BenchUsageError, Spec, dtype_list, int_list, name_list
 
-DEFAULTS = dict(batch=32, context=1024, heads=32, kv_heads=8, head_dim=128, page_size=16, dtype="float32",
-                repeats=10, warmup=2)
+#: defaults; ``--quick`` replaces those the user did not give with the QUICK ones
+DEFAULTS = dict(backend="torch_native", mode="decode", dtype="float32", batch=None, context="1024", heads="32",
+                kv_heads="8", head_dim="128", page_size="16", new_tokens="512", draft="4", repeats="10",
+                warmup="2", bandwidth_mib="512", threads=None)
+QUICK = dict(mode=",".join(MODES), batch="2", context="32,128", heads="8", kv_heads="2", head_dim="32",
+             new_tokens="16", repeats="3", warmup="1", bandwidth_mib="64", threads="1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="torch_native", metavar="NAME",
-                        help="installed backend (name or alias) to benchmark (default: torch_native)")
-    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="requests per decode batch (default: 32)")
-    parser.add_argument("--context", type=int, default=DEFAULTS["context"],
-                        help="KV length of every request, the new token included (default: 1024)")
-    parser.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="query heads (default: 32)")
-    parser.add_argument("--kv-heads", type=int, default=DEFAULTS["kv_heads"], help="KV heads (default: 8)")
-    parser.add_argument("--head-dim", type=int, default=DEFAULTS["head_dim"], help="head dim (default: 128)")
-    parser.add_argument("--page-size", type=int, default=DEFAULTS["page_size"], help="KV-cache page size (default: 16)")
-    parser.add_argument("--dtype", default=DEFAULTS["dtype"], help="model and KV-cache dtype (default: float32)")
-    parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], help="timed calls per row (default: 10)")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed calls first (default: 2)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="page scatter and data seed (default: 0)")
-    parser.add_argument("--warm", action="store_true",
-                        help="do not flush the CPU caches before each timed call (default: flush, as in a real "
-                        "forward where the other layers ran in between)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    a = parser.add_argument
+    a("--backend", metavar="NAME[,NAME…]|all",
+      help="backends to measure, by name or alias; 'all' = every backend available here (default: torch_native)")
+    a("--mode", metavar="MODE[,MODE…]|all",
+      help="decode, extend, verify (target-verify, --draft tokens a request) or mixed (decode requests and "
+      "--new-tokens prefill chunks alternate) (default: decode)")
+    a("--batch", metavar="N[,N…]", help="requests per batch (default: decode/verify 32, extend/mixed 4)")
+    a("--context", metavar="N[,N…]",
+      help="tokens each request has in the paged cache before this forward (default: 1024)")
+    a("--heads", metavar="N", help="query heads (default: 32)")
+    a("--kv-heads", metavar="N[,N…]", help="KV heads; each must divide --heads (default: 8)")
+    a("--head-dim", metavar="N[,N…]", help="head dim (default: 128)")
+    a("--page-size", metavar="N[,N…]", help="KV-cache page size (default: 16)")
+    a("--dtype", metavar="DTYPE[,DTYPE…]", help="model and KV-cache dtype: float32, float16, bfloat16 "
+      "(default: float32)")
+    a("--new-tokens", metavar="N", help="new tokens per prefill request in extend and mixed (default: 512)")
+    a("--draft", metavar="N", help="draft tokens per request in verify (default: 4)")
+    a("--repeats", metavar="N", help="timed calls per row; the median is reported (default: 10)")
+    a("--warmup", metavar="N", help="untimed calls first (default: 2)")
+    a("--device", default="cpu", help="torch device (default: cpu)")
+    a("--threads", metavar="N", help="torch CPU threads for the run (default: torch's own choice; --quick: 1)")
+    a("--seed", default="0", metavar="N", help="page scatter and data seed (default: 0)")
+    a("--warm", action="store_true", help="do not flush the CPU caches before each timed call (default: flush, "
+      "as in a real forward where the other layers ran in between)")
+    a("--max-kv-gib", metavar="GIB", help=f"skip problems whose K/V exceed this (default: {DEFAULT_MAX_KV_GIB:g})")
+    a("--bandwidth-mib", metavar="MIB", help="size of the tensor summed to measure read bandwidth (default: 512)")
+    a("--quick", action="store_true", help="a tiny sweep (every mode, small shapes, 3 repeats, one thread) for "
+      "CI; flags given explicitly still apply")
+    a("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout, instead of the table)")
+    a("--plot", metavar="PATH", help="write a PNG: time per row vs context, and decode's fraction of read "
+      "bandwidth (needs matplotlib: pip install 'attnplug[plot]')")
+    a("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
+
+
+def parse_spec(args: argparse.Namespace) -> Spec:
+    """The sweep described by ``args``; ``BenchUsageError`` naming the flag for a bad value."""
+    given = {k: getattr(args, k, None) for k in DEFAULTS}
+    value = {k: (given[k] if given[k] is not None else
+                 (QUICK[k] if args.quick and k in QUICK else DEFAULTS[k])) for k in DEFAULTS}
+    heads = int_list("--heads", value["heads"])
+    if len(heads) != 1:
+        raise BenchUsageError(f"--heads {value['heads']!r}: give one number of query heads")
+    kv_heads = int_list("--kv-heads", value["kv_heads"])
+    for kv in kv_heads:
+        if heads[0] % kv:
+            raise BenchUsageError(f"--kv-heads {kv} does not divide --heads {heads[0]}")
+    try:
+        max_kv = float(args.max_kv_gib) if args.max_kv_gib is not None else DEFAULT_MAX_KV_GIB
+    except ValueError:
+        raise BenchUsageError(f"--max-kv-gib {args.max_kv_gib!r} is not a number") from None
+    if not max_kv > 0:
+        raise BenchUsageError(f"--max-kv-gib {args.max_kv_gib!r} must be > 0")
+    backends = name_list("--backend", value["backend"])
+    if "all" in backends and len(backends) > 1:
+        raise BenchUsageError("--backend: 'all' cannot be combined with names")
+    device = str(args.device).strip()
+    if not device:
+        raise BenchUsageError("--device '': expected a torch device such as cpu or cuda")
+    return Spec(
+        backends=backends,
+        modes=name_list("--mode", value["mode"], MODES),
+        dtypes=dtype_list(value["dtype"]),
+        batches=int_list("--batch", value["batch"]) if value["batch"] is not None else None,
+        contexts=int_list("--context", value["context"]),
+        heads=heads[0],
+        kv_heads=kv_heads,
+        head_dims=int_list("--head-dim", value["head_dim"]),
+        page_sizes=int_list("--page-size", value["page_size"]),
+        new_tokens=_one("--new-tokens", value["new_tokens"]),
+        draft=_one("--draft", value["draft"]),
+        device=device,
+        repeats=_one("--repeats", value["repeats"]),
+        warmup=_one("--warmup", value["warmup"], minimum=0),
+        seed=_one("--seed", args.seed, minimum=0),
+        warm=bool(args.warm),
+        max_kv_gib=max_kv,
+        bandwidth_mib=_one("--bandwidth-mib", value["bandwidth_mib"]),
+        threads=_one("--threads", value["threads"]) if value["threads"] is not None else None,
+    )
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """``path`` can be written (its folder exists, it is not a folder), before anything is measured."""
+    if path is None or (flag == "--json" and path == "-"):
+        return
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise BenchUsageError(f"{flag} {path!r}: cannot write there (expected a file path in an existing, "
+                              f"writable folder)")
+
+
+def _one(flag: str, text: str, minimum: int = 1) -> int:
+    values = int_list(flag, text, minimum=minimum)
+    if len(values) != 1:
+        raise BenchUsageError(f"{flag} {text!r}: give one integer")
+    return values[0]
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
-    result = decode_benchmark(
-        backend=args.backend, batch=args.batch, context=args.context, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype, repeats=args.repeats,
-        warmup=args.warmup, device=args.device, seed=args.seed, warm=args.warm,
-    )
-    if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
-    else:
-        print(format_result(result))
-    return 0
-
-
-# ---------------------------------------------------------------------------
-# reusable pieces (benchmarks/ scripts import these)
-# ---------------------------------------------------------------------------
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup`` calls."""
-    import statistics
-    import time
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                          sync: Callable[[], None] = lambda: None,
-                          flush: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Median ms per call of each entry, timed round-robin (one call of each per round), so
-    that a change in machine load during the run hits every entry alike. ``flush`` runs
-    (untimed) before every timed call, so no entry finds the previous one's data in cache."""
-    import statistics
-    import time
-
-    for fn in calls.values():
-        for _ in range(warmup):
-            fn()
-    sync()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(max(1, repeats)):
-        for label, fn in calls.items():
-            flush()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[label].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
-
-
-def cache_flusher(device: str = "cpu", warm: bool = False) -> Callable[[], None]:
-    """A callable that evicts the CPU caches (reads a buffer twice the last-level cache),
-    so every timed call starts cold, as a layer's attention does in a real forward (the
-    other layers ran in between). ``warm=True`` or a non-CPU device: a no-op."""
-    if warm or not str(device).startswith("cpu"):
-        return lambda: None
-    import torch
-
-    size = 64 << 20
     try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size", encoding="utf-8") as fh:
-            text = fh.read().strip().upper()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-        size = int(text.rstrip("KMG")) * mult
-    except (OSError, ValueError):
-        pass
-    buf = torch.ones(min(2 * size, 2 << 30) // 4, dtype=torch.float32)  # pages touched once, here
+        spec = parse_spec(args)
+        check_output_path("--json", args.json)
+        check_output_path("--plot", args.plot)
+        if args.plot:
+            from ..bench.plot import require_matplotlib
 
-    def flush() -> None:
-        buf.sum()  # reads only: no dirty lines left to write back during the timed call
+            require_matplotlib()
+        from ..bench.runner import prepare
 
-    return flush
+        prepared = prepare(spec)  # backends, device: user errors surface here, before any timing
+    except BenchUsageError as exc:
+        print(f"attnplug bench: error: {exc}", file=sys.stderr)
+        return 2
+    from ..bench.report import format_table, write_json
+    from ..bench.runner import run_sweep
 
+    show = bool(args.progress) or sys.stderr.isatty()
+    result = run_sweep(prepared, progress=sys.stderr if show else None)
+    try:
+        if args.json == "-":
+            write_json(result, sys.stdout)
+        else:
+            print(format_table(result))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `attnplug bench … | head`: the reader left; not an error of the run
+        import os
 
-class DecodeProblem:
-    """One paged decode problem: a one-layer cache with scattered pages, a batch and q/k/v."""
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.json and args.json != "-":
+        with open(args.json, "w", encoding="utf-8") as fh:
+            write_json(result, fh)
+    if args.plot:
+        from ..bench.plot import plot
 
-    def __init__(self, *, batch: int, context: int, heads: int, kv_heads: int, head_dim: int, page_size: int,
-                 dtype: str, device: str = "cpu", seed: int = 0) -> None:
-        import torch
-
-        from attnplug import AttentionConfig, BuildContext, ForwardBatch, LayerSpec, PageAllocator, PagedKVCache
-        from attnplug.dtypes import torch_dtype
-        from attnplug.host import detect_host
-
-        if context < 1 or batch < 1:
-            raise ValueError(f"--batch and --context must be >= 1 (got {batch}, {context})")
-        self.torch = torch
-        self.dtype = torch_dtype(dtype)
-        self.device = torch.device(device)
-        self.batch, self.context, self.page_size = batch, context, page_size
-        pages_per_req = (context + page_size - 1) // page_size
-        num_pages = batch * pages_per_req + 8
-        gen = torch.Generator().manual_seed(seed)
-        self.cache = PagedKVCache(1, num_pages, kv_heads, head_dim, page_size=page_size, dtype=dtype, device=device,
-                                  max_requests=batch, max_context_len=context)
-        for buf in (self.cache.k_buffers[0], self.cache.v_buffers[0]):
-            buf.copy_(torch.randn(buf.shape, generator=gen).to(self.dtype))
-        alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
-        for r in range(batch):
-            self.cache.assign_pages(r, context, alloc.alloc(pages_per_req))
-        req = torch.arange(batch)
-        loc = self.cache.req_to_token[req, context - 1].clone()
-        self.fb = ForwardBatch.decode(req.to(device), torch.full((batch,), context, device=device), loc)
-        self.layer = LayerSpec(0, heads, kv_heads, head_dim)
-        self.q = torch.randn(batch, heads, head_dim, generator=gen).to(self.dtype).to(device)
-        self.k = torch.randn(batch, kv_heads, head_dim, generator=gen).to(self.dtype).to(device)
-        self.v = torch.randn(batch, kv_heads, head_dim, generator=gen).to(self.dtype).to(device)
-        self.ctx = BuildContext(
-            config=AttentionConfig(attention_backend="torch_native"), host=detect_host(), device=device,
-            dtype=dtype, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-            kv_cache=self.cache, max_batch_size=batch, max_context_len=context,
-        )
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-
-    # -- the backend under test ------------------------------------------
-    def backend_call(self, backend: Any) -> Callable[[], Any]:
-        fb, layer, q, k, v = self.fb, self.layer, self.q, self.k, self.v
-        backend.init_forward_metadata(fb)  # once per forward, shared by every layer
-
-        def call() -> Any:
-            return backend.forward(q, k, v, layer, fb, save_kv_cache=True)
-
-        return call
-
-    # -- baseline (a): per-request gather + SDPA ---------------------------
-    def per_request_sdpa_call(self) -> Callable[[], Any]:
-        torch = self.torch
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        cache, fb, layer = self.cache, self.fb, self.layer
-        k_cache, v_cache = cache.get_kv(0)
-        req_to_token = cache.req_to_token
-        gqa = layer.num_heads != layer.num_kv_heads
-        q, k, v = self.q, self.k, self.v
-
-        def call() -> Any:
-            cache.set_kv(0, fb.out_cache_loc, k, v)
-            query = q.movedim(0, 1)  # [H, T, D]
-            out = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
-            seq_lens = fb.seq_lens.tolist()
-            reqs = fb.req_pool_indices.tolist()
-            for i, (r, n) in enumerate(zip(reqs, seq_lens)):
-                tokens = req_to_token[r, :n]
-                per_k = k_cache[tokens].movedim(0, 1)  # [Hkv, n, D]
-                per_v = v_cache[tokens].movedim(0, 1)
-                o = sdpa(query[:, i:i + 1].unsqueeze(0), per_k.unsqueeze(0), per_v.unsqueeze(0),
-                         scale=layer.scaling, enable_gqa=gqa)
-                out[i] = o.squeeze(0).movedim(1, 0)[0]
-            return out
-
-        return call
-
-    # -- baseline (b): contiguous K/V, no paging ---------------------------
-    def floor_calls(self) -> dict[str, Callable[[], Any]]:
-        torch = self.torch
-        B, L = self.batch, self.context
-        H, Hkv, D = self.layer.num_heads, self.layer.num_kv_heads, self.layer.head_dim
-        G = H // Hkv
-        kc, vc = self.cache.get_kv(0)
-        slots = self.cache.req_to_token[:B, :L].reshape(-1)
-        K = kc[slots].view(B, L, Hkv, D).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-        V = vc[slots].view(B, L, Hkv, D).transpose(1, 2).contiguous()
-        q4 = self.q.view(B, H, 1, D)
-        qg = self.q.view(B, Hkv, G, D)
-        scale = self.layer.scaling
-
-        def sdpa() -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(q4, K, V, scale=scale, enable_gqa=G > 1)
-
-        def matmul() -> Any:
-            s = torch.matmul(qg, K.transpose(-1, -2)) * scale
-            return torch.matmul(torch.softmax(s, dim=-1), V)
-
-        return {"sdpa": sdpa, "matmul-softmax-matmul": matmul}
-
-
-def decode_benchmark(*, backend: str = "torch_native", variants: dict[str, Callable[[Any], Any]] | None = None,
-                     repeats: int = 10, warmup: int = 2, warm: bool = False, **problem: Any) -> dict[str, Any]:
-    """Run the side-by-side decode benchmark; returns a dict (see ``format_result``).
-
-    ``variants`` maps a label to a callable that builds another backend from
-    the problem's ``BuildContext``; each is timed in the same run.
-    """
-    import torch
-
-    from attnplug.registry import default_registry
-
-    p = DecodeProblem(**problem)
-    name, built = default_registry().build(backend, p.ctx)
-    call = p.backend_call(built)
-    out = call()
-    expected = p.per_request_sdpa_call()()
-    max_err = float((out.float() - expected.float()).abs().max())
-    calls: dict[str, Callable[[], Any]] = {name: call}
-    for label, make in (variants or {}).items():
-        calls[label] = p.backend_call(make(p.ctx))
-    calls["(a) per-request SDPA loop"] = p.per_request_sdpa_call()
-    floor_labels = {}
-    for kind, fn in p.floor_calls().items():
-        floor_labels[kind] = f"(b) floor: contiguous K/V, {kind}"
-        calls[floor_labels[kind]] = fn
-    rows = interleaved_median_ms(calls, repeats, warmup, p.sync, cache_flusher(p.device.type, warm))
-    floors = {kind: rows[label] for kind, label in floor_labels.items()}
-    best = min(floors, key=floors.get)  # type: ignore[arg-type]
-    meta_ms = median_ms(lambda: built.init_forward_metadata(p.fb), repeats, warmup, p.sync)
-    return {
-        "backend": name,
-        "problem": {k: v for k, v in problem.items()},
-        "caches": "warm" if warm else "flushed before every call",
-        "threads": torch.get_num_threads(),
-        "ms": rows,
-        "backend_ms": rows[name],
-        "per_request_ms": rows["(a) per-request SDPA loop"],
-        "floor_ms": floors[best],
-        "floor_kind": best,
-        "speedup_vs_per_request": rows["(a) per-request SDPA loop"] / rows[name],
-        "ratio_to_floor": rows[name] / floors[best],
-        "metadata_ms": meta_ms,
-        "max_abs_diff_vs_per_request": max_err,
-    }
-
-
-def format_result(r: dict[str, Any]) -> str:
-    p = r["problem"]
-    lines = [
-        f"paged decode: batch {p['batch']}, context {p['context']}, heads {p['heads']}/{p['kv_heads']} kv, "
-        f"head_dim {p['head_dim']}, {p['dtype']}, page_size {p['page_size']}, pages scattered; "
-        f"torch threads {r['threads']}; CPU caches {r['caches']}",
-    ]
-    width = max(len(k) for k in r["ms"])
-    for label, ms in r["ms"].items():
-        lines.append(f"  {label.ljust(width)}  {ms:9.3f} ms/call")
-    lines.append(f"  init_forward_metadata: {r['metadata_ms']:.3f} ms once per forward, shared by every layer "
-                 f"(a backend may memoise per-layer-shape tensors on the first layer)")
-    lines.append(
-        f"  {r['backend']} speedup over (a): {r['speedup_vs_per_request']:.2f}x (goal >= 10x); "
-        f"vs floor ({r['floor_kind']}): {r['ratio_to_floor']:.2f}x (goal <= 2x); "
-        f"max |diff| vs (a) {r['max_abs_diff_vs_per_request']:.2e}"
-    )
-    return "\n".join(lines)
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

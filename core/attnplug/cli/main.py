@@ -12,7 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "list": ("list_cmd", "list discovered backends: distribution, aliases, availability, capabilities"),
     "doctor": ("doctor_cmd", "check this host end to end: discover, resolve, build and run every backend"),
     "resolve": ("resolve_cmd", "resolve and explain the (prefill, decode) pair pass by pass"),
-    "bench": ("bench_cmd", "benchmark a backend against baselines, side by side"),
+    "bench": ("bench_cmd", "benchmark backends against the per-request loop and the contiguous floor, side by side"),
     "lint": ("lint_cmd", "static guard: report reads of the base attention_backend field"),
 }
 

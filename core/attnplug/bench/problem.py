@@ -1,0 +1,208 @@
+"""One benchmark problem on the real paged cache, and the two baselines run beside a backend.
+
+Why not the conformance suite's ``make_problem``: that builder serves small
+numeric cases (it imports pytest, caps a cache at 16 requests x 512 positions,
+and draws every slot through a float32 temporary), while bench needs batch 128
+x context 8192 caches of several GiB built in place. So this module keeps the
+one builder bench needs: the same pieces (``PagedKVCache``, ``PageAllocator``
+with pages scattered at random, ``ForwardBatch``), sized for measurement.
+
+Rows measured for each problem:
+
+* a backend: ``forward`` of one layer, metadata built once (every layer of a
+  forward shares it); it writes this forward's K/V and attends over the cache;
+* ``loop``: what engines' torch-native backends do: write the new K/V, then per
+  request gather its K/V through ``req_to_token`` and call SDPA (with the
+  causal-by-position mask when a request has more than one new token);
+* ``floor``: the same attention on K/V already contiguous per request, same
+  dtype, no paging, no gather, no write: matmul-softmax-matmul for decode;
+  SDPA with the causal-by-position mask for extend, verify and mixed (batched
+  when every request has the same shape, else per request).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..batch import ForwardBatch
+from ..config import AttentionConfig
+from ..context import BuildContext
+from ..dtypes import torch_dtype
+from ..kvcache import PageAllocator, PagedKVCache
+from ..layer import LayerSpec
+from ..modes import ForwardMode
+from .spec import Problem
+
+_MODES = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY,
+          "mixed": ForwardMode.MIXED}
+
+
+class PagedProblem:
+    """Cache (one layer, pages scattered), batch and q/k/v for one ``Problem``."""
+
+    def __init__(self, p: Problem, device: str, seed: int = 0) -> None:
+        self.p = p
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(p.dtype)
+        reqs = p.requests()
+        self.prefix = [c for c, _ in reqs]
+        self.extend = [e for _, e in reqs]
+        self.seq = [c + e for c, e in reqs]
+        ps = p.page_size
+        pages = [(s + ps - 1) // ps for s in self.seq]
+        num_pages = sum(pages) + 8
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.cache = PagedKVCache(1, num_pages, p.kv_heads, p.head_dim, page_size=ps, dtype=p.dtype,
+                                  device=self.device, max_requests=p.batch, max_context_len=max(self.seq))
+        for buf in (self.cache.k_buffers[0], self.cache.v_buffers[0]):
+            buf.normal_(generator=gen)  # in place: no float32 temporary of a multi-GiB cache
+        alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
+        for r, (s, n) in enumerate(zip(self.seq, pages)):
+            self.cache.assign_pages(r, s, alloc.alloc(n))
+        rows = torch.arange(p.batch, device=self.device)
+        loc = torch.cat([self.cache.req_to_token[r, c:s] for r, (c, s) in enumerate(zip(self.prefix, self.seq))])
+        mode = _MODES[p.mode]
+        if mode is ForwardMode.DECODE:
+            self.batch = ForwardBatch.decode(rows, torch.tensor(self.seq, device=self.device), loc)
+        else:
+            kw = {"spec_num_draft_tokens": p.draft} if mode is ForwardMode.TARGET_VERIFY else {}
+            self.batch = ForwardBatch.extend(rows, torch.tensor(self.prefix, device=self.device),
+                                             torch.tensor(self.extend, device=self.device), loc, mode=mode, **kw)
+        self.layer = LayerSpec(0, p.heads, p.kv_heads, p.head_dim)
+        t = sum(self.extend)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=self.device, dtype=self.dtype)
+
+        self.q, self.k, self.v = randn(t, p.heads, p.head_dim), randn(t, p.kv_heads, p.head_dim), \
+            randn(t, p.kv_heads, p.head_dim)
+
+    def context(self, name: str, host: Any) -> BuildContext:
+        p = self.p
+        return BuildContext(
+            config=AttentionConfig(attention_backend=name), host=host, device=str(self.device), dtype=p.dtype,
+            num_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.head_dim, page_size=p.page_size,
+            kv_cache=self.cache, max_batch_size=p.batch, max_context_len=max(self.seq), layers=(self.layer,),
+        )
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- the backend under test --------------------------------------------------
+    def backend_call(self, backend: Any) -> Callable[[], Any]:
+        batch, layer, q, k, v = self.batch, self.layer, self.q, self.k, self.v
+        backend.init_forward_metadata(batch)  # once per forward, shared by every layer
+
+        def call() -> Any:
+            return backend.forward(q, k, v, layer, batch, save_kv_cache=True)
+
+        return call
+
+    def _masks(self) -> list[torch.Tensor | None]:
+        """Per request: bool ``[new, seq]``, key ``j`` visible to new token ``t`` iff ``j <= prefix + t``
+        (``None`` for a single new token, which sees every key)."""
+        out: list[torch.Tensor | None] = []
+        for c, e, s in zip(self.prefix, self.extend, self.seq):
+            if e == 1:
+                out.append(None)
+                continue
+            pos = torch.arange(c, c + e, device=self.device)[:, None]
+            out.append(torch.arange(s, device=self.device)[None, :] <= pos)
+        return out
+
+    # -- baseline: per-request gather + SDPA --------------------------------------
+    def loop_call(self) -> Callable[[], Any]:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        cache, batch, layer = self.cache, self.batch, self.layer
+        k_cache, v_cache = cache.get_kv(0)
+        table = cache.req_to_token
+        gqa = layer.num_heads != layer.num_kv_heads
+        q, k, v = self.q, self.k, self.v
+        masks = self._masks()
+        spans = list(zip(range(len(self.seq)), self.seq, self.extend))
+
+        def call() -> Any:
+            cache.set_kv(0, batch.out_cache_loc, k, v)
+            out = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
+            start = 0
+            for (r, s, e), mask in zip(spans, masks):
+                tokens = table[r, :s]
+                kr = k_cache[tokens].movedim(0, 1).unsqueeze(0)  # [1, Hkv, s, D]
+                vr = v_cache[tokens].movedim(0, 1).unsqueeze(0)
+                qr = q[start:start + e].movedim(0, 1).unsqueeze(0)  # [1, H, e, D]
+                o = sdpa(qr, kr, vr, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+                out[start:start + e] = o[0].movedim(0, 1)
+                start += e
+            return out
+
+        return call
+
+    def floor_tokens(self, out: Any) -> torch.Tensor:
+        """The floor's output in the backends' layout, ``[tokens, num_heads, head_dim]``."""
+        H, D = self.layer.num_heads, self.layer.head_dim
+        if isinstance(out, list):  # per request: [1, H, e, D] each
+            return torch.cat([o[0].movedim(0, 1) for o in out])
+        if self.p.mode == "decode":  # [B, Hkv, G, D]
+            return out.reshape(out.shape[0], H, D)
+        return out.transpose(1, 2).reshape(-1, H, D)  # [B, H, e, D]
+
+    # -- baseline: the contiguous floor -----------------------------------------------
+    def floor_call(self) -> tuple[str, Callable[[], Any]]:
+        """``(method, call)``: the same attention over K/V gathered (once, here) into contiguous tensors."""
+        layer = self.layer
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        kc, vc = self.cache.get_kv(0)
+        scale = layer.scaling
+        per_k, per_v = [], []
+        for r, s in enumerate(self.seq):
+            tokens = self.cache.req_to_token[r, :s]
+            per_k.append(kc[tokens].movedim(0, 1).contiguous())  # [Hkv, s, D]
+            per_v.append(vc[tokens].movedim(0, 1).contiguous())
+        B = len(self.seq)
+        if self.p.mode == "decode":
+            K, V = torch.stack(per_k), torch.stack(per_v)  # [B, Hkv, L, D]
+            del per_k, per_v
+            qg = self.q.view(B, Hkv, H // Hkv, D)
+
+            def decode() -> Any:
+                s = torch.matmul(qg, K.transpose(-1, -2)) * scale
+                return torch.matmul(torch.softmax(s, dim=-1), V)
+
+            return "matmul-softmax-matmul", decode
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        gqa = H != Hkv
+        masks = self._masks()
+        if len(set(self.extend)) == 1 and len(set(self.seq)) == 1:
+            K, V = torch.stack(per_k), torch.stack(per_v)
+            del per_k, per_v
+            e = self.extend[0]
+            Q = self.q.view(B, e, H, D).transpose(1, 2).contiguous()  # [B, H, e, D]
+            mask = masks[0]
+
+            def batched() -> Any:
+                return sdpa(Q, K, V, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+            return "SDPA, causal-by-position mask, batched", batched
+        qs, start = [], 0
+        for e in self.extend:
+            qs.append(self.q[start:start + e].movedim(0, 1).unsqueeze(0).contiguous())
+            start += e
+        ks = [k.unsqueeze(0) for k in per_k]
+        vs = [v.unsqueeze(0) for v in per_v]
+
+        def per_request() -> Any:
+            return [sdpa(qr, kr, vr, attn_mask=m, scale=scale, enable_gqa=gqa)
+                    for qr, kr, vr, m in zip(qs, ks, vs, masks)]
+
+        return "SDPA, causal-by-position mask, per request", per_request
+
+
+def memory_needed(p: Problem) -> int:
+    """Bytes a problem needs at its peak, estimated: the paged cache, the floor's contiguous copy and a
+    gather workspace (each about the K/V size), plus the largest per-request score matrix in float32."""
+    reqs = p.requests()
+    biggest_scores = max(p.heads * e * (c + e) for c, e in reqs) * 4
+    return 3 * p.kv_bytes() + 2 * biggest_scores

@@ -1,0 +1,101 @@
+"""Timing: round-robin medians, a CPU cache flush, and this machine's read bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, warmup: int,
+                          sync: Callable[[], None] = lambda: None,
+                          flush: Callable[[], None] = lambda: None,
+                          best: dict[str, float] | None = None) -> dict[str, float]:
+    """Median ms per call of each entry, timed round-robin (one call of each per round), so a
+    change in machine load during the run hits every entry alike. ``flush`` runs (untimed)
+    before every timed call, so no entry finds the previous one's data in cache. ``best``, when
+    given, receives each entry's fastest call (the estimator least hurt by other jobs on the machine)."""
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(max(1, repeats)):
+        for label, fn in calls.items():
+            flush()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[label].append(time.perf_counter() - t0)
+    if best is not None:
+        best.update({k: min(v) * 1e3 for k, v in times.items()})
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size", encoding="utf-8") as fh:
+            text = fh.read().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        return int(text.rstrip("KMG")) * mult
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def cache_flusher(device: torch.device, warm: bool = False) -> Callable[[], None]:
+    """Evicts the CPU caches (sums a buffer twice the last-level cache) so every timed call starts
+    cold, as one layer's attention does in a real forward. ``warm`` or a non-CPU device: a no-op."""
+    if warm or device.type != "cpu":
+        return lambda: None
+    buf = torch.ones(min(2 * last_level_cache_bytes(), 2 << 30) // 4, dtype=torch.float32)
+
+    def flush() -> None:
+        buf.sum()  # reads only: no dirty lines left to write back during the timed call
+
+    return flush
+
+
+def read_bandwidth(device: torch.device, mib: int, repeats: int = 5) -> dict[str, Any]:
+    """This machine's read bandwidth: ``torch.sum`` over a float32 tensor of ``mib`` MiB (at least
+    4x the last-level cache on a CPU), best of ``repeats`` calls after one warm-up (the best call is
+    the one least disturbed; a sum reads every byte once and writes nothing)."""
+    nbytes = mib << 20
+    if device.type == "cpu":
+        nbytes = max(nbytes, 4 * last_level_cache_bytes())
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    buf.sum()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    del buf
+    return {
+        "bytes_per_s": nbytes / best,
+        "method": f"torch.sum over a {nbytes >> 20} MiB float32 tensor on {device}, best of {repeats} calls, "
+                  f"{torch.get_num_threads()} torch threads",
+    }

@@ -1,0 +1,166 @@
+"""``attnplug bench`` runs: the CI sweep, what its rows mean, its baselines' answers, skips, progress, plot.
+
+No timing is asserted anywhere (the numbers depend on the machine and its load);
+what is asserted is structure, verdict logic and that every row computes the same attention.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnplug.bench import runner
+from attnplug.bench.problem import PagedProblem
+from attnplug.bench.spec import GOALS, MODES, Problem, goal_met
+from attnplug.cli.main import main
+from attnplug.testing import reference
+
+TINY = ["--batch", "2", "--context", "20", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+        "--page-size", "4", "--new-tokens", "5", "--repeats", "1", "--warmup", "0", "--bandwidth-mib", "8",
+        "--threads", "1"]
+
+
+def test_quick_sweep_completes_and_writes_valid_json(tmp_path):
+    """What CI runs (tox.ini): every mode, a backend row per problem beside the loop and the floor."""
+    path = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "attnplug", "bench", "--quick", "--json", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # not a terminal and no --progress: no progress output
+    doc = json.loads(path.read_text())
+    modes = {res["problem"]["mode"] for res in doc["problems"]}
+    assert modes == set(MODES)
+    assert doc["bandwidth"]["bytes_per_s"] > 0 and "torch.sum" in doc["bandwidth"]["method"]
+    for res in doc["problems"]:
+        kinds = {r["name"]: r["kind"] for r in res["rows"]}
+        assert kinds == {"torch_native": "backend", runner.LOOP: "loop", runner.FLOOR: "floor"}
+        for r in res["rows"]:
+            assert 0 < r["best_ms"] <= r["ms"]  # the fastest call is never slower than the median
+            assert r["max_abs_diff_vs_loop"] < 1e-4 if r["kind"] != "loop" else True
+            if r["kind"] == "backend":
+                assert isinstance(r["goal"]["met"], bool)
+                mode = res["problem"]["mode"]
+                assert r["goal"]["met"] == goal_met(mode, r["ms"], r["ms"] / r["ratio_to_floor"],
+                                                    r["ms"] * r["speedup_vs_loop"])
+            assert ("bandwidth_fraction" in r) == (res["problem"]["mode"] == "decode")
+        if res["problem"]["mode"] == "decode":
+            (v,) = res["validation"]
+            assert v["backend"] == "torch_native" and v["bounds_checks_ms"] > 0 and v["init_forward_metadata_ms"] > 0
+    table = proc.stdout
+    assert "10x" not in table and "goals met in 8 of 8" in table or "goals met in" in table
+    assert table.count("met (") == 8  # one verdict per backend row (4 modes x 2 contexts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_loop_and_floor_compute_the_reference_attention(mode, page_size):
+    """The baselines are only baselines if they do the backend's work: both equal the float64
+    reference over the paged cache (mixed: unequal requests, so the floor runs per request)."""
+    p = Problem(mode, "float32", 3, 9, 4, 2, 8, page_size, new_tokens=5, draft=3)
+    prob = PagedProblem(p, "cpu", seed=3)
+    kb, vb = (t.clone() for t in prob.cache.get_kv(0))
+    want = reference.reference_attention(prob.q, prob.k, prob.v, prob.layer, prob.batch, kb, vb,
+                                         prob.cache.req_to_token)
+    loop = prob.loop_call()()
+    _, floor = prob.floor_call()
+    got_floor = prob.floor_tokens(floor())
+    assert loop.shape == got_floor.shape == want.shape
+    torch.testing.assert_close(loop.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_floor.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_problem_shapes_per_mode():
+    reqs = {m: Problem(m, "float32", 4, 100, 8, 2, 64, 16, new_tokens=7, draft=3).requests() for m in MODES}
+    assert reqs["decode"] == [(100, 1)] * 4
+    assert reqs["extend"] == [(100, 7)] * 4
+    assert reqs["verify"] == [(100, 3)] * 4
+    assert reqs["mixed"] == [(100, 1), (100, 7), (100, 1), (100, 7)]
+    # K and V, every token each request reads, 2 KV heads x 64 dims x 4 bytes
+    assert Problem("decode", "float32", 4, 100, 8, 2, 64, 16).kv_bytes() == 4 * 101 * 2 * 2 * 64 * 4
+    assert Problem("decode", "bfloat16", 4, 100, 8, 2, 64, 16).kv_bytes() == 4 * 101 * 2 * 2 * 64 * 2
+
+
+@pytest.mark.parametrize("mode,ms,floor,loop,met", [
+    ("decode", 1.3, 1.0, 0.5, True),     # at the decode bound; the loop does not count for decode
+    ("decode", 1.31, 1.0, 9.0, False),
+    ("extend", 1.15, 1.0, 2.0, True),
+    ("extend", 1.1, 1.0, 1.05, False),   # within the floor bound but slower than the loop
+    ("verify", 1.2, 1.0, 5.0, False),
+    ("mixed", 1.0, 1.0, 1.0, False),     # a tie with the loop is not faster
+])
+def test_goal_verdicts(mode, ms, floor, loop, met):
+    assert goal_met(mode, ms, floor, loop) is met
+    assert GOALS["decode"][0] == 1.3 and GOALS["extend"][0] == GOALS["verify"][0] == GOALS["mixed"][0] == 1.15
+
+
+def test_over_the_kv_limit_is_skipped_with_a_note_and_exit_0(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    rc = main(["bench", *TINY, "--context", "20,2000", "--max-kv-gib", "0.0001", "--json", str(path)])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    assert [r["problem"]["context"] for r in doc["problems"]] == [20]
+    (skip,) = doc["skipped"]
+    assert skip["problem"]["context"] == 2000 and "over the 0.0001 GiB limit (--max-kv-gib)" in skip["reason"]
+    assert "skipped: decode float32 batch 2 context 2000" in out
+
+
+def test_over_available_memory_is_skipped_with_a_note(monkeypatch):
+    """Available memory is made tiny (monkeypatched) to stand for a problem larger than the machine."""
+    monkeypatch.setattr(runner, "available_memory", lambda device: 1 << 20)
+    spec_problem = Problem("decode", "float32", 32, 8192, 32, 8, 128, 16)
+    from attnplug.bench.spec import DEFAULT_MAX_KV_GIB
+
+    class S:
+        max_kv_gib = DEFAULT_MAX_KV_GIB
+
+    reason = runner._skip_reason(spec_problem, S, torch.device("cpu"))
+    assert reason.startswith("needs about ") and "GiB available on cpu" in reason
+
+
+def test_progress_only_when_asked_or_a_terminal(capsys):
+    assert main(["bench", *TINY, "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and json.loads(out)["problems"]  # --json -: the document on stdout, no table
+    assert main(["bench", *TINY, "--context", "20,24", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "[1/2] decode float32 batch 2 context 20" in err and "[2/2]" in err
+    assert "goals met in" in out
+
+
+def test_several_backends_and_dtypes_are_measured_side_by_side(capsys):
+    assert main(["bench", *TINY, "--backend", "torch,template", "--dtype", "float32,bf16", "--mode", "extend",
+                 "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backends"] == ["torch_native", "template_sdpa"]  # aliases resolved, order kept
+    assert [r["problem"]["dtype"] for r in doc["problems"]] == ["float32", "bfloat16"]
+    for res in doc["problems"]:
+        names = [r["name"] for r in res["rows"]]
+        assert names == ["torch_native", "template_sdpa", runner.LOOP, runner.FLOOR]
+        tol = 1e-4 if res["problem"]["dtype"] == "float32" else 5e-2
+        assert all(r["max_abs_diff_vs_loop"] < tol for r in res["rows"] if "max_abs_diff_vs_loop" in r)
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "b.png"
+    assert main(["bench", *TINY, "--context", "20,24", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_backend_that_raises_is_a_note_and_the_baselines_still_run(monkeypatch, capsys):
+    """torch_native's forward is patched to raise, standing for a broken kernel."""
+    from attnplug_torch_native.backend import TorchNativeBackend
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TorchNativeBackend, "forward", boom)
+    assert main(["bench", *TINY, "--backend", "torch_native,template_sdpa", "--json", "-"]) == 0
+    (res,) = json.loads(capsys.readouterr().out)["problems"]
+    assert res["notes"] == ["torch_native: failed (RuntimeError: boom)"]
+    assert [r["name"] for r in res["rows"]] == ["template_sdpa", runner.LOOP, runner.FLOOR]
