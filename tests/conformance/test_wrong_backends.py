@@ -80,3 +80,60 @@ def test_ignored_sinks_fail_sink_cases_only(wrong_site: Path, tmp_path: Path) ->
     failed, passed, _ = _split(run, "conf_no_sinks")
     assert failed == {k for k in failed | passed if "sinks" in k}
     assert failed and passed
+
+
+# -- the depth and robustness families (issue 15, issue 9) ------------------------------
+DEPTH = ("test_garbage and ps16 and float32 or test_edge and float32 or test_scaling and float32 or test_no_save and float32 "
+         "or test_unmapped_slot and float32 or test_cross_attention and float32 or test_rejected or test_kv_none "
+         "or test_output_ownership or test_random or test_mode and float32 and ps16")
+
+
+def test_correct_backends_pass_the_depth_and_robustness_families(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_reference", "--backend=conf_narrow", "--conformance-examples=4", "-k",
+                      DEPTH + " or test_refusal"], tmp_path, wrong_site, timeout=900)
+    assert run.proc.returncode == 0, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_reference")
+    assert not failed and len(passed) > 100
+    fams = {k.split("[")[0] for k in passed}
+    assert {"test_garbage", "test_edge", "test_rejected", "test_kv_none", "test_output_ownership", "test_random",
+            "test_no_save", "test_unmapped_slot", "test_scaling", "test_refusal"} <= fams
+    failed, passed, _ = _split(run, "conf_narrow")
+    refusals = {k for k in passed if k.startswith("test_refusal")}
+    assert not failed and {"test_refusal[dtype_int32]", "test_refusal[dtype_complex64]",
+                           "test_refusal[kv_dtype_float16]", "test_refusal[mode_target_verify]",
+                           "test_refusal[sinks]", "test_refusal[gqa]"} <= refusals
+
+
+def test_each_wrong_backend_fails_the_family_aimed_at_its_bug(wrong_site: Path, tmp_path: Path) -> None:
+    wrong = ("conf_default_scale", "conf_pad_multiply", "conf_write_first", "conf_no_bounds", "conf_reused_output",
+             "conf_mask_everywhere", "conf_new_from_cache", "conf_nan_when_empty")
+    run = run_pytest([*(f"--backend={w}" for w in wrong), "--conformance-examples=4", "-k", DEPTH], tmp_path,
+                     wrong_site, timeout=900)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    res = {w: _split(run, w) for w in wrong}
+
+    def fam(keys: set[str], prefix: str) -> set[str]:
+        return {k for k in keys if k.startswith(prefix)}
+
+    for w, (failed, passed, _) in res.items():  # the plain mode cases never show these bugs
+        assert not fam(failed, "test_mode[") and fam(passed, "test_mode["), w
+    failed, passed, _ = res["conf_default_scale"]
+    assert fam(failed, "test_scaling") == fam(failed | passed, "test_scaling") != set()
+    failed, passed, _ = res["conf_pad_multiply"]
+    garbage = fam(failed | passed, "test_garbage")
+    assert fam(failed, "test_garbage") == {k for k in garbage if "[cross" not in k} != set()
+    failed, passed, _ = res["conf_write_first"]
+    assert fam(failed, "test_rejected") == fam(failed | passed, "test_rejected") != set()
+    failed, passed, _ = res["conf_no_bounds"]
+    assert fam(failed, "test_rejected") == {k for k in fam(failed | passed, "test_rejected") if "dtype" not in k}
+    failed, passed, _ = res["conf_reused_output"]
+    assert fam(failed, "test_output_ownership") == fam(failed | passed, "test_output_ownership") != set()
+    failed, passed, _ = res["conf_mask_everywhere"]
+    assert fam(failed, "test_edge") == {k for k in fam(failed | passed, "test_edge") if "with_mask" in k} != set()
+    failed, passed, _ = res["conf_new_from_cache"]
+    for f in ("test_no_save", "test_unmapped_slot"):
+        assert fam(failed, f) == fam(failed | passed, f) != set(), f
+    failed, passed, _ = res["conf_nan_when_empty"]
+    empty = {k for k in failed | passed if "no_visible" in k or "_empty-" in k}
+    assert empty and empty <= failed
+    assert fam(failed, "test_edge") == {k for k in fam(failed | passed, "test_edge") if "no_visible" in k}

@@ -236,8 +236,9 @@ def gen_feature() -> list[Case]:
 
 
 def gen_cross_attention() -> list[Case]:
+    """Cross-attention, including requests whose encoder is empty (their rows see no key: zero)."""
     out = []
-    for name in ("cross_extend", "cross_decode"):
+    for name in ("cross_extend", "cross_decode", "cross_extend_empty", "cross_decode_empty"):
         for ps in (1, 16):
             for dt in DTYPES:
                 out.append(_case("cross_attention", scenario(name, ps), dt, ps,
@@ -331,12 +332,12 @@ def gen_long() -> list[Case]:
     with a window of 1000 (the window edge moves across blocks and chunks), with sinks and
     with a non-fused decode (``save_kv_cache=False``).
     """
-    out = []
-    for name in ("decode_long", "extend_long", "mixed_long"):
-        for dt in ("float32", "bfloat16"):
-            out.append(_case("long", scenario(name), dt, 16, shape=LONG_SHAPE))
+    out = [_case("long", scenario("decode_long"), dt, 16, shape=LONG_SHAPE) for dt in ("float32", "bfloat16")]
+    for name in ("decode_long", "extend_long"):
         out.append(_case("long", scenario(name), "float32", 16, "window1000", shape=LONG_SHAPE,
                          features=Features(sliding_window=1000)))
+    out.append(_case("long", scenario("extend_long"), "float32", 16, shape=LONG_SHAPE))
+    out.append(_case("long", scenario("mixed_long"), "float32", 16, shape=LONG_SHAPE))
     out.append(_case("long", scenario("decode_long"), "float32", 16, "sinks", shape=LONG_SHAPE,
                      features=Features(sinks=True)))
     out.append(_case("long", scenario("decode_long"), "float32", 64, "no_save", shape=LONG_SHAPE,
@@ -573,7 +574,7 @@ def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool 
         deterministic=case.family == "determinism",
     )
     if reasons:
-        return f"{'; '.join(reasons)}: {NOT_CLAIMED} {backend}"
+        return f"{NOT_CLAIMED} {backend}: {'; '.join(reasons)}"
     if case.family == "cuda_graph" and (not has_cuda or "cuda" not in caps.devices):
         return "cuda_graph: capture/replay needs a CUDA device (none on this host)"
     return None
