@@ -433,9 +433,12 @@ GARBAGE_MODES: tuple[str, ...] = tuple(n for n in ALL_MODE_SCENARIOS if n != "id
 
 def gen_garbage() -> list[Case]:
     """NaN or +inf in every slot no request owns (and in the ``out_cache_loc`` slots when nothing is
-    saved): outputs equal the reference. Every mode x page size 1/16/64 x {plain, window, sinks,
-    window+sinks}, NaN in float32 and +inf in bfloat16, plus ``save_kv_cache=False`` per mode."""
+    saved): outputs equal the reference. Pairwise over mode x page size x {plain, window, sinks,
+    window+sinks} x garbage: at page size 16 every mode with every setting, NaN in float32 and +inf
+    in bfloat16; at page sizes 1 and 64 every mode plain and three modes with window+sinks (the
+    garbage kind alternating); cross-attention; ``save_kv_cache=False`` per mode."""
     out = []
+    kinds = (("float32", "nan"), ("bfloat16", "inf"))
     for name in GARBAGE_MODES:
         cross = name.startswith("cross")
         for ps in PAGE_SIZES:
@@ -446,9 +449,17 @@ def gen_garbage() -> list[Case]:
                     if fname != "plain" or ps == 64:
                         continue
                     feat = Features(cross_attention=True)
-                if ps != 16 and fname not in ("plain", "window_sinks"):
-                    continue  # every setting at page size 16; plain and the combination at 1 and 64
-                for dt, g in (("float32", "nan"), ("bfloat16", "inf")):
+                if ps == 16:
+                    chosen = kinds
+                elif fname == "plain" or (fname == "window_sinks" and name in ("decode", "extend_prefix",
+                                                                               "target_verify")):
+                    flip = (ps == 64) != (fname == "window_sinks")
+                    chosen = (kinds[1 if flip else 0],)
+                else:
+                    continue
+                for dt, g in chosen:
+                    if cross and ps == 1 and g == "inf":
+                        continue
                     out.append(_case("garbage", scenario(name, ps), dt, ps, fname, g, features=feat, garbage=g))
         if not cross:
             out.append(_case("garbage", scenario(name), "float32", 16, "no_save", "inf", garbage="inf",
