@@ -4,6 +4,7 @@ an output stays the caller's after later layers and forwards."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -129,7 +130,9 @@ def test_output_ownership(attnplug_case: Any, attnplug_record: Any) -> None:
         fail(f"{name}: the output of layer 0 shares storage with q/k/v or the KV cache; a forward must return "
              f"a fresh tensor owned by the caller")
     H.run(backend, problem, 1, init=False)  # layer 1 of the same forward
-    again = H.make_problem(case, problem.device, layer_features=[Features(), Features()])
+    # another forward of the same shape with other values (another seed) on the same backend
+    again = H.make_problem(dataclasses.replace(case, id=case.id + "-again"), problem.device,
+                           layer_features=[Features(), Features()])
     backend.init_forward_metadata(again.batch)  # ... and a whole other forward on the same backend
     H.run(backend, again, 0, init=False)
     tol = tolerance_for(case.dtype)
