@@ -19,6 +19,8 @@ before and after the refused call.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 import re
 from typing import Any, Callable
 
@@ -43,27 +45,64 @@ def _claimed_case(name: str, case: Case, **kw: Any) -> Case:
     return dataclasses.replace(case, dtype=refusal_model_dtype(caps), page_size=ps, scenario=sc, **kw)
 
 
-def _expect_refused(name: str, what: str, call: Callable[[], Any], problem: H.Problem, error: type,
-                    must_name: list[str]) -> str:
-    """Run ``call``; it must raise ``error`` whose message matches every regex of ``must_name``,
-    and leave the cache and ``req_to_token`` byte-identical. Returns the message."""
+def _attempt(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[str, Any]:
+    """Run ``call``; what it raised (or that it returned) and what it changed in the cache."""
     before, r2t = problem.snapshot(), problem.cache.req_to_token.clone()
+    result: dict[str, Any] = {"raised": None, "msg": ""}
     try:
         call()
     except error as exc:
-        msg = str(exc)
+        result.update(raised="expected", msg=str(exc))
     except Exception as exc:
-        fail(f"{name}: {what} raised {type(exc).__name__}: {exc} (expected attnplug.{error.__name__})")
-        raise AssertionError  # unreachable
-    else:
+        result.update(raised=type(exc).__name__, msg=str(exc))
+    result["changes"] = H.cache_changes(before, problem, r2t)
+    return result
+
+
+def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[str, Any]:
+    """``_attempt`` in a forked child on the CPU: a kernel that dereferences an out-of-range index
+    can kill the process (the Triton interpreter segfaults), and that must fail this case only."""
+    if problem.device != "cpu" or not hasattr(os, "fork"):
+        return _attempt(call, problem, error)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report through the pipe, never return into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            torch.set_num_threads(1)
+            data = pickle.dumps(_attempt(call, problem, error))
+            with os.fdopen(write_end, "wb") as fh:
+                fh.write(data)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    if data:
+        return pickle.loads(data)
+    how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+    return {"raised": f"a crash of the process ({how})", "msg": "an invalid index or length reached the kernel",
+            "changes": []}
+
+
+def _expect_refused(name: str, what: str, call: Callable[[], Any], problem: H.Problem, error: type,
+                    must_name: list[str]) -> str:
+    """Run ``call`` (isolated); it must raise ``error`` whose message matches every regex of
+    ``must_name``, and leave the cache and ``req_to_token`` byte-identical. Returns the message."""
+    r = _attempt_isolated(call, problem, error)
+    msg = r["msg"]
+    if r["raised"] is None:
         fail(f"{name}: {what} was accepted (expected attnplug.{error.__name__})")
-        raise AssertionError  # unreachable
+    if r["raised"] != "expected":
+        fail(f"{name}: {what} raised {r['raised']}: {msg} (expected attnplug.{error.__name__})")
     missing = [p for p in must_name if not re.search(p, msg, re.IGNORECASE)]
     if missing:
         fail(f"{name}: {what}: the {error.__name__} must name {' and '.join(repr(p) for p in missing)}; got: {msg}")
-    changes = H.cache_changes(before, problem, r2t)
-    if changes:
-        fail(f"{name}: {what} was refused, but the refused call changed the KV cache: {'; '.join(changes)}")
+    if r["changes"]:
+        fail(f"{name}: {what} was refused, but the refused call changed the KV cache: {'; '.join(r['changes'])}")
     return msg
 
 
