@@ -22,6 +22,7 @@ import dataclasses
 import os
 import pickle
 import re
+import sys
 from typing import Any, Callable
 
 import torch
@@ -59,10 +60,17 @@ def _attempt(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[s
     return result
 
 
+def _coverage_running() -> bool:
+    """coverage.py cannot see a forked child that ends in ``os._exit``: measure in-process then."""
+    cov = sys.modules.get("coverage")
+    return cov is not None and getattr(cov, "Coverage").current() is not None
+
+
 def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[str, Any]:
     """``_attempt`` in a forked child on the CPU: a kernel that dereferences an out-of-range index
-    can kill the process (the Triton interpreter segfaults), and that must fail this case only."""
-    if problem.device != "cpu" or not hasattr(os, "fork"):
+    can kill the process (the Triton interpreter segfaults), and that must fail this case only.
+    In-process on other devices and while coverage.py measures (the gate needs the error paths)."""
+    if problem.device != "cpu" or not hasattr(os, "fork") or _coverage_running():
         return _attempt(call, problem, error)
     read_end, write_end = os.pipe()
     pid = os.fork()
