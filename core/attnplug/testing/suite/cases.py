@@ -80,6 +80,7 @@ def scenario(name: str, page_size: int = 16) -> Scenario:
         # an empty encoder: the query rows of request 1 see no key (output zero)
         "cross_extend_empty": lambda: Scenario(name, "extend", (7, 12, 20), (4, 6, 2), encoder=(5, 0, 9)),
         "cross_decode_empty": lambda: Scenario(name, "decode", (7, 16, 29), (1, 1, 1), encoder=(0, 16, 0)),
+        "cross_decode_all_empty": lambda: Scenario(name, "decode", (7, 16), (1, 1), encoder=(0, 0)),
         # request 1 extends by zero tokens (it only sits in the batch)
         "extend_zero_new": lambda: Scenario(name, "extend", (5, 12, 0), (3, 0, 4)),
         # every request decodes its first token (position 0, nothing cached)
@@ -238,7 +239,7 @@ def gen_feature() -> list[Case]:
 def gen_cross_attention() -> list[Case]:
     """Cross-attention, including requests whose encoder is empty (their rows see no key: zero)."""
     out = []
-    for name in ("cross_extend", "cross_decode", "cross_extend_empty", "cross_decode_empty"):
+    for name in ("cross_extend", "cross_decode", "cross_extend_empty", "cross_decode_empty", "cross_decode_all_empty"):
         for ps in (1, 16):
             for dt in DTYPES:
                 out.append(_case("cross_attention", scenario(name, ps), dt, ps,
