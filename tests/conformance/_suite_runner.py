@@ -19,7 +19,8 @@ class SuiteRun:
     def outcomes(self) -> dict[str, str]:
         """case id (``test_x[backend-case]``) -> outcome, from the JSON report."""
         assert self.report is not None, self.output
-        return {c["id"]: c["outcome"] for c in self.report["cases"] if c["outcome"] != "not_run"}
+        cases = [c for b in self.report["backends"] for c in b["cases"]]
+        return {c["id"]: c["outcome"] for c in cases if c["outcome"] != "not_run"}
 
     def summary_line(self, backend: str) -> str:
         for line in self.output.splitlines():

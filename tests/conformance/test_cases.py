@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from attnplug import Capabilities
+from attnplug.capabilities import support_reasons
 from attnplug.testing.suite import cases as C
 from attnplug.testing.tolerances import TOLERANCES, tolerance_for
 
@@ -30,28 +31,54 @@ def test_seeds_are_fixed_by_id() -> None:
 
 def test_a_backend_claiming_everything_runs_everything_but_cuda_graph_off_gpu() -> None:
     reasons = {C.skip_reason(c, EVERYTHING, "x") for c in _all_cases(EVERYTHING)}
-    assert reasons == {None, "cuda_graph: " + C.NOT_CLAIMED + " x"}
+    assert reasons == {None, C.NOT_CLAIMED + " x: CUDA-graph capture is not claimed"}
     numeric = [c for c in _all_cases(EVERYTHING) if c.numeric and c.family != "cuda_graph"]
-    assert len(numeric) >= 300
+    assert len(numeric) >= 600
 
 
-def test_unclaimed_features_are_skipped_with_the_reason() -> None:
+def test_unclaimed_features_are_skipped_with_the_cores_reason() -> None:
     caps = Capabilities(dtypes=("float32",), page_sizes=(16,), head_dims=(64, 128))
     got = {C.skip_reason(c, caps, "mine") for c in _all_cases(caps)}
     for expected in (
-        "sinks: not claimed by mine",
-        "sliding_window: not claimed by mine",
-        "logit_softcap: not claimed by mine",
-        "cross_attention: not claimed by mine",
-        "speculative_verify (target_verify): not claimed by mine",
-        "draft_extend: not claimed by mine",
-        "deterministic: not claimed by mine",
-        "dtype float16: not claimed by mine (claims: float32)",
-        "page_size 64: not claimed by mine (claims: 16)",
-        "head_dim 256: not claimed by mine (claims: 64, 128)",
+        "attention sinks are not claimed",
+        "sliding_window=5 is not claimed",
+        "logit_cap=2.0 is not claimed",
+        "cross-attention is not claimed",
+        "forward mode target_verify is not claimed",
+        "forward mode draft_extend is not claimed",
+        "deterministic (batch-invariant) output is not claimed",
+        "dtype=float16 (supported: float32)",
+        "page_size=64 (supported: 16)",
+        "head_dim=256 (supported: 64, 128)",
     ):
-        assert expected in got
-    assert all(r is None or C.NOT_CLAIMED in r for r in got)
+        assert any(r and r.startswith("not claimed by mine: ") and expected in r for r in got), expected
+    assert all(r is None or r.startswith(C.NOT_CLAIMED + " mine: ") for r in got)
+
+
+def test_every_skip_reason_is_the_cores_verdict() -> None:
+    """skip_reason adds nothing of its own (but the GPU a CUDA-graph case needs): each reason is
+    exactly what attnplug.capabilities.support_reasons says for the case's layer and context."""
+    caps = Capabilities(dtypes=("float32", "bfloat16"), page_sizes=(1, 16), head_dims=(64,), mqa=False,
+                        sliding_window=True, kv_cache_dtypes=("float32", "bfloat16"))
+    for c in _all_cases(caps):
+        if c.family in ("refusal", "cuda_graph"):
+            continue
+        got = C.skip_reason(c, caps, "mine")
+        any_dtype = c.family in C.ANY_DTYPE_FAMILIES
+        want = support_reasons(caps, None if any_dtype else C.case_layer(c),
+                               dtype=None if any_dtype else c.dtype,
+                               kv_cache_dtype=None if any_dtype else c.kv_dtype,
+                               page_size=None if any_dtype else c.page_size,
+                               mode=C.ForwardMode.parse(c.scenario.mode),
+                               deterministic=c.family == "determinism")
+        assert got == (f"not claimed by mine: {'; '.join(want)}" if want else None), c.id
+
+
+def test_v_head_dim_is_not_checked_against_head_dims_by_the_suite_alone() -> None:
+    # the old copy in cases.py refused v_head_dim 128 for head_dims=(192,); the core does not
+    caps = Capabilities(head_dims=(192,), v_head_dim_differs=True)
+    case = next(c for c in C.gen_v_head_dim() if c.shape.head_dim == 192 and c.dtype == "float32")
+    assert C.skip_reason(case, caps, "x") is None
 
 
 def test_every_mode_and_required_dimension_is_generated() -> None:
@@ -66,10 +93,55 @@ def test_every_mode_and_required_dimension_is_generated() -> None:
     assert all(p % c.page_size for c in midpage for p in c.scenario.prefix)
 
 
+def test_long_cases_cross_the_thresholds_they_are_sized_for() -> None:
+    long = {c.scenario.name: c for c in C.gen_long()}
+    d, sh = long["decode_long"], C.LONG_SHAPE
+    # one long request gathers >= 8 MiB of float32 K and spans > 16 splits of 256 keys
+    assert max(d.scenario.seq_lens) * sh.num_kv_heads * sh.head_dim * 4 >= 8 << 20
+    assert max(d.scenario.seq_lens) > 16 * 256 and 0 in d.scenario.prefix
+    e = long["extend_long"].scenario
+    assert max(e.extend) * max(e.seq_lens) * sh.num_heads * 4 > 64 << 20  # float32 scores of one request
+    assert all(c.page_size == 16 or c.id.endswith("no_save-float32-ps64") for c in C.gen_long())
+
+
+def test_edge_scenarios_are_what_they_claim() -> None:
+    assert 0 in C.scenario("extend_zero_new").extend
+    assert set(C.scenario("decode_position0").prefix) == {0}
+    assert 0 in C.scenario("cross_extend_empty").encoder and 0 in C.scenario("cross_decode_empty").encoder
+    nv = C.scenario("target_verify_no_visible")
+    assert nv.prefix[0] == 0 and nv.mask_hides_row
+    assert C.scenario("draft_extend_with_mask").custom_mask and C.scenario("draft_extend_with_mask").mode == \
+        "draft_extend"
+    assert {c.features.scaling for c in C.gen_scaling()} == set(C.SCALINGS.values())
+
+
+def test_garbage_covers_every_mode_page_size_window_and_sink_setting() -> None:
+    g = C.gen_garbage()
+    modes = {c.scenario.name for c in g}
+    assert modes == set(C.ALL_MODE_SCENARIOS) - {"idle"} | {"cross_extend", "cross_decode"}
+    assert {c.page_size for c in g} == set(C.PAGE_SIZES)
+    assert {(c.features.sliding_window is not None, c.features.sinks) for c in g} == {
+        (False, False), (True, False), (False, True), (True, True)}
+    assert {(c.dtype, c.garbage) for c in g} >= {("float32", "nan"), ("bfloat16", "inf")}
+    assert any(not c.save_kv_cache for c in g)
+
+
 def test_refusal_cases_follow_the_claims() -> None:
-    assert [c.variant for c in C.cases_for("refusal", EVERYTHING)] == ["dtype_float64"]
-    plain = Capabilities()
-    assert "sinks" in [c.variant for c in C.cases_for("refusal", plain)]
+    assert [c.variant for c in C.cases_for("refusal", EVERYTHING)] == [
+        "dtype_float64", "dtype_int32", "dtype_int64", "dtype_complex64", "kv_dtype_float64"]
+    plain = [c.variant for c in C.cases_for("refusal", Capabilities())]
+    for v in ("sinks", "mode_target_verify", "mode_draft_extend", "kv_dtype_float16", "cross_attention"):
+        assert v in plain
+    narrow = Capabilities(dtypes=("bfloat16",), kv_cache_dtypes=("bfloat16", "float32"))
+    got = [c.variant for c in C.cases_for("refusal", narrow)]
+    assert "dtype_float32" in got and "kv_dtype_float32" not in got and "kv_dtype_float16" in got
+
+
+def test_rejections_cover_every_index_and_length() -> None:
+    names = {c.variant for c in C.gen_rejected()}
+    for field in ("out_cache_loc", "req_pool_indices", "layer_id", "req_to_token"):
+        assert {f"{field}_beyond", f"{field}_negative" if field != "req_to_token" else f"{field}_unassigned"} <= names
+    assert {"seq_len_beyond_assigned", "seq_len_beyond_context", "dtype_int32"} <= names
 
 
 def test_tolerances_are_stated_per_dtype() -> None:

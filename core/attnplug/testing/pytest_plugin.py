@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
-SUITE_MODULES: tuple[str, ...] = ("test_protocol.py", "test_numeric.py", "test_cache.py", "test_determinism.py")
+SUITE_MODULES: tuple[str, ...] = ("test_protocol.py", "test_numeric.py", "test_cache.py", "test_determinism.py",
+                                  "test_robustness.py", "test_random.py")
 ALL = "all"
 
 
@@ -96,6 +97,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--conformance-report", dest="attnplug_report", default=None, metavar="PATH",
         help="write the conformance results (backend, distribution, version, host, every case) as JSON to PATH",
+    )
+    group.addoption(
+        "--conformance-examples", dest="attnplug_examples", type=int, default=None, metavar="N",
+        help="hypothesis examples per case of the randomised family (test_random; default 12)",
     )
     parser.addini("attnplug_suite_only", type="bool", default=True,
                   help="with --backend and no explicit paths, collect only the conformance suite "

@@ -18,10 +18,21 @@ Semantics (the contract every backend must match):
 * Scores are ``scaling * q·k``, then ``cap * tanh(s / cap)`` with a soft-cap;
   a sink adds ``exp(sink[h])`` to the softmax denominator only.
 * Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``.
+* A query row with no visible key (cross-attention over an empty encoder, a
+  target-verify mask row hiding every draft of a request with no prefix) has
+  output **zero** (with or without sinks: a sink adds no value).
+* Only the K/V of slots a request owns (``req_to_token[r, :prefix]``, or
+  ``:encoder_lens[i]`` for cross-attention) and the new ``k``/``v`` are read;
+  the ``out_cache_loc`` slots are never read (with ``save_kv_cache=False``
+  they hold stale values). Whatever any other slot holds (NaN, +inf) cannot
+  reach the output.
+* The custom mask is read in target-verify only; any other mode ignores a
+  ``spec_custom_mask`` it carries.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,60 +65,81 @@ def reference_attention(
     ext = [1] * len(seq) if mode is ForwardMode.DECODE else batch.extend_seq_lens.tolist()
     reqs = batch.req_pool_indices.tolist()
     q64 = q.detach().to(torch.float64).cpu()
-    kc, vc = k_cache.detach().to(torch.float64).cpu(), v_cache.detach().to(torch.float64).cpu()
+    kc, vc = k_cache.detach().cpu(), v_cache.detach().cpu()
     r2t = req_to_token.cpu()
     sinks = None if layer.sinks is None else torch.as_tensor(layer.sinks).detach().to(torch.float64).cpu()
     out = torch.zeros(q.shape[0], H, Dv, dtype=torch.float64)
     t0 = 0
     for i, r in enumerate(reqs):
         n_new, p0 = ext[i], prefix[i]
+        # only the slots this request owns are read: garbage anywhere else cannot reach the answer
         if layer.is_cross_attention:
-            enc = int(batch.encoder_lens[i])
-            slots = r2t[r, :enc].long()
-            keys, vals = kc[slots], vc[slots]
-            key_pos = list(range(enc))
+            n_keys = int(batch.encoder_lens[i])
+            slots = r2t[r, :n_keys].long()
+            keys, vals = _f64(kc[slots]), _f64(vc[slots])
         else:
+            n_keys = p0 + n_new
             slots = r2t[r, :p0].long()
-            keys, vals = kc[slots], vc[slots]
+            keys, vals = _f64(kc[slots]), _f64(vc[slots])
             if n_new:
-                keys = torch.cat([keys, k[t0:t0 + n_new].detach().to(torch.float64).cpu()])
-                vals = torch.cat([vals, v[t0:t0 + n_new].detach().to(torch.float64).cpu()])
-            key_pos = list(range(p0 + n_new))
+                keys = torch.cat([keys, _f64(k[t0:t0 + n_new])])
+                vals = torch.cat([vals, _f64(v[t0:t0 + n_new])])
         mask_rows = None
         if mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
             mask_rows = batch.spec_custom_mask[i].cpu().bool()
-        for a in range(n_new):
-            p = p0 + a
-            visible = []
-            for j in key_pos:
-                if layer.is_cross_attention:
-                    visible.append(j)
-                    continue
-                if j > p:
-                    continue
-                if layer.sliding_window is not None and j < p - layer.sliding_window:
-                    continue
-                if mask_rows is not None and j >= p0 and not bool(mask_rows[a, j - p0]):
-                    continue
-                visible.append(j)
-            if not visible:
-                continue  # no visible key (empty encoder): the output stays zero
-            vis = torch.tensor(visible, dtype=torch.long)
-            kv_heads = torch.arange(H) // group
-            kk, vv = keys[vis][:, kv_heads], vals[vis][:, kv_heads]  # [n, H, D]
-            s = layer.scaling * torch.einsum("hd,nhd->hn", q64[t0 + a], kk)
+        kpos = torch.arange(n_keys)
+        Hkv, G = layer.num_kv_heads, group
+        kt = keys.permute(1, 2, 0)  # [Hkv, D, n_keys]: query head h = kv * G + g uses KV head kv
+        vt = vals.permute(1, 0, 2)  # [Hkv, n_keys, Dv]
+        for a0 in range(0, n_new, _ROWS):  # a few query rows at a time: bounded memory on long prompts
+            a1 = min(n_new, a0 + _ROWS)
+            na = a1 - a0
+            qpos = torch.arange(p0 + a0, p0 + a1)
+            # keys outside [lo, hi) are hidden from every row of this chunk (causality, window): skipped
+            lo, hi = 0, n_keys
+            if not layer.is_cross_attention:
+                hi = min(n_keys, p0 + a1)
+                if layer.sliding_window is not None:
+                    lo = max(0, p0 + a0 - layer.sliding_window)
+            kp = kpos[lo:hi]
+            if layer.is_cross_attention:
+                visible = torch.ones(na, hi - lo, dtype=torch.bool)
+            else:
+                visible = kp[None, :] <= qpos[:, None]
+                if layer.sliding_window is not None:
+                    visible &= kp[None, :] >= qpos[:, None] - layer.sliding_window
+                if mask_rows is not None:
+                    visible &= torch.cat([torch.ones(na, max(0, p0 - lo), dtype=torch.bool),
+                                          mask_rows[a0:a1, max(0, lo - p0):hi - p0]], dim=1)
+            n = hi - lo
+            qg = q64[t0 + a0:t0 + a1].reshape(na, Hkv, G, -1).permute(1, 0, 2, 3).reshape(Hkv, na * G, -1)
+            s = (layer.scaling * torch.bmm(qg, kt[:, :, lo:hi])).view(Hkv, na, G, n)
             if layer.logit_cap:
                 s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
-            m = s.max(dim=1).values
+            s = s.masked_fill(~visible[None, :, None, :], -math.inf)
+            m = s.amax(dim=3) if n else torch.full((Hkv, na, G), -math.inf, dtype=torch.float64)
+            sk = None
             if sinks is not None:
-                m = torch.maximum(m, sinks)
-            w = torch.exp(s - m[:, None])
-            denom = w.sum(dim=1)
-            if sinks is not None:
-                denom = denom + torch.exp(sinks - m)
-            out[t0 + a] = torch.einsum("hn,nhd->hd", w, vv) / denom[:, None]
+                sk = sinks.view(Hkv, 1, G)
+                m = torch.maximum(m, sk)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row with no visible key
+            w = torch.exp(s - m[..., None])  # hidden keys: exp(-inf) = 0
+            denom = w.sum(dim=3)
+            if sk is not None:
+                denom = denom + torch.exp(sk - m)
+            num = torch.bmm(w.reshape(Hkv, na * G, n), vt[:, lo:hi]).view(Hkv, na, G, Dv)
+            # no visible key (empty encoder, a verify row hiding everything): the output is zero
+            o = torch.where(denom[..., None] > 0, num / denom.clamp_min(1e-300)[..., None], torch.zeros_like(num))
+            out[t0 + a0:t0 + a1] = o.permute(1, 0, 2, 3).reshape(na, H, Dv)
         t0 += n_new
     return out
+
+
+_ROWS = 256
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float64).cpu()
 
 
 def expected_cache_after(

@@ -18,7 +18,9 @@ import dataclasses
 import zlib
 from typing import Any, Callable, Iterable
 
-from ...capabilities import Capabilities
+from ...capabilities import Capabilities, support_reasons
+from ...layer import LayerSpec
+from ...modes import ForwardMode
 
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 PAGE_SIZES: tuple[int, ...] = (1, 16, 64)
@@ -40,6 +42,8 @@ class Scenario:
     draft: int | None = None
     custom_mask: bool = False
     encoder: tuple[int, ...] | None = None
+    #: request 0's first draft row hides every draft (with no prefix: a query row with no visible key)
+    mask_hides_row: bool = False
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -72,6 +76,29 @@ def scenario(name: str, page_size: int = 16) -> Scenario:
         # cross-attention: queries read the first encoder[i] cached tokens of the request
         "cross_extend": lambda: Scenario(name, "extend", (7, 12, 20), (4, 6, 2), encoder=(5, 12, 9)),
         "cross_decode": lambda: Scenario(name, "decode", (7, 16, 29), (1, 1, 1), encoder=(5, 16, 9)),
+        # -- edges (issue 15) --
+        # an empty encoder: the query rows of request 1 see no key (output zero)
+        "cross_extend_empty": lambda: Scenario(name, "extend", (7, 12, 20), (4, 6, 2), encoder=(5, 0, 9)),
+        "cross_decode_empty": lambda: Scenario(name, "decode", (7, 16, 29), (1, 1, 1), encoder=(0, 16, 0)),
+        "cross_decode_all_empty": lambda: Scenario(name, "decode", (7, 16), (1, 1), encoder=(0, 0)),
+        # request 1 extends by zero tokens (it only sits in the batch)
+        "extend_zero_new": lambda: Scenario(name, "extend", (5, 12, 0), (3, 0, 4)),
+        # every request decodes its first token (position 0, nothing cached)
+        "decode_position0": lambda: Scenario(name, "decode", (0, 0, 0), (1, 1, 1)),
+        # target-verify with no prefix whose mask hides every draft from request 0's first row
+        "target_verify_no_visible": lambda: Scenario(name, "target_verify", (0, 9), (4, 4), draft=4,
+                                                     custom_mask=True, mask_hides_row=True),
+        # draft-extend carrying a verify mask (ignored outside target-verify)
+        "draft_extend_with_mask": lambda: Scenario(name, "draft_extend", (6, 21, 3), (3, 3, 3), draft=3,
+                                                   custom_mask=True),
+        "draft_extend_v2_with_mask": lambda: Scenario(name, "draft_extend_v2", (6, 21), (3, 3), draft=3,
+                                                      custom_mask=True),
+        # -- long problems: cross any reasonable block / split / chunk threshold (see LONG_SHAPE) --
+        # gathered K of one request alone is 8 MiB in float32 at LONG_SHAPE; 4.1k keys = 17 splits of 256
+        "decode_long": lambda: Scenario(name, "decode", (4099, 0, 2900, 700, 3333, 63), (1,) * 6),
+        # 700 queries x 4.2k keys x 8 heads = 94 MiB of float32 scores: chunked by a 64 MiB bound
+        "extend_long": lambda: Scenario(name, "extend", (3500, 0), (700, 300)),
+        "mixed_long": lambda: Scenario(name, "mixed", (2047, 1500, 0), (1, 600, 5)),
     }
     try:
         return table[name]()
@@ -100,6 +127,8 @@ class Shape:
 
 
 DEFAULT_SHAPE = Shape("gqa4", 8, 2, 64)
+#: the shape of the long cases: 4 KV heads x head dim 128, so one 4.1k-token request gathers 8 MiB of K
+LONG_SHAPE = Shape("long", 8, 4, 128)
 HEAD_LAYOUTS: tuple[tuple[str, int, int], ...] = (("mha", 4, 4), ("gqa4", 8, 2), ("gqa8", 16, 2), ("mqa", 8, 1))
 HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 V_HEAD_DIMS: tuple[tuple[int, int], ...] = ((128, 64), (64, 128), (192, 128))
@@ -111,6 +140,8 @@ class Features:
     logit_cap: float | None = None
     sinks: bool = False
     cross_attention: bool = False
+    #: softmax scale; ``None`` is the default 1/sqrt(head_dim)
+    scaling: float | None = None
 
 
 FEATURES: dict[str, Features] = {
@@ -139,6 +170,10 @@ class Case:
     save_kv_cache: bool = True
     numeric: bool = True
     variant: str = ""
+    #: fill every slot no request owns with this value ("nan" or "inf"); see ``harness.fill_garbage``
+    garbage: str | None = None
+    #: ``out_cache_loc`` is a fresh slot that ``req_to_token`` does not map yet (it maps a stale one)
+    unmapped_new: bool = False
     #: families that check something other than one forward (sequence, layers) read this
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -202,8 +237,9 @@ def gen_feature() -> list[Case]:
 
 
 def gen_cross_attention() -> list[Case]:
+    """Cross-attention, including requests whose encoder is empty (their rows see no key: zero)."""
     out = []
-    for name in ("cross_extend", "cross_decode"):
+    for name in ("cross_extend", "cross_decode", "cross_extend_empty", "cross_decode_empty", "cross_decode_all_empty"):
         for ps in (1, 16):
             for dt in DTYPES:
                 out.append(_case("cross_attention", scenario(name, ps), dt, ps,
@@ -288,10 +324,186 @@ def gen_metadata_required() -> list[Case]:
     ]
 
 
+def gen_long() -> list[Case]:
+    """Problems large enough to cross any reasonable block / split / chunk threshold.
+
+    Decode: six requests up to 4.1k keys at ``LONG_SHAPE`` (8 MiB of float32 K per long
+    request, 17 splits of 256 keys). Extend: 700 queries over 4.2k keys (94 MiB of float32
+    scores at 8 heads) plus a 300-token prompt; a mixed batch with a 600-token chunk. Plain,
+    with a window of 1000 (the window edge moves across blocks and chunks), with sinks and
+    with a non-fused decode (``save_kv_cache=False``).
+    """
+    out = [_case("long", scenario("decode_long"), dt, 16, shape=LONG_SHAPE) for dt in ("float32", "bfloat16")]
+    for name in ("decode_long", "extend_long"):
+        out.append(_case("long", scenario(name), "float32", 16, "window1000", shape=LONG_SHAPE,
+                         features=Features(sliding_window=1000)))
+    out.append(_case("long", scenario("extend_long"), "float32", 16, shape=LONG_SHAPE))
+    out.append(_case("long", scenario("mixed_long"), "float32", 16, shape=LONG_SHAPE))
+    out.append(_case("long", scenario("decode_long"), "float32", 16, "sinks", shape=LONG_SHAPE,
+                     features=Features(sinks=True)))
+    out.append(_case("long", scenario("decode_long"), "float32", 64, "no_save", shape=LONG_SHAPE,
+                     save_kv_cache=False))
+    return out
+
+
+#: non-default softmax scales: 1.0 (no scaling), Gemma-2's 1/sqrt(256) at head dim 64, an
+#: MLA-style 1/sqrt(192) (the scale of a 192-dim q.k with a 128-dim value).
+SCALINGS: dict[str, float] = {"scale1": 1.0, "scale_gemma": 256 ** -0.5, "scale_mla": 192 ** -0.5}
+
+
+def gen_scaling() -> list[Case]:
+    """A ``scaling`` other than 1/sqrt(head_dim), on the fused and non-fused decode paths and extend."""
+    out = []
+    for sname, scale in SCALINGS.items():
+        for name in ("extend_prefix", "decode", "target_verify_custom_mask", "mixed"):
+            for dt in ("float32", "bfloat16"):
+                out.append(_case("scaling", scenario(name), dt, 16, sname, features=Features(scaling=scale)))
+        out.append(_case("scaling", scenario("decode"), "float32", 16, sname, "no_save",
+                         features=Features(scaling=scale), save_kv_cache=False))
+        out.append(_case("scaling", scenario("decode"), "float32", 16, sname, "softcap",
+                         features=Features(scaling=scale, logit_cap=5.0)))
+    return out
+
+
+def gen_no_save() -> list[Case]:
+    """``save_kv_cache=False`` checked numerically: the new K/V come from the arguments (the
+    ``out_cache_loc`` slots hold stale noise), and nothing in the cache changes."""
+    out = []
+    for name in ("decode", "extend_prefix", "extend_prefix_midpage", "target_verify_custom_mask", "mixed",
+                 "draft_extend"):
+        for ps in (1, 16):
+            if name == "extend_prefix_midpage" and ps == 1:
+                continue
+            for dt in DTYPES:
+                out.append(_case("no_save", scenario(name, ps), dt, ps, save_kv_cache=False))
+    for fname in ("window5", "softcap", "sinks"):
+        out.append(_case("no_save", scenario("decode"), "float32", 16, fname, features=FEATURES[fname],
+                         save_kv_cache=False))
+    return out
+
+
+def gen_unmapped_slot() -> list[Case]:
+    """New tokens whose slots ``req_to_token`` does not map yet (engines that map after attention):
+    ``out_cache_loc`` is a fresh slot, ``req_to_token`` still points at a stale one."""
+    out = []
+    for name in ("decode", "extend_prefix", "target_verify", "mixed"):
+        for ps in (1, 16):
+            for dt in ("float32", "bfloat16"):
+                for save in (True, False):
+                    out.append(_case("unmapped_slot", scenario(name, ps), dt, ps, "" if save else "no_save",
+                                     unmapped_new=True, save_kv_cache=save))
+    return out
+
+
+def gen_edge() -> list[Case]:
+    """Edges: a query row with no visible key (output zero), an extend request with zero new
+    tokens, every request at position 0, a draft-extend carrying a verify mask (ignored)."""
+    out = []
+    for name in ("target_verify_no_visible", "extend_zero_new", "decode_position0", "draft_extend_with_mask",
+                 "draft_extend_v2_with_mask"):
+        for ps in (1, 16):
+            for dt in DTYPES:
+                out.append(_case("edge", scenario(name, ps), dt, ps))
+    for name in ("target_verify_no_visible", "decode_position0"):
+        out.append(_case("edge", scenario(name), "float32", 16, "sinks", features=Features(sinks=True)))
+    out.append(_case("edge", scenario("target_verify_no_visible"), "float32", 16, "softcap_window",
+                     features=FEATURES["softcap_window"]))
+    out.append(_case("edge", scenario("decode_position0"), "float32", 16, "no_save", save_kv_cache=False))
+    return out
+
+
+def gen_output_ownership() -> list[Case]:
+    """An output kept from layer 0 still holds layer 0's answer after layer 1 (and another forward) ran."""
+    return [_case("output_ownership", scenario(name), dt, 16)
+            for name in ("decode", "extend_prefix", "target_verify", "mixed") for dt in ("float32", "bfloat16")]
+
+
+def gen_kv_none() -> list[Case]:
+    """``k=v=None`` on a self-attention layer: ``attnplug.ShapeError`` naming k/v; nothing written."""
+    return [Case("kv_none", sc, scenario(sc), numeric=False) for sc in ("decode", "extend_prefix")]
+
+
+#: settings of the garbage family: (feature name, features)
+GARBAGE_FEATURES: tuple[tuple[str, Features], ...] = (
+    ("plain", Features()), ("window5", Features(sliding_window=5)), ("sinks", Features(sinks=True)),
+    ("window_sinks", Features(sliding_window=5, sinks=True)),
+)
+GARBAGE_MODES: tuple[str, ...] = tuple(n for n in ALL_MODE_SCENARIOS if n != "idle") + (
+    "cross_extend", "cross_decode")
+
+
+def gen_garbage() -> list[Case]:
+    """NaN or +inf in every slot no request owns (and in the ``out_cache_loc`` slots when nothing is
+    saved): outputs equal the reference. Pairwise over mode x page size x {plain, window, sinks,
+    window+sinks} x garbage: at page size 16 every mode with every setting, NaN in float32 and +inf
+    in bfloat16; at page sizes 1 and 64 every mode plain and three modes with window+sinks (the
+    garbage kind alternating); cross-attention; ``save_kv_cache=False`` per mode."""
+    out = []
+    kinds = (("float32", "nan"), ("bfloat16", "inf"))
+    for name in GARBAGE_MODES:
+        cross = name.startswith("cross")
+        for ps in PAGE_SIZES:
+            if name == "extend_prefix_midpage" and ps == 1:
+                continue
+            for fname, feat in GARBAGE_FEATURES:
+                if cross:
+                    if fname != "plain" or ps == 64:
+                        continue
+                    feat = Features(cross_attention=True)
+                if ps == 16:
+                    chosen = kinds
+                elif fname == "plain" or (fname == "window_sinks" and name in ("decode", "extend_prefix",
+                                                                               "target_verify")):
+                    flip = (ps == 64) != (fname == "window_sinks")
+                    chosen = (kinds[1 if flip else 0],)
+                else:
+                    continue
+                for dt, g in chosen:
+                    if cross and ps == 1 and g == "inf":
+                        continue
+                    out.append(_case("garbage", scenario(name, ps), dt, ps, fname, g, features=feat, garbage=g))
+        if not cross:
+            out.append(_case("garbage", scenario(name), "float32", 16, "no_save", "inf", garbage="inf",
+                             save_kv_cache=False))
+    return out
+
+
+#: rejected forwards: variant -> (field the error must name, expected error class name)
+REJECTIONS: dict[str, tuple[str, str]] = {
+    "out_cache_loc_beyond": ("out_cache_loc", "ShapeError"),
+    "out_cache_loc_negative": ("out_cache_loc", "ShapeError"),
+    "req_pool_indices_beyond": ("req_pool_indices", "ShapeError"),
+    "req_pool_indices_negative": ("req_pool_indices", "ShapeError"),
+    "layer_id_beyond": ("layer_id", "ShapeError"),
+    "layer_id_negative": ("layer_id", "ShapeError"),
+    "req_to_token_beyond": ("req_to_token", "ShapeError"),
+    "req_to_token_unassigned": ("req_to_token", "ShapeError"),
+    "seq_len_beyond_assigned": ("seq_len|req_to_token|prefix", "ShapeError"),
+    "seq_len_beyond_context": ("seq_len|req_to_token|prefix", "ShapeError"),
+    "dtype_int32": ("int32", "NotSupportedError"),
+}
+
+
+def gen_rejected() -> list[Case]:
+    """Forwards that must be rejected with a clear error, the cache byte-identical afterwards."""
+    return [Case("rejected", f"{v}-{sc}", scenario(sc), variant=v, numeric=False)
+            for v in REJECTIONS for sc in ("decode", "extend_prefix")]
+
+
+#: hypothesis-driven cases: one per mode family, examples drawn from the claimed envelope
+RANDOM_MODES: tuple[str, ...] = ("extend", "decode", "target_verify", "draft_extend", "mixed")
+
+
+def gen_random() -> list[Case]:
+    return [Case("random", m, Scenario(m, m), numeric=True) for m in RANDOM_MODES]
+
+
 def gen_refusal(caps: Capabilities) -> list[Case]:
-    """One case per optional feature the backend does not claim: it must refuse it in words."""
-    return [Case("refusal", feature, scenario("decode"), variant=feature, numeric=False)
-            for feature in unclaimed_refusals(caps)]
+    """One case per dtype, KV-cache dtype, mode and optional feature the backend does not claim:
+    it must refuse it in words (``not_supported_reasons``) and refuse a forward using it with
+    ``attnplug.NotSupportedError`` naming it, writing nothing."""
+    return [Case("refusal", what, scenario("decode"), variant=what, numeric=False)
+            for what in unclaimed_refusals(caps)]
 
 
 GENERATORS: dict[str, Callable[[], list[Case]]] = {
@@ -308,6 +520,16 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "cuda_graph": gen_cuda_graph,
     "bad_input": gen_bad_input,
     "metadata_required": gen_metadata_required,
+    "long": gen_long,
+    "scaling": gen_scaling,
+    "no_save": gen_no_save,
+    "unmapped_slot": gen_unmapped_slot,
+    "edge": gen_edge,
+    "output_ownership": gen_output_ownership,
+    "kv_none": gen_kv_none,
+    "garbage": gen_garbage,
+    "rejected": gen_rejected,
+    "random": gen_random,
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:
@@ -319,8 +541,12 @@ def cases_for(family: str, caps: Capabilities) -> list[Case]:
 
 #: Families whose cases compute attention and compare values (the "numeric cases" of the summary).
 NUMERIC_FAMILIES: frozenset[str] = frozenset(
-    f for f in GENERATORS if f not in ("bad_input", "metadata_required", "refusal")
+    f for f in GENERATORS if f not in ("bad_input", "metadata_required", "refusal", "kv_none", "rejected")
 )
+
+#: Families whose cases pick a claimed dtype and page size when they run (their checks are not
+#: about dtype or page size), so only their mode needs a claim.
+ANY_DTYPE_FAMILIES: frozenset[str] = frozenset({"bad_input", "metadata_required", "kv_none", "rejected", "random"})
 
 
 # -- what a case needs ---------------------------------------------------------
@@ -328,57 +554,52 @@ def _join(values: Iterable[Any]) -> str:
     return ", ".join(str(v) for v in values)
 
 
+def case_layer(case: Case, layer_id: int = 0) -> LayerSpec:
+    """The layer a case runs (sinks as placeholder zeros: the support verdict only asks whether it has any)."""
+    sh, f = case.shape, case.features
+    return LayerSpec(
+        layer_id=layer_id, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads, head_dim=sh.head_dim,
+        v_head_dim=sh.v_dim, scaling=f.scaling, logit_cap=f.logit_cap, sliding_window=f.sliding_window,
+        sinks=(0.0,) * sh.num_heads if f.sinks else None, is_cross_attention=f.cross_attention,
+    )
+
+
 def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool = False) -> str | None:
-    """Why ``case`` does not apply to ``backend`` (a capability it does not claim), or None."""
-    nc = f"{NOT_CLAIMED} {backend}"
+    """Why ``case`` does not apply to ``backend`` (a capability it does not claim), or None.
+
+    Every capability verdict comes from the core's ``attnplug.capabilities.support_reasons``
+    (the only implementation of the generic checks); the suite adds only what is not a claim:
+    a CUDA-graph case needs a GPU on this host.
+    """
     if case.family == "refusal":
         return None
-    if case.family == "cuda_graph":
-        if not caps.cuda_graph:
-            return f"cuda_graph: {nc}"
-        if not has_cuda or "cuda" not in caps.devices:
-            return "cuda_graph: capture/replay needs a CUDA device (none on this host)"
-    if case.family == "determinism" and not caps.deterministic:
-        return f"deterministic: {nc}"
-    if case.dtype not in caps.dtypes:
-        return f"dtype {case.dtype}: {nc} (claims: {_join(caps.dtypes)})"
-    if case.kv_cache_dtype and case.kv_cache_dtype != case.dtype:
-        if case.kv_cache_dtype not in caps.kv_cache_dtypes:
-            claimed = _join(caps.kv_cache_dtypes) if caps.kv_cache_dtypes else "the model dtype only"
-            return f"kv_cache_dtype {case.kv_cache_dtype} with a {case.dtype} model: {nc} (claims: {claimed})"
-    if caps.page_sizes is not None and case.page_size not in caps.page_sizes:
-        return f"page_size {case.page_size}: {nc} (claims: {_join(caps.page_sizes)})"
-    mode = case.scenario.mode
-    if mode == "target_verify" and not caps.speculative_verify:
-        return f"speculative_verify (target_verify): {nc}"
-    if mode in ("draft_extend", "draft_extend_v2") and not caps.draft_extend:
-        return f"draft_extend: {nc}"
-    sh = case.shape
-    if caps.head_dims is not None and sh.head_dim not in caps.head_dims:
-        return f"head_dim {sh.head_dim}: {nc} (claims: {_join(caps.head_dims)})"
-    if sh.v_dim != sh.head_dim:
-        if not caps.v_head_dim_differs:
-            return f"v_head_dim_differs (v_head_dim {sh.v_dim} != head_dim {sh.head_dim}): {nc}"
-        if caps.head_dims is not None and sh.v_dim not in caps.head_dims:
-            return f"v_head_dim {sh.v_dim}: {nc} (claims: {_join(caps.head_dims)})"
-    if sh.num_kv_heads == 1 and sh.num_heads > 1 and not caps.mqa:
-        return f"mqa: {nc}"
-    if sh.num_kv_heads > 1 and sh.num_heads > sh.num_kv_heads and not caps.gqa:
-        return f"gqa: {nc}"
-    f = case.features
-    if f.sliding_window is not None and not caps.sliding_window:
-        return f"sliding_window: {nc}"
-    if f.logit_cap and not caps.logit_softcap:
-        return f"logit_softcap: {nc}"
-    if f.sinks and not caps.sinks:
-        return f"sinks: {nc}"
-    if f.cross_attention and not caps.cross_attention:
-        return f"cross_attention: {nc}"
+    any_dtype = case.family in ANY_DTYPE_FAMILIES
+    mode = ForwardMode.parse(case.scenario.mode)
+    reasons = support_reasons(
+        caps,
+        None if any_dtype else case_layer(case),
+        dtype=None if any_dtype else case.dtype,
+        kv_cache_dtype=None if any_dtype else case.kv_dtype,
+        page_size=None if any_dtype else case.page_size,
+        mode=mode,
+        cuda_graph=case.family == "cuda_graph",
+        deterministic=case.family == "determinism",
+    )
+    if reasons:
+        return f"{NOT_CLAIMED} {backend}: {'; '.join(reasons)}"
+    if case.family == "cuda_graph" and (not has_cuda or "cuda" not in caps.devices):
+        return "cuda_graph: capture/replay needs a CUDA device (none on this host)"
     return None
 
 
+#: dtypes whose refusal is checked when not claimed (integer and complex included: a kernel
+#: that casts them would return truncated or real-only results)
+REFUSAL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "complex64")
+#: KV-cache dtypes whose refusal is checked when not claimed (for the first claimed model dtype)
+REFUSAL_KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+
 #: Optional features whose *refusal* is checked when not claimed: a layer using
-#: them must get a non-empty ``not_supported_reasons``.
+#: them must get a non-empty ``not_supported_reasons``, and a forward with it is refused.
 REFUSALS: dict[str, Callable[[Capabilities], bool]] = {
     "sliding_window": lambda c: c.sliding_window,
     "logit_softcap": lambda c: c.logit_softcap,
@@ -387,9 +608,25 @@ REFUSALS: dict[str, Callable[[Capabilities], bool]] = {
     "v_head_dim_differs": lambda c: c.v_head_dim_differs,
     "mqa": lambda c: c.mqa,
     "gqa": lambda c: c.gqa,
-    "dtype_float64": lambda c: "float64" in c.dtypes,
+    "mode_target_verify": lambda c: c.speculative_verify,
+    "mode_draft_extend": lambda c: c.draft_extend,
 }
 
 
+def claimed_shape(caps: Capabilities) -> Shape:
+    """The default layer shape, or an MHA one of the same size when GQA is not claimed."""
+    return DEFAULT_SHAPE if caps.gqa else Shape("mha8", 8, 8, DEFAULT_SHAPE.head_dim)
+
+
+def refusal_model_dtype(caps: Capabilities) -> str:
+    """The model dtype refusal cases run at (the first claimed)."""
+    return "float32" if "float32" in caps.dtypes else caps.dtypes[0]
+
+
 def unclaimed_refusals(caps: Capabilities) -> list[str]:
-    return [name for name, claimed in REFUSALS.items() if not claimed(caps)]
+    out = [f"dtype_{d}" for d in REFUSAL_DTYPES if d not in caps.dtypes]
+    model = refusal_model_dtype(caps)
+    kv_allowed = caps.kv_cache_dtypes or (model,)
+    out += [f"kv_dtype_{d}" for d in REFUSAL_KV_DTYPES if d not in kv_allowed]
+    out += [name for name, claimed in REFUSALS.items() if not claimed(caps)]
+    return out

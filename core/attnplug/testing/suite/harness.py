@@ -29,7 +29,10 @@ from ..tolerances import Tolerance
 from .cases import Case, Features, Scenario, Shape
 
 MAX_REQUESTS = 16
-MAX_CONTEXT = 512
+#: req_to_token width: room for the long cases (4.2k tokens) with margin
+MAX_CONTEXT = 8192
+#: what ``Case.garbage`` writes into every slot no request owns
+GARBAGE_VALUES: dict[str, float] = {"nan": float("nan"), "inf": float("inf")}
 
 
 def device_for(caps: Any) -> str:
@@ -54,6 +57,8 @@ class Problem:
     gen: torch.Generator
     #: per layer: (K, V) buffers as they were before any forward of this problem
     before: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    #: slots some request owns (``req_to_token[r, :len]``); with ``Case.garbage`` every other slot is garbage
+    owned: list[int] = dataclasses.field(default_factory=list)
 
     def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k.clone(), v.clone()) for k, v in zip(self.cache.k_buffers, self.cache.v_buffers)]
@@ -96,6 +101,7 @@ def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Gener
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         v_head_dim=shape.v_dim,
+        scaling=features.scaling,
         logit_cap=features.logit_cap,
         sliding_window=features.sliding_window,
         sinks=sinks,
@@ -110,7 +116,14 @@ def make_problem(
     layer_features: Sequence[Features] | None = None,
     final_lens: Sequence[int] | None = None,
 ) -> Problem:
-    """Cache, batch and q/k/v for ``case``; one layer per entry of ``layer_features``."""
+    """Cache, batch and q/k/v for ``case``; one layer per entry of ``layer_features``.
+
+    ``case.unmapped_new``: the new tokens get fresh slots in ``out_cache_loc`` while
+    ``req_to_token`` still maps their positions to the stale slots assigned first.
+    ``case.garbage``: every slot no request owns holds NaN/+inf, and so do the
+    ``out_cache_loc`` slots when the case does not save (they are stale then);
+    ``req_to_token`` entries past each request's length point at a garbage slot.
+    """
     gen = torch.Generator().manual_seed(case.seed)
     sc, ps, sh = case.scenario, case.page_size, case.shape
     feats = list(layer_features) if layer_features is not None else [case.features]
@@ -118,10 +131,11 @@ def make_problem(
     n = len(sc.prefix)
     lens = list(final_lens) if final_lens is not None else list(sc.seq_lens)
     pages_needed = [(max(length, 1) + ps - 1) // ps for length in lens]
-    num_pages = sum(pages_needed) + 5  # spare pages: stray writes land somewhere visible
+    fresh_pages = (sc.num_tokens + ps - 1) // ps if case.unmapped_new else 0
+    num_pages = sum(pages_needed) + fresh_pages + 5  # spare pages: stray writes land somewhere visible
     cache = PagedKVCache(len(layers), num_pages, sh.num_kv_heads, sh.head_dim, v_head_dim=sh.v_dim,
                          page_size=ps, dtype=case.kv_dtype, device=device,
-                         max_requests=MAX_REQUESTS, max_context_len=MAX_CONTEXT)
+                         max_requests=MAX_REQUESTS, max_context_len=max(MAX_CONTEXT, max(lens, default=0)))
     for kb, vb in zip(cache.k_buffers, cache.v_buffers):
         kb.copy_(_randn(gen, kb.shape, case.kv_dtype, device))
         vb.copy_(_randn(gen, vb.shape, case.kv_dtype, device))
@@ -129,20 +143,57 @@ def make_problem(
     rows = torch.randperm(MAX_REQUESTS, generator=gen)[:n].tolist()
     for r, length, need in zip(rows, lens, pages_needed):
         cache.assign_pages(r, length, alloc.alloc(need))
-    batch = make_batch(sc, cache, rows, gen, device)
+    fresh = None
+    if case.unmapped_new and sc.num_tokens:
+        pages = torch.tensor(alloc.alloc(fresh_pages), dtype=torch.int64)
+        fresh = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:sc.num_tokens].to(device)
+    batch = make_batch(sc, cache, rows, gen, device, out_cache_loc=fresh)
     problem = Problem(case, device, layers, cache, batch, [], rows, gen)
+    owned: set[int] = set()
+    for r, length in zip(rows, lens):
+        owned.update(cache.req_to_token[r, :length].tolist())
+    if sc.encoder is not None:
+        for r, enc in zip(rows, sc.encoder):
+            owned.update(cache.req_to_token[r, :enc].tolist())
+    problem.owned = sorted(owned)
+    if case.garbage:
+        fill_garbage(problem, GARBAGE_VALUES[case.garbage], stale_new=not case.save_kv_cache)
     problem.qkv = [make_qkv(problem, layer) for layer in layers]
     problem.before = problem.snapshot()
     return problem
 
 
+def fill_garbage(problem: Problem, value: float, *, stale_new: bool) -> None:
+    """Write ``value`` into every slot outside ``problem.owned`` (and into ``out_cache_loc``
+    when ``stale_new``); point ``req_to_token`` past each request's length at a garbage slot."""
+    cache = problem.cache
+    keep = torch.zeros(cache.num_slots, dtype=torch.bool)
+    keep[torch.tensor(problem.owned, dtype=torch.int64)] = True
+    if stale_new and problem.batch.num_tokens:
+        keep[problem.batch.out_cache_loc.cpu()] = False
+    bad = (~keep).nonzero().flatten().to(cache.device)
+    if not bad.numel():
+        return
+    for kb, vb in zip(cache.k_buffers, cache.v_buffers):
+        kb[bad] = value
+        vb[bad] = value
+    first_bad = int(bad[0])
+    lens = problem.case.scenario.seq_lens
+    for r, length in zip(problem.req_rows, lens):
+        cache.req_to_token[r, length:] = first_bad
+
+
 def make_batch(sc: Scenario, cache: PagedKVCache, rows: Sequence[int], gen: torch.Generator,
-               device: str) -> ForwardBatch:
+               device: str, out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
+    """The batch of ``sc``; ``out_cache_loc`` defaults to the slots ``req_to_token`` maps the new positions to."""
     mode = ForwardMode.parse(sc.mode)
     if mode is ForwardMode.IDLE:
         return ForwardBatch.idle(device)
-    locs = [cache.slots(r, p, p + e) for r, p, e in zip(rows, sc.prefix, sc.extend)]
-    out_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=device)
+    if out_cache_loc is not None:
+        out_loc = out_cache_loc
+    else:
+        locs = [cache.slots(r, p, p + e) for r, p, e in zip(rows, sc.prefix, sc.extend)]
+        out_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=device)
     kw: dict[str, Any] = {}
     if sc.encoder is not None:
         kw["encoder_lens"] = torch.tensor(sc.encoder, dtype=torch.int64, device=device)
@@ -155,8 +206,16 @@ def make_batch(sc: Scenario, cache: PagedKVCache, rows: Sequence[int], gen: torc
         if sc.custom_mask:
             d = sc.draft or 0
             mask = torch.rand(len(rows), d, d, generator=gen) < 0.5
-            mask = torch.tril(mask) | torch.eye(d, dtype=torch.bool)  # a draft always sees itself
+            mask = torch.tril(mask) | torch.eye(d, dtype=torch.bool)  # a draft always sees itself ...
+            if sc.mask_hides_row:
+                mask[0, 0, :] = False  # ... except this one: with no prefix it sees no key at all
             kw["spec_custom_mask"] = mask.to(device)
+    elif sc.custom_mask:
+        # a verify mask on a batch that is not target-verify: only the diagonal (so applying it
+        # would hide every earlier draft); the backend must ignore it
+        d = sc.draft or 0
+        kw["spec_num_draft_tokens"] = d
+        kw["spec_custom_mask"] = torch.eye(d, dtype=torch.bool).expand(len(rows), d, d).contiguous().to(device)
     prefix = torch.tensor(sc.prefix, dtype=torch.int64, device=device)
     ext = torch.tensor(sc.extend, dtype=torch.int64, device=device)
     return ForwardBatch.extend(rows_t, prefix, ext, out_loc, mode=mode, **kw)
@@ -265,6 +324,29 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance, what: str = "o
     return Comparison(max_err, tol, ok, detail)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (NaN compares equal to the same NaN: garbage slots are checked byte for byte)."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def cache_changes(before: list[tuple[torch.Tensor, torch.Tensor]], problem: Problem,
+                  r2t_before: torch.Tensor | None = None) -> list[str]:
+    """Which layers' buffers (and ``req_to_token``) differ, byte for byte, from ``before``."""
+    changed = []
+    for i, ((k0, v0), (k1, v1)) in enumerate(zip(before, problem.snapshot())):
+        for name, a, b in (("K", k0, k1), ("V", v0, v1)):
+            if not same_bytes(a, b):
+                rows = (bits(a) != bits(b)).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+                changed.append(f"layer {i} {name} changed at slots {rows[:8]}")
+    if r2t_before is not None and not torch.equal(r2t_before, problem.cache.req_to_token):
+        changed.append("req_to_token changed")
+    return changed
+
+
 def check_cache(problem: Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
     """Differences between layer ``layer_idx``'s buffers and ``want`` (bit for bit)."""
     problems = []
@@ -273,7 +355,7 @@ def check_cache(problem: Problem, layer_idx: int, want: tuple[torch.Tensor, torc
         if g.dtype != w.dtype or g.shape != w.shape:
             problems.append(f"layer {layer_idx} {name} buffer changed dtype/shape: {g.dtype}{tuple(g.shape)}")
             continue
-        diff = (g != w).reshape(g.shape[0], -1).any(dim=1)
+        diff = (bits(g) != bits(w)).reshape(g.shape[0], -1).any(dim=1)
         if bool(diff.any()):
             slots = diff.nonzero().flatten().tolist()
             expected_loc = set(problem.batch.out_cache_loc.tolist())

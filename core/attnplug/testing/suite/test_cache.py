@@ -1,8 +1,10 @@
 """KV-cache cases: writes land in exactly ``out_cache_loc``; one metadata init
-serves several layers; forwards in a row read what the backend itself wrote."""
+serves several layers; forwards in a row read what the backend itself wrote;
+an output stays the caller's after later layers and forwards."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -109,3 +111,33 @@ def test_sequence(attnplug_case: Any, attnplug_record: Any) -> None:
     if diffs:
         fail(f"{name}: after {len(steps)} forwards: " + "; ".join(diffs))
 
+
+
+def test_output_ownership(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Contract: a forward returns a fresh tensor owned by the caller; no later forward or layer
+    overwrites it (no aliasing of a reused workspace, of q/k/v or of the cache)."""
+    name, case = attnplug_case.backend, attnplug_case.case
+    caps = capabilities(name)
+    problem = H.make_problem(case, H.device_for(caps), layer_features=[Features(), Features()])
+    backend = H.build_backend(name, problem)
+    backend.init_forward_metadata(problem.batch)
+    kept = H.run(backend, problem, 0, init=False)
+    ref0 = H.expected_output(problem, 0)
+    first = kept.clone()
+    storages = {t.untyped_storage().data_ptr() for t in problem.qkv[0] + problem.qkv[1] if t is not None}
+    storages |= {b.untyped_storage().data_ptr() for b in problem.cache.k_buffers + problem.cache.v_buffers}
+    if kept.numel() and kept.untyped_storage().data_ptr() in storages:
+        fail(f"{name}: the output of layer 0 shares storage with q/k/v or the KV cache; a forward must return "
+             f"a fresh tensor owned by the caller")
+    H.run(backend, problem, 1, init=False)  # layer 1 of the same forward
+    # another forward of the same shape with other values (another seed) on the same backend
+    again = H.make_problem(dataclasses.replace(case, id=case.id + "-again"), problem.device,
+                           layer_features=[Features(), Features()])
+    backend.init_forward_metadata(again.batch)  # ... and a whole other forward on the same backend
+    H.run(backend, again, 0, init=False)
+    tol = tolerance_for(case.dtype)
+    cmp = H.compare(kept, ref0, tol, what="layer 0 output kept across later forwards")
+    attnplug_record(**cmp.record())
+    if not torch.equal(H.bits(kept), H.bits(first)) or not cmp.ok:
+        fail(f"{name}: the output returned by layer 0 changed after layer 1 and another forward ran (it aliases "
+             f"a reused buffer): {cmp.detail or 'bits differ from the value first returned'}")

@@ -3,7 +3,16 @@
 Families (each generated from the declared capabilities, see ``cases.py``):
 every forward mode at page sizes 1/16/64 and three dtypes; GQA/MQA layouts at
 head dims 64/128/256; V head dim != K head dim; sliding window, soft-cap and
-sinks across modes; cross-attention; a KV cache in another dtype.
+sinks across modes; cross-attention; a KV cache in another dtype; problems
+long enough to cross block/split/chunk thresholds; non-default ``scaling``;
+``save_kv_cache=False`` with stale ``out_cache_loc`` slots; new tokens whose
+slot ``req_to_token`` does not map yet; edges (a query row with no visible
+key, zero new tokens, position 0, a draft-extend carrying a verify mask);
+NaN/+inf in every slot no request owns.
+
+Every case also checks the cache afterwards, byte for byte: the old contents
+with the new K/V at exactly ``out_cache_loc`` (nothing at all when the case
+does not save, or for cross-attention).
 """
 
 from __future__ import annotations
@@ -30,6 +39,11 @@ def _check_one_forward(bound: Any, record: Any) -> None:
         diffs = H.check_cache(problem, 0, problem.before[0])
         if diffs:
             fail(f"{name}: a cross-attention forward must not write the KV cache: " + "; ".join(diffs))
+        return
+    diffs = H.check_cache(problem, 0, H.expected_cache(problem, 0, save=case.save_kv_cache))
+    if diffs:
+        what = "save_kv_cache=True" if case.save_kv_cache else "save_kv_cache=False (nothing may change)"
+        fail(f"{name}: KV cache wrong after a {case.scenario.mode} forward with {what}: " + "; ".join(diffs))
 
 
 def test_mode(attnplug_case: Any, attnplug_record: Any) -> None:
@@ -53,4 +67,28 @@ def test_cross_attention(attnplug_case: Any, attnplug_record: Any) -> None:
 
 
 def test_kv_cache_dtype(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_long(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_scaling(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_no_save(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_unmapped_slot(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_edge(attnplug_case: Any, attnplug_record: Any) -> None:
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_garbage(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)

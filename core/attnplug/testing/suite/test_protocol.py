@@ -1,6 +1,6 @@
 """Protocol cases: effective names and stamps, capabilities that agree,
-metadata required before forward, clear errors for bad inputs, and refusal
-(in words) of what a backend does not claim."""
+metadata required before forward, clear errors for bad input shapes. (Refusal
+of what is not claimed and rejected forwards: ``test_robustness``.)"""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from ...errors import MetadataNotInitializedError, ShapeError
-from ...layer import LayerSpec
 from ...registry import default_registry
 from . import harness as H
 from ._common import capabilities, fail
-from .cases import Case, scenario
+from .cases import Case, claimed_shape, scenario
 
 
 def _small_problem(name: str, sc: str = "decode") -> H.Problem:
     caps = capabilities(name)
     dtype = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     ps = 16 if caps.page_sizes is None or 16 in caps.page_sizes else caps.page_sizes[0]
-    case = Case("protocol", f"{name}-{sc}", scenario(sc, ps), dtype=dtype, page_size=ps, numeric=False)
+    case = Case("protocol", f"{name}-{sc}", scenario(sc, ps), dtype=dtype, page_size=ps, numeric=False,
+                shape=claimed_shape(caps))
     return H.make_problem(case, H.device_for(caps))
 
 
@@ -155,30 +155,3 @@ def test_bad_input(attnplug_case: Any) -> None:
     for i, ((k0, v0), (k1, v1)) in enumerate(zip(before, problem.snapshot())):
         if not (torch.equal(k0, k1) and torch.equal(v0, v1)):
             fail(f"{name}: a rejected forward ({case.variant}) still wrote layer {i} of the KV cache")
-
-
-def test_refusal(attnplug_case: Any) -> None:
-    """A layer or context using a feature the backend does not claim gets reasons in words."""
-    name, case = attnplug_case.backend, attnplug_case.case
-    problem = _small_problem(name)
-    backend = H.build_backend(name, problem, check_support=False)
-    ctx = problem.context(name)
-    base = dict(layer_id=0, num_heads=8, num_kv_heads=2, head_dim=64)
-    feature = case.variant
-    layer_kw: dict[str, Any] = {
-        "sliding_window": dict(sliding_window=4),
-        "logit_softcap": dict(logit_cap=30.0),
-        "sinks": dict(sinks=torch.zeros(8)),
-        "cross_attention": dict(is_cross_attention=True),
-        "v_head_dim_differs": dict(v_head_dim=32),
-        "mqa": dict(num_kv_heads=1),
-        "gqa": dict(num_kv_heads=2),
-        "dtype_float64": {},
-    }[feature]
-    layer = LayerSpec(**{**base, **layer_kw})
-    if feature == "dtype_float64":
-        ctx = ctx.replace(dtype="float64", kv_cache_dtype="float64", kv_cache=None)
-    reasons = backend.not_supported_reasons(layer, ctx)
-    if not reasons:
-        fail(f"{name} does not claim {feature}, but not_supported_reasons() for a layer/context using it is "
-             f"empty; a backend must refuse, in words, what it does not claim")

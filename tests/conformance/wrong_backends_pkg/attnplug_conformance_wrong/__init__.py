@@ -1,6 +1,9 @@
 """Descriptor module of a test-only distribution of deliberately wrong backends.
 
-``conf_reference`` is correct (the float64 reference, cast back): the control.
+``conf_reference`` is correct (the float64 reference, cast back, with every
+check before any write): the control. ``conf_narrow`` is the same correct
+kernel claiming little (float32, MHA, no feature or speculative mode): the
+control for refusal cases.
 Each other backend breaks one thing while claiming it, and the conformance
 suite must fail exactly the cases that exercise that thing.
 """
@@ -23,13 +26,25 @@ CAPABILITIES = Capabilities(
     devices=("cpu",),
 )
 
+#: what ``conf_narrow`` claims: float32 only, MHA only, no optional feature or speculative mode
+NARROW = Capabilities(dtypes=("float32",), kv_cache_dtypes=("float32",), gqa=False, mqa=False, devices=("cpu",))
+
 #: backend name -> the bug its kernel has (None: correct)
 BUGS = {
     "conf_reference": None,
+    "conf_narrow": None,
     "conf_no_scale": "drops the softmax scale",
     "conf_no_window": "ignores the sliding window",
     "conf_kv_off_by_one": "writes the KV cache one slot off",
     "conf_no_sinks": "ignores attention sinks",
+    "conf_default_scale": "ignores LayerSpec.scaling (always 1/sqrt(head_dim))",
+    "conf_pad_multiply": "multiplies masked padding values by zero (NaN/inf in a padding slot leaks)",
+    "conf_write_first": "writes the new K/V before validating the forward",
+    "conf_no_bounds": "does not check indices or lengths against their bounds",
+    "conf_reused_output": "returns one reused output buffer from every forward",
+    "conf_mask_everywhere": "applies a verify mask in every mode",
+    "conf_new_from_cache": "reads the new tokens back through req_to_token instead of from k/v",
+    "conf_nan_when_empty": "returns NaN for a query row with no visible key",
 }
 
 
@@ -39,7 +54,7 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
         register(BackendDescriptor(
             name=name,
             factory=f"attnplug_conformance_wrong.kernel:create_{name}",
-            capabilities=CAPABILITIES,
+            capabilities=NARROW if name == "conf_narrow" else CAPABILITIES,
             aliases=(name.replace("conf_", "confalias_"),),
             description=bug or "correct",
         ))

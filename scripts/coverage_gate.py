@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Branch coverage of this repo's kernel modules under the conformance suite, as a CI gate.
+
+Runs ``python -m pytest PYTEST_ARGS`` (default: ``--backend=all -q -p
+no:cacheprovider``) under coverage.py with branch coverage of the modules in
+``GATED`` only, prints each module's coverage with its uncovered lines and
+branches, and fails when a module is below ``THRESHOLD`` -- the one place the
+threshold is stated. The modules are matched by their path inside the
+installed package, so the gate works on an editable checkout and on the
+wheels tox installs.
+
+    python scripts/coverage_gate.py                      # the CI step (tox -e tests)
+    python scripts/coverage_gate.py --report-only -- --backend=torch_native -q
+
+Exit status: pytest's when it failed (the suite's verdict comes first), else 1
+when a gated module is below the threshold, else 0. ``--report-only`` never
+fails on coverage. Needs ``coverage`` (tox.ini deps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: Minimum branch coverage (percent) of every gated module under the suite.
+THRESHOLD = 95.0
+
+#: backend -> the modules whose coverage is gated (path patterns inside the installed package).
+#: kernels.py holds the Triton kernels; under TRITON_INTERPRET=1 they run as Python and are measured.
+GATED: dict[str, tuple[str, ...]] = {
+    "torch_native": ("*/attnplug_torch_native/backend.py",),
+    "triton": ("*/attnplug_triton/backend.py", "*/attnplug_triton/kernels.py"),
+}
+
+
+def _patterns() -> list[str]:
+    return [p for pats in GATED.values() for p in pats]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report-only", action="store_true", help="print coverage, never fail on it")
+    p.add_argument("--threshold", type=float, default=THRESHOLD, help=f"percent (default {THRESHOLD:g})")
+    p.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
+    a = p.parse_args(argv)
+    try:
+        import coverage
+    except ImportError:
+        print("coverage_gate: coverage.py is not installed (pip install -c constraints.txt coverage)",
+              file=sys.stderr)
+        return 2
+    args = a.pytest_args or ["--backend=all", "-q", "-p", "no:cacheprovider"]
+    with tempfile.TemporaryDirectory(prefix="attnplug-cov-") as tmp:
+        data = Path(tmp) / ".coverage"
+        rc = subprocess.call([sys.executable, "-m", "coverage", "run", "--branch", f"--data-file={data}",
+                              f"--include={','.join(_patterns())}", "-m", "pytest", *args], env=dict(os.environ))
+        cov = coverage.Coverage(data_file=str(data), branch=True, include=_patterns())
+        cov.load()
+        measured = sorted(cov.get_data().measured_files())
+        print(f"\nbranch coverage of the kernel modules under pytest {' '.join(args)} "
+              f"(threshold {a.threshold:g}%):")
+        below = []
+        for pattern in _patterns():
+            files = [f for f in measured if Path(f).match(pattern.lstrip("*/"))]
+            if not files:
+                print(f"  {pattern}: not imported by this run (its backend was not run)")
+                continue
+            for f in files:
+                pct = cov.report(morfs=[f], show_missing=True, file=sys.stdout, skip_empty=True)
+                if pct < a.threshold:
+                    below.append(f"{f}: {pct:.1f}%")
+    if rc != 0:
+        print(f"coverage_gate: pytest failed (exit {rc})", file=sys.stderr)
+        return rc
+    if below and not a.report_only:
+        print(f"coverage_gate: below {a.threshold:g}% branch coverage: " + "; ".join(below), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
