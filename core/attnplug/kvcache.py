@@ -138,7 +138,11 @@ class PagedKVCache:
         req = b.req_pool_indices
         if req.dtype.is_floating_point or req.dtype == torch.bool:
             raise ShapeError(f"req_pool_indices has dtype {req.dtype}, expected an integer tensor")
-        rows = b.req_pool_indices_cpu if getattr(b, "req_pool_indices_cpu", None) is not None else req.tolist()
+        rows = req.tolist()
+        if rows != getattr(b, "req_pool_indices_cpu", rows) or b.seq_lens.tolist() != b.seq_lens_cpu:
+            # the tensors changed after validate() (an engine reusing a batch object): the host copies
+            # backends read are stale, so derive and check them again rather than trust them
+            b.validate()
         for i, r in enumerate(rows):
             if not 0 <= r < self.max_requests:
                 raise ShapeError(

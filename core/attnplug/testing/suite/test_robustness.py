@@ -267,7 +267,13 @@ def test_refusal(attnplug_case: Any) -> None:
         shape = claimed_shape(caps)
     base = _claimed_case(name, Case("refusal", what, scenario(sc)), shape=shape)
     problem = H.make_problem(dataclasses.replace(base, features=feats), device)
-    backend = H.build_backend(name, problem, check_support=False)
+    try:
+        backend = H.build_backend(name, problem, check_support=False)
+    except NotSupportedError as exc:  # refused at build (the context lists the layer): the best place
+        if not re.search(pattern, str(exc)):
+            fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc}")
+        # a backend built without knowing the layers must still refuse the forward
+        _, backend = default_registry().build(name, problem.context(name).replace(layers=()))
     layer = problem.layers[0]
     if not what.startswith("mode_") and not backend.not_supported_reasons(layer, problem.context(name)):
         fail(f"{name} does not claim {what}, but not_supported_reasons() for a layer using it is empty; "
