@@ -13,9 +13,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 #: The public surface: what a host engine and a backend author need (see docs/api.md).
-#: Everything else lives in namespaces imported on purpose: ``attnplug.errors`` (every
-#: exception), ``attnplug.speculative``, ``attnplug.guard``, ``attnplug.resolution``,
-#: ``attnplug.dtypes`` and ``attnplug.testing`` (the conformance suite and reference).
+#: Everything else lives in namespaces imported on purpose (``PUBLIC_NAMESPACES``):
+#: ``attnplug.errors`` (every exception), ``attnplug.speculative``, ``attnplug.guard``,
+#: ``attnplug.resolution``, ``attnplug.dtypes``, ``attnplug.testing`` (the conformance suite
+#: and reference), ``attnplug.capabilities`` (``support_reasons``), ``attnplug.kvcache``
+#: (``indptr``, ``UNASSIGNED``), ``attnplug.probes`` (installed-library helpers).
 _EXPORTS: dict[str, str] = {
     # configuration and choice (hosts)
     "AttentionConfig": "config",
@@ -57,6 +59,7 @@ _EXPORTS: dict[str, str] = {
 PUBLIC_NAMESPACES: tuple[str, ...] = (
     "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
     "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
+    "attnplug.capabilities", "attnplug.kvcache", "attnplug.probes",
 )
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

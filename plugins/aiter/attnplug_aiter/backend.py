@@ -32,7 +32,7 @@ import torch
 
 from attnplug import PagedBackend
 from attnplug.errors import AttnplugError
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 from . import CAPABILITIES, MIN_LIBRARY_VERSION, NAME
 from . import metadata as md
@@ -51,7 +51,7 @@ SINKS_DTYPE = torch.float32
 
 def library_provider(distributions: tuple[str, ...]) -> tuple[str, str] | None:
     """``(distribution, version)`` of the one of ``distributions`` whose files hold the module ``aiter``."""
-    from attnplug.host import module_provider
+    from attnplug.probes import module_provider
 
     from . import MODULE
 

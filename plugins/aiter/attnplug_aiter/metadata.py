@@ -33,10 +33,10 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.descriptor import version_key as parse_version
+from attnplug.probes import version_key as parse_version
 from attnplug.errors import ShapeError
 from attnplug.kvcache import indptr
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 SUPPORTED_GFX: tuple[str, ...] = ("gfx942", "gfx950")
 MAX_GQA_RATIO = 16  # paged_attention_ragged dispatches num_heads / num_kv_heads in 1..16

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
-from attnplug.descriptor import installed_library
+from attnplug.probes import installed_library
 
 NAME = "fa3"
 

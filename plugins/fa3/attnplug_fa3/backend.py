@@ -21,9 +21,9 @@ import torch
 
 from attnplug import PagedBackend
 from attnplug.errors import BackendUnavailableError, NotSupportedError
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
-from attnplug.descriptor import installed_library, version_key
+from attnplug.probes import installed_library, version_key
 
 from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL
 from .metadata import FA3Metadata, build_metadata, window_size

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 I32 = torch.int32
 

@@ -30,7 +30,7 @@ import torch
 
 from attnplug import PagedBackend
 from attnplug.errors import AttnplugError
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 from . import CAPABILITIES, MIN_LIBRARY_VERSION, NAME
 from . import metadata as md

@@ -32,10 +32,10 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.descriptor import version_key as parse_version
+from attnplug.probes import version_key as parse_version
 from attnplug.errors import ShapeError
 from attnplug.kvcache import indptr
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 I32 = torch.int32
 

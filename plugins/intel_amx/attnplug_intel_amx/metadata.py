@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 #: kv splits of the decode op's scratch buffer (SGLang's IntelAMXAttnBackend uses 8)
 NUM_KV_SPLITS = 8

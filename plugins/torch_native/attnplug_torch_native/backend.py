@@ -58,7 +58,7 @@ import torch
 from attnplug.backend import AttentionBackend, MetadataGuard
 from attnplug.batch import check_qkv
 from attnplug.errors import AttnplugError, ShapeError
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 from . import CAPABILITIES, NAME
 

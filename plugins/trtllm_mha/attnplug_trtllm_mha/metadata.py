@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from attnplug.errors import ShapeError
-from attnplug.modes import ForwardMode
+from attnplug import ForwardMode
 
 def hnd_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """The slot buffer ``[slots, heads, dim]`` as ``[num_pages, heads, page_size, dim]`` (a view, no copy).
