@@ -119,14 +119,20 @@ class Workspace:
 
 
 class _Block(NamedTuple):
-    """One decode block: requests ``b0 … b1-1`` padded to ``length`` keys."""
+    """One decode block: requests ``b0 … b1-1`` padded to ``length`` keys.
+
+    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``: the block's
+    workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
+    (``head_major=True``: ``[requests, Hkv, length, dim]``, each matrix contiguous).
+    """
 
     b0: int
     b1: int
     length: int
-    index: torch.Tensor  # [(b1-b0) * Hkv * length] rows of the cache viewed [slots * Hkv, dim]
-    new_rows: torch.Tensor | None  # rows of the new token, ordered (request, kv_head)
-    pad_rows: torch.Tensor | None  # rows past a request's keys (zeroed after the gather)
+    head_major: bool
+    index: torch.Tensor  # the rows to gather, in workspace order
+    new_rows: torch.Tensor | None  # workspace rows of the new token: (request) or (request, kv_head) order
+    pad_rows: torch.Tensor | None  # workspace rows past a request's keys (zeroed after the gather)
     hidden: torch.Tensor | None  # [(b1-b0), 1, 1, length] bool: True where the key is padding
     empty: list[int]  # block-local requests with no key at all (output zeros)
 
@@ -153,19 +159,17 @@ class ForwardMeta:
         self._cache = cache
         self._plans: dict[Any, list[_Block]] = {}
 
-    def decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int) -> list[_Block]:
-        """Decode blocks for this window / cross-attention (built on the first layer, then shared)."""
-        key = (window, cross, block_bytes, row_bytes)
+    def decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
+                    head_major: bool) -> list[_Block]:
+        """Decode blocks for this window / cross-attention / layout (built on the first layer, then shared)."""
+        key = (window, cross, block_bytes, row_bytes, head_major)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes)
+            plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes, head_major)
         return plan
 
-    def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None,
-                           row_bytes: int) -> list[_Block]:
-        cache = self._cache
-        dev = cache.device
-        Hkv = cache.num_kv_heads
+    def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
+                           head_major: bool) -> list[_Block]:
         B = len(self.rows)
         # per request: first position read from the cache, cached keys, total keys (new one included)
         if cross:
@@ -187,14 +191,15 @@ class ForwardMeta:
             else:
                 b1 = B
                 length = max(max(total[b0:b1]), 1)
-            blocks.append(self._block(b0, b1, length, start, cached, total, cross, Hkv, dev))
+            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major))
             b0 = b1
         return blocks
 
     def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
-               cross: bool, Hkv: int, dev: torch.device) -> _Block:
+               cross: bool, head_major: bool) -> _Block:
+        cache = self._cache
+        dev, Hkv, r2t = cache.device, cache.num_kv_heads, cache.req_to_token
         n = b1 - b0
-        r2t = self._cache.req_to_token
         pos = torch.arange(length, device=dev)
         st = torch.as_tensor(start[b0:b1], dtype=torch.int64, device=dev)
         nc = torch.as_tensor(cached[b0:b1], dtype=torch.int64, device=dev)
@@ -202,22 +207,31 @@ class ForwardMeta:
         owned = pos[None, :] < nc[:, None]  # [n, length]: a cached position the request reads
         cols = (st[:, None] + pos[None, :]).clamp_(max=r2t.shape[1] - 1)
         rows = torch.as_tensor(self.rows[b0:b1], dtype=torch.int64, device=dev)
-        # only owned entries are used; everything else (padding, the new token's place) reads slot 0
-        # and is overwritten or zeroed after the gather
+        # only owned entries are read through req_to_token; padding and the new token's place
+        # read slot 0 and are zeroed / overwritten after the gather
         slots = torch.where(owned, r2t.index_select(0, rows).gather(1, cols), torch.zeros_like(cols))
-        heads = torch.arange(Hkv, device=dev)
-        index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)  # [n, Hkv, length]
-        flat = torch.arange(n * Hkv * length, device=dev).view(n, Hkv, length)
-        new_rows = None
-        if not cross:
-            new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, Hkv, 1)).reshape(-1)
         pad = pos[None, :] >= nt[:, None]  # [n, length]
-        pad_rows = hidden = None
-        if any(t < length for t in total[b0:b1]):
-            pad_rows = flat[pad[:, None, :].expand(n, Hkv, length)].reshape(-1)
+        any_pad = any(t < length for t in total[b0:b1])
+        new_rows = pad_rows = hidden = None
+        if head_major:  # workspace [n, Hkv, length] rows of dim
+            heads = torch.arange(Hkv, device=dev)
+            index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
+            flat = torch.arange(n * Hkv * length, device=dev).view(n, Hkv, length)
+            if not cross:
+                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, Hkv, 1)).reshape(-1)
+            if any_pad:
+                pad_rows = flat[pad[:, None, :].expand(n, Hkv, length)].reshape(-1)
+        else:  # workspace [length, n] rows of Hkv * dim
+            index = slots.t().reshape(-1)
+            flat = torch.arange(length * n, device=dev).view(length, n)
+            if not cross:
+                new_rows = flat.gather(0, (nt - 1).view(1, n)).reshape(-1)
+            if any_pad:
+                pad_rows = flat[pad.t()].reshape(-1)
+        if any_pad:
             hidden = pad.view(n, 1, 1, length)
         empty = [i for i, t in enumerate(total[b0:b1]) if t == 0]
-        return _Block(b0, b1, length, index, new_rows, pad_rows, hidden, empty)
+        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty)
 
 
 # ---------------------------------------------------------------------------
@@ -284,9 +298,13 @@ class TorchNativeBackend(PagedBackend):
         cross = layer.is_cross_attention
         kb, vb = self.cache.get_kv(layer.layer_id)
         cd = self._compute_dtype(q)
+        # bf16 matmuls want each (request, kv_head) matrix contiguous: gather rows of one head;
+        # float32 ones take a strided matrix, and whole-token rows gather faster
+        head_major = cd != _F32
         out = self.empty_output(q, layer)
         row_bytes = Hkv * max(D, Dv) * kb.element_size()
-        blocks = meta.decode_plan(None if cross else layer.sliding_window, cross, self.decode_block_bytes, row_bytes)
+        blocks = meta.decode_plan(None if cross else layer.sliding_window, cross, self.decode_block_bytes,
+                                  row_bytes, head_major)
         cap = layer.logit_cap or None
         sinks = self._sinks(layer, q.device)
         scale = layer.scaling
@@ -297,12 +315,8 @@ class TorchNativeBackend(PagedBackend):
             self.check_workspace(rows * L * (D + Dv) * (kb.element_size() + (0 if kb.dtype == cd else 4)),
                                  f"decode block of {n} request(s) x {L} keys")
             r0 = blk.b0 * Hkv
-            K = self._gather("dec.k", kb, blk.index, D, cd)
-            if blk.new_rows is not None:
-                K.index_copy_(0, blk.new_rows, k[blk.b0:blk.b1].reshape(-1, D).to(cd))
-            if blk.pad_rows is not None:
-                K.index_fill_(0, blk.pad_rows, 0)
-            S = torch.bmm(qs[r0:r0 + rows], K.view(rows, L, D).transpose(1, 2))  # [rows, G, L]
+            K = self._block_rows("dec.k", kb, blk, k, D, Hkv, cd)
+            S = torch.bmm(qs[r0:r0 + rows], self._matrices(K, blk, rows, L, D).transpose(1, 2))  # [rows, G, L]
             S = S.to(_F32) if S.dtype != _F32 else S
             S.mul_(scale)
             if cap:
@@ -317,12 +331,8 @@ class TorchNativeBackend(PagedBackend):
                 m = torch.maximum(S.amax(dim=2, keepdim=True), sk)
                 P = S.sub_(m).exp_()
                 den = P.sum(dim=2, keepdim=True) + torch.exp(sk - m)
-            V = self._gather("dec.v", vb, blk.index, Dv, cd)
-            if blk.new_rows is not None:
-                V.index_copy_(0, blk.new_rows, v[blk.b0:blk.b1].reshape(-1, Dv).to(cd))
-            if blk.pad_rows is not None:
-                V.index_fill_(0, blk.pad_rows, 0)
-            O = torch.bmm(P.to(cd), V.view(rows, L, Dv))  # [rows, G, Dv]
+            V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
+            O = torch.bmm(P.to(cd), self._matrices(V, blk, rows, L, Dv))  # [rows, G, Dv]
             if den is not None:
                 O = O.to(_F32).div_(den)
             ob = out[blk.b0:blk.b1]
@@ -330,6 +340,24 @@ class TorchNativeBackend(PagedBackend):
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
+
+    def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
+                    cd: torch.dtype) -> torch.Tensor:
+        """The block's K (or V) rows in ``cd``: gathered, the new token from the arguments, padding zeroed."""
+        width = dim if blk.head_major else Hkv * dim
+        X = self._gather(name, buf, blk.index, width, cd)
+        if blk.new_rows is not None:
+            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1].reshape(-1, width).to(cd))
+        if blk.pad_rows is not None:
+            X.index_fill_(0, blk.pad_rows, 0)  # select, never multiply garbage by 0
+        return X
+
+    @staticmethod
+    def _matrices(X: torch.Tensor, blk: _Block, rows: int, L: int, dim: int) -> torch.Tensor:
+        """``[rows, L, dim]``: the ``(request, kv_head)`` matrices of the block's workspace."""
+        if blk.head_major:
+            return X.view(rows, L, dim)
+        return X.as_strided((rows, L, dim), (dim, rows * dim, 1), X.storage_offset())
 
     # -- extend: per request, queries in bounded chunks ---------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
