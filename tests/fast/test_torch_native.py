@@ -619,3 +619,44 @@ def test_unchunkable_workspace_over_the_limit_is_refused_before_allocating():
         with pytest.raises(ResourceLimitError, match="max_workspace_bytes"):
             s.backend.forward(q, k, v, layer, batch)
         assert all(same_bits(a, b) for a, b in zip(before, s.cache.get_kv(0))), "a refused forward wrote"
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from([ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED]),
+    page_size=st.sampled_from([1, 4, 16]),
+    window=st.sampled_from([None, 0, 2, 9]),
+    sinks=st.booleans(),
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5),
+    block=st.sampled_from([1, 4096, None]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, page_size, window, sinks, lens,
+                                                                          block, dtype):
+    kw: dict[str, Any] = {}
+    if window is not None:
+        kw["sliding_window"] = window
+    if sinks:
+        kw["sinks"] = torch.linspace(-1.0, 1.5, 8)
+    s = make_setup(page_size=page_size, seed=len(lens), dtype=dtype, layer_kw=kw, decode_block_bytes=block)
+    s.cache.req_to_token.fill_(-1)
+    s.alloc = PageAllocator(s.cache.num_pages, shuffle=True, seed=sum(p for p, _ in lens))
+    prefix = [p for p, _ in lens]
+    ext = [1] * len(lens) if mode is ForwardMode.DECODE else [e for _, e in lens]
+    req_ids = list(range(len(lens)))
+    place(s, req_ids, [p + e for p, e in zip(prefix, ext)])
+    loc = new_slots(s, req_ids, prefix, ext)
+    owned = torch.cat([s.cache.req_to_token[r, :p] for r, p in zip(req_ids, prefix)])
+    mask = torch.ones(s.cache.num_slots, dtype=torch.bool)
+    mask[owned] = False
+    for buf in s.cache.k_buffers + s.cache.v_buffers:
+        buf[mask] = float("nan")
+    if mode is ForwardMode.DECODE:
+        batch = ForwardBatch.decode(req_ids, [p + 1 for p in prefix], loc)
+    else:
+        batch = ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode)
+    run_and_check(s, batch)
