@@ -311,7 +311,11 @@ class TorchNativeBackend(PagedBackend):
         cap = layer.logit_cap or None
         sinks = self._sinks(layer, q.device)
         scale = layer.scaling
-        qs = q.reshape(-1, G, D).to(cd)  # [B * Hkv, G, D]: query head h = kv * G + g uses KV head kv
+        # [B * Hkv, G, D]: query head h = kv * G + g uses KV head kv; float32 queries are scaled once
+        # here (bf16 ones are not: the scores are scaled in float32 instead, to avoid rounding q * scale)
+        qs = q.reshape(-1, G, D).to(cd)
+        if cd == _F32:
+            qs = qs * scale
         for blk in blocks:
             n = blk.b1 - blk.b0
             rows, L = n * Hkv, blk.length
@@ -326,7 +330,8 @@ class TorchNativeBackend(PagedBackend):
                 torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
             else:
                 S.copy_(torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s16", (rows, G, L), cd)))
-            S.mul_(scale)
+            if cd != _F32:
+                S.mul_(scale)
             if cap:
                 S.div_(cap).tanh_().mul_(cap)
             if blk.hidden is not None:
@@ -342,11 +347,14 @@ class TorchNativeBackend(PagedBackend):
             V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
             if cd != _F32:
                 P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
-            O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv), out=self.workspace.get("dec.o", (rows, G, Dv), cd))
+            ob = out[blk.b0:blk.b1]
+            direct = den is None and cd == out.dtype  # the matmul writes the output rows itself
+            O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv),
+                          out=ob.view(rows, G, Dv) if direct else self.workspace.get("dec.o", (rows, G, Dv), cd))
             if den is not None:
                 O = O.to(_F32).div_(den)
-            ob = out[blk.b0:blk.b1]
-            ob.copy_(O.view(n, H, Dv))
+            if not direct:
+                ob.copy_(O.view(n, H, Dv))
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
