@@ -1,72 +1,84 @@
 """Kernel module of the ``torch_native`` backend: exact paged attention in plain PyTorch.
 
 Imported only when the backend is built (the descriptor module stays light).
-Semantics are those of ``attnplug.testing.reference``; the computation runs in
-float32 (fp16/bf16 inputs are upcast) and the output has the input dtype.
+Semantics are those of ``attnplug.testing.reference``. The backend subclasses the
+core's ``PagedBackend``, which already did, before a kernel here runs: metadata
+lookup, IDLE, the per-forward bounds checks (every cached position a request reads
+maps to a real slot), the per-layer structural checks, and which writes this
+forward's new K/V *after* the kernel returned (``new_kv_source = "args"``), so a
+forward that raises writes nothing. Every kernel takes the new K/V from its
+``k``/``v`` arguments, never from the cache.
 
-Layout of the work
-------------------
+Compute dtype
+-------------
 
-``init_forward_metadata(batch)`` runs once per forward and builds what every
-layer needs (padded slot indices through ``req_to_token``, padding masks,
-per-request offsets, target-verify masks). Tensors that also depend on a
-per-layer property (sliding window, KV-head count, decode block size) are
-derived from it on first use and memoised, so each is built at most once per
-forward whatever the number of layers.
+When the query and the cache share float32 or bfloat16, the kernels run in that
+dtype: matmuls take bf16 operands and accumulate in float32 (oneDNN on CPU, with
+AVX-512 BF16 where the CPU has it); scores and the softmax are float32. Gathered
+bf16 K/V are never upcast. Any other pairing (float16, or a cache dtype other than
+the model's) computes in float32, converting one bounded block at a time.
 
-**Decode** is vectorised across the batch: no per-request Python loop. The
-K/V of every request are gathered through ``req_to_token`` with one
-``index_select`` (token rows of ``kv_heads * head_dim``) into a reused,
-padded workspace laid out ``[max_len, requests, kv_heads, head_dim]``; in it
-each ``(request, kv_head)`` pair is an ``[max_len, head_dim]`` matrix at a
-uniform stride, so one ``baddbmm`` scores the ``num_heads // num_kv_heads``
-query heads of every group at once (q viewed ``[B * kv_heads, group, dim]``,
-no GQA expand copy), a masked softmax follows, and one ``bmm`` against the
-gathered values. Fused path (the usual case: the forward wrote the new token
-to the cache in the model dtype, at the slot ``req_to_token`` maps its
-position to): the new token is read back with the rest. Otherwise (no write,
-a cache dtype other than the model's, attention sinks, a slot not mapped yet)
-the new token's score is one extra column taken from the ``k``/``v``
-arguments, with a hand-written softmax that adds the sink to the denominator.
+Garbage never reaches an output
+-------------------------------
 
-On CPU the batch is processed in blocks of requests holding about
-``decode_block_bytes`` of gathered K (default 16 MiB), so the workspace stays
-in cache between the gather and the matmul that reads it (measured ~25%
-faster than one whole-batch gather at batch 32 x 1024 tokens). The loop runs
-over blocks, never over single requests unless one request alone fills a
-block; a small batch is one block. ``decode_block_bytes=None`` (the default
-off CPU) gathers the whole batch into one ``[max_len, B, ...]`` workspace.
+Slots no request owns may hold anything (NaN, ±inf): engines park padded writes
+there. The kernels gather only rows a request owns and can see (its cached
+positions inside its window), and the padding of a padded decode block is
+*zeroed* (``index_fill_``) after the gather, never multiplied by zero; its scores
+are ``-inf`` before the softmax as well. A row with no visible key (an empty
+encoder, a target-verify mask row hiding everything) outputs zeros, sinks or not,
+as the reference does.
 
-**Extend** (EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2)
-assembles every request's keys (cached prefix + new tokens) in one reused
-workspace with two index operations per layer, then runs a bounded loop over
-requests: one ``bmm`` per request for the scores of all heads, the per-request
-mask (causal by position, sliding window, target-verify custom mask) built in
-``init_forward_metadata``, and one ``bmm`` for the values.
+Decode
+------
 
-Workspaces are grown on demand (geometrically) and reused by every layer and
-every forward.
+Requests are processed in blocks holding about ``decode_block_bytes`` of gathered
+K (default 4 MiB on CPU, so the block stays in cache between the gather and the
+matmuls that read it). Per block: one ``index_select`` gathers every
+``(request, kv_head, position)`` row of K into a head-major ``[requests * kv_heads,
+len, head_dim]`` workspace (each matrix contiguous, which the bf16 matmul and
+multi-request blocks need; a float32 one-request block gathers whole token rows
+instead, faster, and its matmul reads them strided), the new token's K is copied into its row from the arguments, padding rows are
+zeroed, one ``bmm`` scores the ``num_heads // num_kv_heads`` query heads of every
+group at once, soft-cap and mask follow, the softmax (with a sink term in the
+denominator when the layer has sinks), then the same for V and one ``bmm``. The
+gather indices of every block are built once per forward and window and shared by
+every layer.
+
+Extend
+------
+
+EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND and DRAFT_EXTEND_V2 run per request:
+its visible cached prefix (inside the window of its first query) and its new
+tokens are assembled head-major in a reused workspace (bounded by
+``check_workspace``), then queries go in chunks through PyTorch's fused
+``scaled_dot_product_attention`` with a boolean mask built per chunk (causal by
+position, sliding window, target-verify mask), so no mask or score tensor is
+larger than ``extend_score_bytes`` whatever the prefill length. Layers with a
+soft-cap or sinks, which SDPA cannot express, take a matmul-softmax-matmul path
+chunked by the same bound.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from attnplug.backend import AttentionBackend, MetadataGuard
-from attnplug.batch import check_qkv
-from attnplug.errors import AttnplugError, ShapeError
-from attnplug import ForwardMode
+from attnplug import ForwardMode, PagedBackend
 
 from . import CAPABILITIES, NAME
 
 #: Gathered K bytes per decode block on CPU: small enough to stay in cache between the gather
-#: and the matmul reading it, large enough to keep the number of ops per layer low.
-DEFAULT_DECODE_BLOCK_BYTES = 16 << 20
+#: and the matmuls reading it, large enough to keep the number of ops per layer low.
+DEFAULT_DECODE_BLOCK_BYTES = 4 << 20
+#: Bound on one extend query chunk's mask / float32 scores.
+DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
 
 _F32 = torch.float32
+_NATIVE = (torch.float32, torch.bfloat16)
 
 
 def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
@@ -107,171 +119,122 @@ class Workspace:
 # ---------------------------------------------------------------------------
 
 
-class _Padded:
-    """Padded slot indices of the first ``lens[i]`` positions of every request.
+class _Block(NamedTuple):
+    """One decode block: requests ``b0 … b1-1`` padded to ``length`` keys.
 
-    ``slots`` is ``[B, L]`` (padding points at slot 0, masked), ``invalid`` is
-    ``[B, L]`` (True where ``j >= lens[i]``). Derived tensors are memoised.
+    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``: the block's
+    workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
+    (``head_major=True``: ``[requests, Hkv, length, dim]``, each matrix contiguous).
     """
 
-    def __init__(self, req_to_token: torch.Tensor, req: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
-        self.lens = lens
-        self.max_len = max_len
-        device = req.device
-        pos = torch.arange(max_len, device=device)
-        self.invalid = pos[None, :] >= lens[:, None]  # [B, L]
-        rows = req_to_token[:, :max_len].index_select(0, req)  # only the columns in use
-        self.slots = rows.masked_fill(self.invalid, 0)
-        self.pos = pos
-        self._memo: dict[Any, Any] = {}
-
-    def block_index(self, per_block: int) -> torch.Tensor:
-        """Slot indices, block after block of ``per_block`` requests, position-major inside a block.
-
-        Block ``j`` (requests ``b0 … b1-1``) is ``index[b0 * L : b1 * L]`` and lists, for each
-        position ``l``, the slots of its requests: gathered token rows then form an
-        ``[L, requests, kv_heads, dim]`` workspace in which every ``(request, kv_head)`` row is
-        one ``[L, dim]`` matrix at a uniform stride (one ``bmm`` for the block, no copy).
-        """
-        key = ("index", per_block)
-        if key not in self._memo:
-            B = self.slots.shape[0]
-            parts = [self.slots[b0:b0 + per_block].t().reshape(-1) for b0 in range(0, B, per_block)]
-            self._memo[key] = torch.cat(parts) if parts else self.slots.reshape(-1)
-        return self._memo[key]
-
-    def row_mask(self, num_kv_heads: int, window: int | None, query_pos: torch.Tensor | None) -> torch.Tensor | None:
-        """``[B * Hkv, 1, L]``: True where the key is hidden from the row's queries; ``None`` if nothing is."""
-        key = ("mask", num_kv_heads, window)
-        if key not in self._memo:
-            hidden = self.invalid
-            if window is not None and query_pos is not None:
-                hidden = hidden | (self.pos[None, :] < (query_pos - window)[:, None])
-            mask = None
-            if bool(hidden.any()):
-                mask = hidden.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1).contiguous()
-            self._memo[key] = mask
-        return self._memo[key]
+    b0: int
+    b1: int
+    length: int
+    head_major: bool
+    index: torch.Tensor  # the rows to gather, in workspace order
+    new_rows: torch.Tensor | None  # workspace rows of the new token: (request) or (request, kv_head) order
+    pad_rows: torch.Tensor | None  # workspace rows past a request's keys (zeroed after the gather)
+    hidden: torch.Tensor | None  # [(b1-b0), 1, 1, length] bool: True where the key is padding
+    empty: list[int]  # block-local requests with no key at all (output zeros)
 
 
-class DecodeMetadata:
-    """One decode forward.
+class ForwardMeta:
+    """What one forward's layers share: per-request lengths, and lazily built decode plans."""
 
-    Two views of every request's keys, each built on first use and then shared
-    by every layer: ``with_new`` covers positions ``0 … seq-1`` (the fused path:
-    the token being decoded is read back from the cache, where this forward
-    wrote it), ``prefix`` covers ``0 … seq-2`` (the general path: the new token
-    comes from the ``k``/``v`` arguments). ``new_in_cache`` says whether
-    ``req_to_token`` maps each request's last position to its ``out_cache_loc``
-    slot, which the fused path needs.
-    """
-
-    kind = "decode"
-
-    def __init__(self, batch: Any, req_to_token: torch.Tensor) -> None:
-        device = req_to_token.device
-        self.batch_size = batch.batch_size
-        self.req = batch.req_pool_indices.to(device)
-        self.seq = batch.seq_lens.to(device)
-        self.prefix = self.seq - 1  # position of the token being decoded = cached length before it
-        self.max_seq = max(batch.seq_lens_cpu, default=1)
-        last = req_to_token[self.req, self.prefix] if self.batch_size else self.prefix
-        self.new_in_cache = bool(torch.equal(last, batch.out_cache_loc.to(device)))
-        self._req_to_token = req_to_token
-        self._batch = batch
-        self._views: dict[str, _Padded] = {}
-
-    def keys(self, which: str) -> _Padded:
-        view = self._views.get(which)
-        if view is None:
-            r2t = self._req_to_token
-            if which == "with_new":
-                view = _Padded(r2t, self.req, self.seq, self.max_seq)
-            elif which == "prefix":
-                view = _Padded(r2t, self.req, self.prefix, self.max_seq - 1)
-            else:  # cross-attention: the encoder tokens at positions 0 … enc-1
-                enc = self._batch.encoder_lens
-                if enc is None:
-                    raise ShapeError("cross-attention layer but ForwardBatch.encoder_lens is None")
-                enc = enc.to(r2t.device)
-                view = _Padded(r2t, self.req, enc, int(enc.max()) if len(enc) else 0)
-            self._views[which] = view
-        return view
-
-
-class ExtendMetadata:
-    """One extend-shaped forward: per-request offsets, slot indices and visibility masks."""
-
-    kind = "extend"
-
-    def __init__(self, batch: Any, req_to_token: torch.Tensor) -> None:
-        device = req_to_token.device
-        self._batch = batch
-        self._req_to_token = req_to_token
+    def __init__(self, batch: Any, cache: Any) -> None:
+        self.mode = batch.forward_mode
+        self.rows = list(batch.req_pool_indices_cpu)
+        self.seq = list(batch.seq_lens_cpu)
         self.prefix = list(batch.extend_prefix_lens_cpu)
         self.ext = list(batch.extend_seq_lens_cpu)
-        self.seq = list(batch.seq_lens_cpu)
-        self.req = batch.req_pool_indices.tolist()
-        self.num_tokens = sum(self.ext)
-        self.total_kv = sum(self.seq)
-        # Keys of request i occupy rows kv_off[i] … kv_off[i] + seq[i] - 1 of the key workspace:
-        # its cached prefix first, then its new tokens.
-        self.q_off, self.kv_off = [], []
-        t = o = 0
-        src, dst_prefix, dst_new = [], [], []
-        for r, p, e in zip(self.req, self.prefix, self.ext):
-            self.q_off.append(t)
-            self.kv_off.append(o)
-            if p:
-                src.append(req_to_token[r, :p])
-                dst_prefix.append(torch.arange(o, o + p, device=device))
-            if e:
-                dst_new.append(torch.arange(o + p, o + p + e, device=device))
-            t += e
-            o += p + e
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        self.prefix_src = torch.cat(src) if src else empty
-        self.prefix_dst = torch.cat(dst_prefix) if dst_prefix else empty
-        self.new_dst = torch.cat(dst_new) if dst_new else empty
+        if self.mode is ForwardMode.DECODE:
+            self.prefix = [s - 1 for s in self.seq]
+            self.ext = [1] * len(self.seq)
+        self.enc = None if batch.encoder_lens is None else [int(x) for x in batch.encoder_lens.tolist()]
+        self.q_off = [0]
+        for e in self.ext:
+            self.q_off.append(self.q_off[-1] + e)
         self.custom_mask = None
-        if batch.forward_mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
-            self.custom_mask = batch.spec_custom_mask.to(device=device, dtype=torch.bool)
-        self._device = device
-        self._hidden: dict[int | None, list[torch.Tensor]] = {}
-        self._cross: tuple[torch.Tensor, list[int], list[int]] | None = None
+        if self.mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
+            self.custom_mask = batch.spec_custom_mask.to(device=cache.device, dtype=torch.bool)
+        self._cache = cache
+        self._plans: dict[Any, list[_Block]] = {}
 
-    def hidden(self, window: int | None) -> list[torch.Tensor]:
-        """Per request, ``[ext, seq]`` bool: True where key ``j`` is hidden from query ``a``."""
-        if window not in self._hidden:
-            masks = []
-            for i, (p, e, s) in enumerate(zip(self.prefix, self.ext, self.seq)):
-                qpos = torch.arange(p, p + e, device=self._device)[:, None]
-                kpos = torch.arange(s, device=self._device)[None, :]
-                hidden = kpos > qpos
-                if window is not None:
-                    hidden |= kpos < qpos - window
-                if self.custom_mask is not None and e:
-                    hidden[:, p:] |= ~self.custom_mask[i, :e, :e]
-                masks.append(hidden)
-            self._hidden[window] = masks
-        return self._hidden[window]
+    def decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
+                    head_major: bool) -> list[_Block]:
+        """Decode blocks for this window / cross-attention / layout (built on the first layer, then shared)."""
+        key = (window, cross, block_bytes, row_bytes, head_major)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes, head_major)
+        return plan
 
-    def cross(self) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Slots of every request's encoder tokens (concatenated), their offsets and lengths."""
-        if self._cross is None:
-            enc_t = self._batch.encoder_lens
-            if enc_t is None:
-                raise ShapeError("cross-attention layer but ForwardBatch.encoder_lens is None")
-            enc = [int(x) for x in enc_t.tolist()]
-            parts, offs, o = [], [], 0
-            for r, n in zip(self.req, enc):
-                offs.append(o)
-                if n:
-                    parts.append(self._req_to_token[r, :n])
-                o += n
-            slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self._device)
-            self._cross = (slots, offs, enc)
-        return self._cross
+    def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
+                           head_major: bool) -> list[_Block]:
+        B = len(self.rows)
+        # per request: first position read from the cache, cached keys, total keys (new one included)
+        if cross:
+            start = [0] * B
+            cached = list(self.enc or [0] * B)
+            total = cached
+        else:
+            start = [0 if window is None else max(0, p - window) for p in self.prefix]
+            cached = [p - s0 for p, s0 in zip(self.prefix, start)]
+            total = [c + 1 for c in cached]
+        blocks: list[_Block] = []
+        b0 = 0
+        while b0 < B:
+            b1, length = b0 + 1, max(total[b0], 1)
+            if block_bytes is not None:
+                while b1 < B and (b1 - b0 + 1) * max(length, total[b1]) * row_bytes <= block_bytes:
+                    length = max(length, total[b1])
+                    b1 += 1
+            else:
+                b1 = B
+                length = max(max(total[b0:b1]), 1)
+            # token-major rows only for a one-request block: a strided batched matmul over several
+            # requests' rows falls off the BLAS fast path (measured 4x slower at 8 x 128 keys)
+            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major or b1 - b0 > 1))
+            b0 = b1
+        return blocks
+
+    def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
+               cross: bool, head_major: bool) -> _Block:
+        cache = self._cache
+        dev, Hkv, r2t = cache.device, cache.num_kv_heads, cache.req_to_token
+        n = b1 - b0
+        pos = torch.arange(length, device=dev)
+        st = torch.as_tensor(start[b0:b1], dtype=torch.int64, device=dev)
+        nc = torch.as_tensor(cached[b0:b1], dtype=torch.int64, device=dev)
+        nt = torch.as_tensor(total[b0:b1], dtype=torch.int64, device=dev)
+        owned = pos[None, :] < nc[:, None]  # [n, length]: a cached position the request reads
+        cols = (st[:, None] + pos[None, :]).clamp_(max=r2t.shape[1] - 1)
+        rows = torch.as_tensor(self.rows[b0:b1], dtype=torch.int64, device=dev)
+        # only owned entries are read through req_to_token; padding and the new token's place
+        # read slot 0 and are zeroed / overwritten after the gather
+        slots = torch.where(owned, r2t.index_select(0, rows).gather(1, cols), torch.zeros_like(cols))
+        pad = pos[None, :] >= nt[:, None]  # [n, length]
+        any_pad = any(t < length for t in total[b0:b1])
+        new_rows = pad_rows = hidden = None
+        if head_major:  # workspace [n, Hkv, length] rows of dim
+            heads = torch.arange(Hkv, device=dev)
+            index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
+            flat = torch.arange(n * Hkv * length, device=dev).view(n, Hkv, length)
+            if not cross:
+                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, Hkv, 1)).reshape(-1)
+            if any_pad:
+                pad_rows = flat[pad[:, None, :].expand(n, Hkv, length)].reshape(-1)
+        else:  # workspace [length, n] rows of Hkv * dim
+            index = slots.t().reshape(-1)
+            flat = torch.arange(length * n, device=dev).view(length, n)
+            if not cross:
+                new_rows = flat.gather(0, (nt - 1).view(1, n)).reshape(-1)
+            if any_pad:
+                pad_rows = flat[pad.t()].reshape(-1)
+        if any_pad:
+            hidden = pad.view(n, 1, 1, length)
+        empty = [i for i, t in enumerate(total[b0:b1]) if t == 0]
+        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty)
 
 
 # ---------------------------------------------------------------------------
@@ -279,90 +242,33 @@ class ExtendMetadata:
 # ---------------------------------------------------------------------------
 
 
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(PagedBackend):
     """Exact paged attention in plain PyTorch (the reference CPU backend)."""
 
     capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "args"
 
-    def __init__(
-        self, ctx: Any, decode_block_bytes: int | None | str = "auto", extend_score_bytes: int = 64 << 20
-    ) -> None:
-        self.ctx = ctx
-        #: bound on one extend chunk's float32 scores (queries are chunked to fit)
-        self.extend_score_bytes = extend_score_bytes
-        self.kv_cache = ctx.kv_cache
-        self.device = torch.device(ctx.device if ctx.kv_cache is None else ctx.kv_cache.device)
+    def __init__(self, ctx: Any, decode_block_bytes: int | None | str = "auto",
+                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES) -> None:
+        super().__init__(ctx)
         if decode_block_bytes == "auto":
             decode_block_bytes = DEFAULT_DECODE_BLOCK_BYTES if self.device.type == "cpu" else None
+        #: gathered K bytes per decode block (``None``: the whole batch in one block)
         self.decode_block_bytes: int | None = decode_block_bytes  # type: ignore[assignment]
+        #: bound on one extend query chunk's mask and float32 scores (queries are chunked to fit)
+        self.extend_score_bytes = int(extend_score_bytes)
         self.workspace = Workspace(self.device)
-        self._guard = MetadataGuard(NAME)
-        #: how many times ``init_forward_metadata`` built metadata (tests: once per forward)
-        self.metadata_builds = 0
+        #: the largest mask/score chunk built so far, in bytes (tests check it stays bounded)
+        self.largest_chunk_bytes = 0
 
-    # -- metadata --------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
-        mode = batch.forward_mode
-        if mode is ForwardMode.IDLE:
-            meta: Any = None
-        else:
-            r2t = self._cache().req_to_token
-            meta = DecodeMetadata(batch, r2t) if mode is ForwardMode.DECODE else ExtendMetadata(batch, r2t)
-        self.metadata_builds += 1
-        self._guard.set(batch, meta)
-
-    # -- forward -----------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        meta = self._guard.require(batch)
-        if meta is None:  # idle
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        self._check(q, k, v, layer, batch)
-        saved = self._save(k, v, layer, batch, save_kv_cache)
-        if meta.kind == "decode":
-            return self._decode(q, k, v, layer, meta, saved)
-        return self._extend(q, k, v, layer, meta)
-
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
-        meta = self._guard.require(batch)
-        if meta is None:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        self._check(q, k, v, layer, batch)
-        saved = self._save(k, v, layer, batch, save_kv_cache)
-        if meta.kind == "extend":
-            return self._extend(q, k, v, layer, meta)
-        return self._decode(q, k, v, layer, meta, saved)
+    def build_metadata(self, batch: Any) -> ForwardMeta:
+        return ForwardMeta(batch, self.cache)
 
     # -- helpers -----------------------------------------------------------
-    def _cache(self) -> Any:
-        if self.kv_cache is None:
-            raise AttnplugError(
-                "torch_native was built without a KV cache (BuildContext.kv_cache is None); "
-                "build it with the engine's PagedKVCache to run forwards"
-            )
-        return self.kv_cache
-
-    def _check(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
-        check_qkv(q, k, v, layer, batch.num_tokens)
-        if k is None and not layer.is_cross_attention:
-            raise ShapeError(
-                f"k and v are None for self-attention layer {layer.layer_id}; "
-                f"only cross-attention layers may omit them"
-            )
-        kb, vb = self._cache().get_kv(layer.layer_id)
-        if tuple(kb.shape[1:]) != (layer.num_kv_heads, layer.head_dim) or tuple(vb.shape[1:]) != (
-            layer.num_kv_heads, layer.v_head_dim
-        ):
-            raise ShapeError(
-                f"kv_cache rows for layer {layer.layer_id} are k {tuple(kb.shape[1:])} / v {tuple(vb.shape[1:])}, "
-                f"expected ({layer.num_kv_heads}, {layer.head_dim}) / ({layer.num_kv_heads}, {layer.v_head_dim})"
-            )
-
-    def _save(self, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> bool:
-        """Write the new K/V at ``out_cache_loc`` (self-attention only); True when written."""
-        if save_kv_cache and k is not None and not layer.is_cross_attention and batch.num_tokens:
-            self._cache().set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-            return True
-        return False
+    def _compute_dtype(self, q: torch.Tensor) -> torch.dtype:
+        cd = self.cache.dtype
+        return cd if q.dtype == cd and cd in _NATIVE else _F32
 
     @staticmethod
     def _sinks(layer: Any, device: torch.device) -> torch.Tensor | None:
@@ -372,216 +278,228 @@ class TorchNativeBackend(AttentionBackend):
             layer.num_kv_heads, layer.gqa_group_size
         )
 
-    @staticmethod
-    def _rows(buf: torch.Tensor, width: int) -> torch.Tensor:
-        """``buf`` as a 2-D ``[-1, width]`` tensor (a view of the cache; a copy only if it is not contiguous)."""
-        return buf.view(-1, width) if buf.is_contiguous() else buf.reshape(-1, width)
-
-    def _gather(self, name: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``index`` of the 2-D ``src``, as float32, in a reused workspace.
-
-        A non-fp32 cache is gathered into a second reused buffer of its own
-        dtype and converted into the float32 one.
-        """
-        n, width = index.numel(), src.shape[1]
-        out = self.workspace.get(name, (n, width), _F32)
-        if src.dtype == _F32:
-            torch.index_select(src, 0, index, out=out)
-        else:
-            raw = self.workspace.get(name + ".raw", (n, width), src.dtype)
-            torch.index_select(src, 0, index, out=raw)
-            out.copy_(raw)
+    def _gather(self, name: str, src: torch.Tensor, index: torch.Tensor, width: int, cd: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` of ``src`` viewed ``[-1, width]``, in ``cd``, in a reused workspace."""
+        src2 = src.view(-1, width) if src.is_contiguous() else src.reshape(-1, width)
+        n = index.numel()
+        raw = self.workspace.get(name, (n, width), src.dtype)
+        torch.index_select(src2, 0, index, out=raw)
+        if src.dtype == cd:
+            return raw
+        out = self.workspace.get(name + "." + str(cd), (n, width), cd)
+        out.copy_(raw)
         return out
 
-    # -- decode: vectorised over the batch ---------------------------------
-    def _decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: DecodeMetadata, saved: bool) -> torch.Tensor:
-        B = meta.batch_size
+    def _note_chunk(self, nbytes: int) -> None:
+        if nbytes > self.largest_chunk_bytes:
+            self.largest_chunk_bytes = nbytes
+
+    # -- decode: blocks of requests ------------------------------------------
+    def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
-        rows = B * Hkv
-        kb, vb = self._cache().get_kv(layer.layer_id)
+        kb, vb = self.cache.get_kv(layer.layer_id)
+        cd = self._compute_dtype(q)
+        # bf16 matmuls want each (request, kv_head) matrix contiguous: gather rows of one head;
+        # float32 ones take a strided matrix, and whole-token rows gather faster (one-request blocks)
+        head_major = cd != _F32
+        out = self.empty_output(q, layer)
+        row_bytes = Hkv * max(D, Dv) * kb.element_size()
+        blocks = meta.decode_plan(None if cross else layer.sliding_window, cross, self.decode_block_bytes,
+                                  row_bytes, head_major)
         cap = layer.logit_cap or None
         sinks = self._sinks(layer, q.device)
-        # Fused path: the new token was just written to the cache in the model dtype, so the
-        # gather reads it back bit-exactly and one softmax covers everything.
-        fused = (not cross and saved and sinks is None and meta.new_in_cache
-                 and kb.dtype == q.dtype and vb.dtype == q.dtype)
-        keys = meta.keys("cross" if cross else "with_new" if fused else "prefix")
-        L = keys.max_len
-        window = None if cross else layer.sliding_window
-        hidden = keys.row_mask(Hkv, window, meta.prefix if window is not None else None) if L else None
-
-        # queries as [rows, G, D]: query head h = kv * G + g uses KV head kv (no GQA expand copy)
-        qs = q.to(_F32).reshape(rows, G, D)
         scale = layer.scaling
-        sink_rows = None if sinks is None else sinks.unsqueeze(0).expand(B, Hkv, G).reshape(rows, G)
-
-        # general path: score of the token being decoded, from the arguments (always visible)
-        s_new = v_new = None
-        if not cross and not fused:
-            k_new = k.to(_F32).reshape(rows, 1, D)
-            v_new = v.to(_F32).reshape(rows, 1, Dv)
-            s_new = torch.bmm(qs, k_new.transpose(1, 2)).squeeze(2).mul_(scale)  # [rows, G]
-            if cap:
-                s_new = torch.tanh(s_new / cap) * cap
-
-        out32 = torch.empty(rows, G, Dv, dtype=_F32, device=q.device)
-        if L == 0:
-            m = _maximum(s_new, sink_rows, like=out32[:, :, 0])
-            out32.zero_()
-            self._finish(out32, torch.zeros_like(m), m, s_new, v_new, sink_rows)
-            return out32.view(B, H, Dv).to(q.dtype)
-
-        ktok, vtok = self._rows(kb, Hkv * D), self._rows(vb, Hkv * Dv)  # [slots, Hkv * dim]: token rows
-        per_block = B
-        if self.decode_block_bytes:
-            per_block = max(1, min(B, self.decode_block_bytes // (L * Hkv * max(D, Dv) * 4)))
-        index = keys.block_index(per_block)
-        for b0 in range(0, B, per_block):
-            b1 = min(B, b0 + per_block)
-            r0, r1 = b0 * Hkv, b1 * Hkv
-            n = r1 - r0
-            idx = index[b0 * L:b1 * L]
-            # [L, requests in block, Hkv, D] workspace; row (request, kv_head) is an [L, D] matrix at stride D
-            K = self._gather("dec.k", ktok, idx).as_strided((n, L, D), (D, n * D, 1))
-            S = self.workspace.get("dec.s", (n, G, L), _F32)
-            torch.baddbmm(S, qs[r0:r1], K.transpose(1, 2), beta=0.0, alpha=scale, out=S)  # scaled scores
+        # [B * Hkv, G, D]: query head h = kv * G + g uses KV head kv; float32 queries are scaled once
+        # here (bf16 ones are not: the scores are scaled in float32 instead, to avoid rounding q * scale)
+        qs = q.reshape(-1, G, D).to(cd)
+        if cd == _F32:
+            qs = qs * scale
+        for blk in blocks:
+            n = blk.b1 - blk.b0
+            rows, L = n * Hkv, blk.length
+            self.check_workspace(rows * L * (D + Dv) * (kb.element_size() + (0 if kb.dtype == cd else 4)),
+                                 f"decode block of {n} request(s) x {L} keys")
+            r0 = blk.b0 * Hkv
+            K = self._block_rows("dec.k", kb, blk, k, D, Hkv, cd)
+            # scores, probabilities and outputs go to reused workspaces too (no allocation per block)
+            S = self.workspace.get("dec.s", (rows, G, L), _F32)
+            Km = self._matrices(K, blk, rows, L, D).transpose(1, 2)
+            if cd == _F32:
+                torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
+            else:
+                S.copy_(torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s16", (rows, G, L), cd)))
+            if cd != _F32:
+                S.mul_(scale)
             if cap:
                 S.div_(cap).tanh_().mul_(cap)
-            if hidden is not None:
-                S.masked_fill_(hidden[r0:r1], -math.inf)
-            if fused:
-                P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (n, G, L), _F32))
-                V = self._gather("dec.v", vtok, idx).as_strided((n, L, Dv), (Dv, n * Dv, 1))
-                torch.bmm(P, V, out=out32[r0:r1])
-                continue
-            m = _maximum(S.amax(dim=2), None if s_new is None else s_new[r0:r1],
-                         None if sink_rows is None else sink_rows[r0:r1])
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with nothing visible
-            S.sub_(m.unsqueeze(2)).exp_()
-            den = S.sum(dim=2)
-            V = self._gather("dec.v", vtok, idx).as_strided((n, L, Dv), (Dv, n * Dv, 1))
-            torch.bmm(S, V, out=out32[r0:r1])
-            self._finish(
-                out32[r0:r1], den, m,
-                None if s_new is None else s_new[r0:r1],
-                None if v_new is None else v_new[r0:r1],
-                None if sink_rows is None else sink_rows[r0:r1],
-            )
-        return out32.view(B, H, Dv).to(q.dtype)
+            if blk.hidden is not None:
+                S.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+            den = None
+            if sinks is None:
+                P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
+            else:
+                sk = sinks.unsqueeze(0).expand(n, Hkv, G).reshape(rows, G, 1)
+                m = torch.maximum(S.amax(dim=2, keepdim=True), sk)
+                P = S.sub_(m).exp_()
+                den = P.sum(dim=2, keepdim=True) + torch.exp(sk - m)
+            V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
+            if cd != _F32:
+                P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
+            ob = out[blk.b0:blk.b1]
+            direct = den is None and cd == out.dtype  # the matmul writes the output rows itself
+            O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv),
+                          out=ob.view(rows, G, Dv) if direct else self.workspace.get("dec.o", (rows, G, Dv), cd))
+            if den is not None:
+                O = O.to(_F32).div_(den)
+            if not direct:
+                ob.copy_(O.view(n, H, Dv))
+            if blk.empty:
+                ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
+        return out
+
+    def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
+                    cd: torch.dtype) -> torch.Tensor:
+        """The block's K (or V) rows in ``cd``: gathered, the new token from the arguments, padding zeroed."""
+        width = dim if blk.head_major else Hkv * dim
+        X = self._gather(name, buf, blk.index, width, cd)
+        if blk.new_rows is not None:
+            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1].reshape(-1, width).to(cd))
+        if blk.pad_rows is not None:
+            X.index_fill_(0, blk.pad_rows, 0)  # select, never multiply garbage by 0
+        return X
 
     @staticmethod
-    def _finish(
-        out: torch.Tensor, den: torch.Tensor, m: torch.Tensor, s_new: Any, v_new: Any, sink: Any
-    ) -> None:
-        """Add the new token's term and the sink to the denominator, then normalise ``out`` in place."""
-        if s_new is not None:
-            w = torch.exp(s_new - m)
-            out.add_(w.unsqueeze(2) * v_new)
-            den = den + w
-        if sink is not None:
-            den = den + torch.exp(sink - m)
-        out.div_(den.clamp_min(torch.finfo(_F32).tiny).unsqueeze(2))
+    def _matrices(X: torch.Tensor, blk: _Block, rows: int, L: int, dim: int) -> torch.Tensor:
+        """``[rows, L, dim]``: the ``(request, kv_head)`` matrices of the block's workspace."""
+        if blk.head_major:
+            return X.view(rows, L, dim)
+        return X.as_strided((rows, L, dim), (dim, rows * dim, 1), X.storage_offset())
 
-    # -- extend: keys assembled once per layer, bounded loop over requests --
-    def _extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ExtendMetadata) -> torch.Tensor:
+    # -- extend: per request, queries in bounded chunks ---------------------
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
         H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
-        T = meta.num_tokens
-        out = q.new_empty((T, H, Dv))
-        if T == 0:
-            return out
-        kb, vb = self._cache().get_kv(layer.layer_id)
-        qs = q.to(_F32) * layer.scaling
-        cap = layer.logit_cap or None
+        out = self.empty_output(q, layer)
+        kb, vb = self.cache.get_kv(layer.layer_id)
+        cd = self._compute_dtype(q)
+        cross = layer.is_cross_attention
+        window = None if cross else layer.sliding_window
+        manual = bool(layer.logit_cap) or layer.sinks is not None
         sinks = self._sinks(layer, q.device)
-
-        if layer.is_cross_attention:
-            slots, offs, lens = meta.cross()
-            n = slots.numel()
-            Kall = self._gather("ext.k", self._rows(kb, Hkv * D), slots).view(n, Hkv, D)
-            Vall = self._gather("ext.v", self._rows(vb, Hkv * Dv), slots).view(n, Hkv, Dv)
-            hidden_list = None
-        else:
-            Kall = self._assemble("ext.k", kb, k, meta, Hkv, D)
-            Vall = self._assemble("ext.v", vb, v, meta, Hkv, Dv)
-            offs, lens = meta.kv_off, meta.seq
-            hidden_list = meta.hidden(layer.sliding_window)
-
-        window = None if layer.is_cross_attention else layer.sliding_window
-        for i, (t0, e) in enumerate(zip(meta.q_off, meta.ext)):
+        r2t = self.cache.req_to_token
+        for i, row in enumerate(meta.rows):
+            e = meta.ext[i]
             if e == 0:
                 continue
-            o, s = offs[i], lens[i]
-            if s == 0:  # empty encoder: nothing visible, the output is zero
+            t0, p = meta.q_off[i], meta.prefix[i]
+            if cross:
+                lo, cached, n_new = 0, meta.enc[i] if meta.enc else 0, 0
+            else:
+                lo = 0 if window is None else max(0, p - window)  # first key the first query sees
+                cached, n_new = p - lo, e
+            n = cached + n_new
+            if n == 0:  # empty encoder: nothing visible, the output is zero
                 out[t0:t0 + e].zero_()
                 continue
-            p = 0 if hidden_list is None else meta.prefix[i]
-            # queries in chunks, so the scores of a long prefill stay within extend_score_bytes
-            chunk = max(1, min(e, self.extend_score_bytes // (4 * H * s)))
+            esz = torch.empty((), dtype=cd).element_size()
+            self.check_workspace(n * Hkv * (D + Dv) * (esz + kb.element_size()),
+                                 f"keys and values of request {i} ({n} tokens)")
+            K = self._assemble("ext.k", kb, r2t[row, lo:p] if not cross else r2t[row, :cached],
+                               None if cross else k[t0:t0 + e], Hkv, D, cd)
+            V = self._assemble("ext.v", vb, r2t[row, lo:p] if not cross else r2t[row, :cached],
+                               None if cross else v[t0:t0 + e], Hkv, Dv, cd)
+            per_query = 4 * n * (H if manual else 1)
+            chunk = max(1, min(e, self.extend_score_bytes // per_query))
+            custom = None if meta.custom_mask is None else meta.custom_mask[i, :e, :e]
             for a0 in range(0, e, chunk):
                 a1 = min(e, a0 + chunk)
                 # keys the chunk can see: causal up to position p + a1 - 1, window from p + a0 - W
-                lo, hi = 0, s
-                if hidden_list is not None:
-                    hi = p + a1
+                k0, k1 = 0, n
+                if not cross:
+                    k1 = p + a1 - lo
                     if window is not None:
-                        lo = max(0, p + a0 - window)
-                hidden = None if hidden_list is None else hidden_list[i][a0:a1, lo:hi]
-                out[t0 + a0:t0 + a1] = self._extend_chunk(
-                    qs[t0 + a0:t0 + a1], Kall[o + lo:o + hi], Vall[o + lo:o + hi], hidden, layer, cap, sinks
-                )
+                        k0 = max(0, p + a0 - window - lo)
+                mask = None if cross else self._mask(p, lo, a0, a1, k0, k1, window, custom, q.device)
+                qc = q[t0 + a0:t0 + a1].transpose(0, 1).to(cd).contiguous()  # [H, c, D]
+                if manual:
+                    o = self._attend_manual(qc, K[:, k0:k1], V[:, k0:k1], mask, layer, sinks, cd)
+                else:
+                    o = self._attend_sdpa(qc, K[:, k0:k1], V[:, k0:k1], mask, layer)
+                out[t0 + a0:t0 + a1] = o.transpose(0, 1)
         return out
 
-    @staticmethod
-    def _extend_chunk(
-        q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, hidden: torch.Tensor | None, layer: Any,
-        cap: float | None, sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention of ``q`` (``[e, H, D]``, scaled, float32) over ``K``/``V`` (``[s, Hkv, dim]``)."""
-        H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
-        e, s, D, Dv = q.shape[0], K.shape[0], layer.head_dim, layer.v_head_dim
-        qh = q.reshape(e, Hkv, G, D).transpose(0, 1).reshape(Hkv, e * G, D)
-        S = torch.bmm(qh, K.transpose(0, 1).transpose(1, 2)).view(Hkv, e, G, s)
+    def _assemble(self, name: str, buf: torch.Tensor, slots: torch.Tensor, new: torch.Tensor | None, Hkv: int,
+                  dim: int, cd: torch.dtype) -> torch.Tensor:
+        """One request's keys (or values): owned cached rows, then the new ones; ``[Hkv, n, dim]`` in ``cd``."""
+        c = slots.numel()
+        n = c + (0 if new is None else new.shape[0])
+        tok = self.workspace.get(name + ".tok", (n, Hkv, dim), cd)
+        if c and buf.dtype == cd:  # gather straight into the token-major workspace
+            torch.index_select(buf.view(-1, Hkv * dim), 0, slots, out=tok[:c].view(c, Hkv * dim))
+        elif c:
+            tok[:c] = self._gather(name + ".raw", buf, slots, Hkv * dim, cd).view(c, Hkv, dim)
+        if new is not None:
+            tok[c:] = new
+        head = self.workspace.get(name, (Hkv, n, dim), cd)
+        head.copy_(tok.transpose(0, 1))
+        return head
+
+    def _mask(self, p: int, lo: int, a0: int, a1: int, k0: int, k1: int, window: int | None,
+              custom: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """``[a1-a0, k1-k0]`` bool: True where query ``a`` (position ``p+a``) sees key ``lo+j``."""
+        self._note_chunk((a1 - a0) * (k1 - k0))
+        qpos = torch.arange(p + a0, p + a1, device=device)[:, None]
+        kpos = torch.arange(lo + k0, lo + k1, device=device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos >= qpos - window
+        if custom is not None:
+            # draft keys (positions p …) follow the target-verify mask; the prefix stays visible
+            d0 = max(p, lo + k0)
+            if d0 < lo + k1:
+                mask[:, d0 - lo - k0:] &= custom[a0:a1, d0 - p:lo + k1 - p]
+        return mask
+
+    def _attend_sdpa(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None,
+                     layer: Any) -> torch.Tensor:
+        """PyTorch's fused SDPA; rows with no visible key give zeros."""
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        ).squeeze(0)  # [H, c, Dv]
+        if mask is not None:
+            seen = mask.any(dim=1)
+            if not bool(seen.all()):
+                o = o.masked_fill(~seen.view(1, -1, 1), 0)  # select, never multiply a NaN by 0
+        return o
+
+    def _attend_manual(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None,
+                       layer: Any, sinks: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor:
+        """Matmul-softmax-matmul with soft-cap and sinks (what SDPA cannot express)."""
+        Hkv, G = layer.num_kv_heads, layer.gqa_group_size
+        c, n = q.shape[1], K.shape[1]
+        self._note_chunk(4 * Hkv * G * c * n)
+        qh = q.reshape(Hkv, G * c, -1)
+        S = torch.bmm(qh, K.transpose(1, 2)).view(Hkv, G, c, n)
+        S = S.to(_F32) if S.dtype != _F32 else S
+        S.mul_(layer.scaling)
+        cap = layer.logit_cap
         if cap:
             S.div_(cap).tanh_().mul_(cap)
-        if hidden is not None:
-            S.masked_fill_(hidden.view(1, e, 1, s), -math.inf)
+        if mask is not None:
+            S.masked_fill_(~mask.view(1, 1, c, n), -math.inf)
         m = S.amax(dim=3, keepdim=True)
         sk = None
         if sinks is not None:
-            sk = sinks.view(Hkv, 1, G, 1)
+            sk = sinks.view(Hkv, G, 1, 1)
             m = torch.maximum(m, sk)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with nothing visible
         S.sub_(m).exp_()
         den = S.sum(dim=3, keepdim=True)
         if sk is not None:
             den = den + torch.exp(sk - m)
-        O = torch.bmm(S.view(Hkv, e * G, s), V.transpose(0, 1)).view(Hkv, e, G, Dv)
+        O = torch.bmm(S.view(Hkv, G * c, n).to(cd), V).view(Hkv, G, c, -1).to(_F32)
         O.div_(den.clamp_min(torch.finfo(_F32).tiny))
-        return O.transpose(0, 1).reshape(e, H, Dv)
-
-    def _assemble(
-        self, name: str, buf: torch.Tensor, new: torch.Tensor, meta: ExtendMetadata, Hkv: int, dim: int
-    ) -> torch.Tensor:
-        """Every request's keys (or values), prefix then new tokens, in one reused float32 workspace."""
-        row = Hkv * dim
-        allk = self.workspace.get(name, (meta.total_kv, row), _F32)
-        if meta.prefix_src.numel():
-            got = self._gather(name + ".prefix", self._rows(buf, row), meta.prefix_src)
-            allk.index_copy_(0, meta.prefix_dst, got)
-        allk.index_copy_(0, meta.new_dst, new.reshape(-1, row).to(_F32))
-        return allk.view(meta.total_kv, Hkv, dim)
-
-
-def _maximum(*xs: Any, like: torch.Tensor | None = None) -> torch.Tensor:
-    """Elementwise max of the tensors given (``None`` skipped); ``-inf`` like ``like`` when none."""
-    vals = [x for x in xs if x is not None]
-    if not vals:
-        assert like is not None
-        return torch.full_like(like, -math.inf)
-    m = vals[0]
-    for x in vals[1:]:
-        m = torch.maximum(m, x)
-    return m
+        return O.view(Hkv * G, c, -1)
