@@ -193,7 +193,11 @@ def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any) -> Mo
     where = f"{label} ({case.scenario.name})"
     tol = tolerance_for(case.dtype)
     out = H.run(backend, problem)
-    H.check_output_shape(out, problem)
+    layer = problem.layers[0]
+    want = (problem.batch.num_tokens, layer.num_heads, layer.v_head_dim)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return ModeResult(where, False, error=f"forward returned {got}, expected a tensor of shape {want}")
     cmp = H.compare(out, H.expected_output(problem, 0), tol)
     q, k, v = problem.qkv[0]
     kb, vb = problem.before[0]
