@@ -127,7 +127,18 @@ def reference_attention(
             denom = w.sum(dim=3)
             if sk is not None:
                 denom = denom + torch.exp(sk - m)
-            num = torch.bmm(w.reshape(Hkv, na * G, n), vt[:, lo:hi]).view(Hkv, na, G, Dv)
+            vv = vt[:, lo:hi]
+            odd = ~torch.isfinite(vv).all(dim=2).all(dim=0)  # keys with a non-finite value: [n]
+            if bool(odd.any()):
+                # select, never multiply by zero: a hidden key's NaN/Inf value must not reach a row
+                # (0 * NaN is NaN), a visible one's must (garbage the row really reads)
+                clean = torch.where(torch.isfinite(vv), vv, torch.zeros((), dtype=vv.dtype))
+                num = torch.bmm(w.reshape(Hkv, na * G, n), clean).view(Hkv, na, G, Dv)
+                for j in odd.nonzero().flatten().tolist():
+                    term = w[..., j, None] * vv[:, j][:, None, None, :]  # [Hkv, na, G, Dv]
+                    num = num + torch.where(visible[None, :, j, None, None], term, torch.zeros((), dtype=term.dtype))
+            else:
+                num = torch.bmm(w.reshape(Hkv, na * G, n), vv).view(Hkv, na, G, Dv)
             # no visible key (empty encoder, a verify row hiding everything): the output is zero
             o = torch.where(denom[..., None] > 0, num / denom.clamp_min(1e-300)[..., None], torch.zeros_like(num))
             out[t0 + a0:t0 + a1] = o.permute(1, 0, 2, 3).reshape(na, H, Dv)
