@@ -110,7 +110,9 @@ class TransformersRunner:
             v_head_dim=first.v_head_dim, page_size=page_size, kv_cache=self.kv_cache,
             max_batch_size=max_requests, max_context_len=max_context_len, layers=self.layers,
         )
-        self.backend = self.registry.build_pair(self.ctx)
+        # built without the layer list (the registry would refuse a layer in its own words); every
+        # layer is then checked against the built pair here, naming the layer and the half at fault
+        self.backend = self.registry.build_pair(self.ctx.replace(layers=()))
         self._refuse_unsupported_layers()
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
