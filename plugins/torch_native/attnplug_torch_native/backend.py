@@ -329,7 +329,9 @@ class TorchNativeBackend(PagedBackend):
             if cd == _F32:
                 torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
             else:
-                S.copy_(torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s16", (rows, G, L), cd)))
+                # float32 scores from bf16 operands: this block's K (bounded by decode_block_bytes) is
+                # widened once here; a bf16-rounded score would be off by |s| * 2^-9 before exp()
+                torch.bmm(qs[r0:r0 + rows].to(_F32), Km.to(_F32), out=S)
             if cd != _F32:
                 S.mul_(scale)
             if cap:
@@ -482,8 +484,10 @@ class TorchNativeBackend(PagedBackend):
         c, n = q.shape[1], K.shape[1]
         self._note_chunk(4 * Hkv * G * c * n)
         qh = q.reshape(Hkv, G * c, -1)
-        S = torch.bmm(qh, K.transpose(1, 2)).view(Hkv, G, c, n)
-        S = S.to(_F32) if S.dtype != _F32 else S
+        # scores in float32 even for bf16 operands: a bf16-rounded score is off by |s| * 2^-9, which
+        # is visible after exp() once scores are large (scaling 1.0, soft-capped layers); the chunk's
+        # K is bounded by extend_score_bytes, so the upcast stays small
+        S = torch.bmm(qh.to(_F32), K.transpose(1, 2).to(_F32)).view(Hkv, G, c, n)
         S.mul_(layer.scaling)
         cap = layer.logit_cap
         if cap:
