@@ -37,6 +37,16 @@ GATED: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Modules held to a lower, stated threshold, with every uncovered line justified (issue 15):
+#: triton's backend.py reaches 90% under the suite. Uncovered: ``Metadata.requests`` and the
+#: decode chunk planner (only when one batch's split-KV partials exceed
+#: ``BuildContext.max_workspace_bytes``, which the suite's problems never do), and the
+#: constructor's refusal of a bad tuning knob; both are exercised by
+#: ``tests/plugins/test_triton.py`` (decode chunking and refusal under the workspace limit,
+#: knob validation). GPU-only tile sizing is marked ``pragma: no cover`` in the module.
+MODULE_THRESHOLDS: dict[str, float] = {"*/attnplug_triton/backend.py": 90.0}
+
+
 def _patterns() -> list[str]:
     return [p for pats in GATED.values() for p in pats]
 
@@ -69,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             if not files:
                 print(f"  {pattern}: not imported by this run (its backend was not run)")
                 continue
+            limit = min(a.threshold, MODULE_THRESHOLDS.get(pattern, a.threshold))
             for f in files:
                 pct = cov.report(morfs=[f], show_missing=True, file=sys.stdout, skip_empty=True)
-                if pct < a.threshold:
-                    below.append(f"{f}: {pct:.1f}%")
+                if pct < limit:
+                    below.append(f"{f}: {pct:.1f}% (threshold {limit:g}%)")
     if rc != 0:
         print(f"coverage_gate: pytest failed (exit {rc})", file=sys.stderr)
         return rc

@@ -137,7 +137,10 @@ def test_each_wrong_backend_fails_the_family_aimed_at_its_bug(wrong_site: Path, 
     garbage = fam(failed | passed, "test_garbage")
     assert fam(failed, "test_garbage") == {k for k in garbage if "[cross" not in k} != set()
     failed, passed, _ = res["conf_write_first"]
-    assert fam(failed, "test_rejected") == fam(failed | passed, "test_rejected") != set()
+    # a bad layer_id cannot be written even by a backend that writes first: PagedKVCache.set_kv
+    # refuses it before touching a buffer, so those cases pass for it too
+    rejected = fam(failed | passed, "test_rejected")
+    assert fam(failed, "test_rejected") == {k for k in rejected if "layer_id" not in k} != set()
     failed, passed, _ = res["conf_no_bounds"]
     assert fam(failed, "test_rejected") == {k for k in fam(failed | passed, "test_rejected") if "dtype" not in k}
     failed, passed, _ = res["conf_reused_output"]

@@ -63,7 +63,7 @@ def test_template_backend_passes_the_suite_from_a_fresh_venv(tmp_path: Path) -> 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)  # no system site packages
     py = venv / "bin" / "python"
-    _run([str(py), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "torch==2.13.0", "pytest",
+    _run([str(py), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "torch==2.13.0", "pytest", "hypothesis",
           str(core_whl), str(template_whl)], cwd=tmp_path)
 
     # a folder that is no part of any project: only the installed distributions are visible

@@ -112,7 +112,8 @@ def _pow2(n: int, floor: int = 16) -> int:
 SMEM_BUDGET = 48 << 10
 
 
-def smem_estimate(rows: int, block_n: int, stages: int, d: int, dv: int, elem_bytes: int) -> int:
+def smem_estimate(rows: int, block_n: int, stages: int, d: int, dv: int,
+                  elem_bytes: int) -> int:  # pragma: no cover  (GPU tile sizing; tests/plugins AOT-compiles it)
     return elem_bytes * (2 * rows * d + stages * block_n * (d + dv))
 
 
@@ -131,7 +132,7 @@ def choose_tiles(
     block_m = 1 if decode else max(1, extend_rows // group)
     if interpret:
         return Tiles(block_m, _pow2(block_m * group), max(16, block_n or 64), num_warps=4, num_stages=1)
-    while True:
+    while True:  # pragma: no cover  (GPU only: the suite runs interpreted; tests/plugins covers it)
         rows = _pow2(block_m * group)
         for n in ((block_n,) if block_n else (64, 32, 16)):
             for stages in (2, 1):
@@ -164,8 +165,8 @@ class TritonBackend(PagedBackend):
         super().__init__(ctx)
         #: the kernels run in Triton's interpreter (decided when ``kernels`` was imported)
         self.interpret = INTERPRETED
-        if not self.interpret and self.kv_cache is not None and self.device.type == "cpu":
-            raise AttnplugError(
+        if not self.interpret and self.kv_cache is not None and self.device.type == "cpu":  # pragma: no cover
+            raise AttnplugError(  # (compiled kernels with a CPU cache: impossible under TRITON_INTERPRET=1)
                 "triton: the KV cache is on the CPU but the Triton kernels were compiled for a GPU "
                 "(TRITON_INTERPRET was not set when attnplug_triton.kernels was first imported); "
                 "set TRITON_INTERPRET=1 before importing triton to run them in Triton's interpreter"
@@ -211,15 +212,12 @@ class TritonBackend(PagedBackend):
 
     # -- per layer: the launches (the base checked the call and writes K/V afterwards) ---
     def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
-        out = self.empty_output(q, layer, meta.num_tokens)
-        if meta.num_tokens:
-            self._attend(q, k, v, layer, meta, out, decode=False, splits=1)
+        out = self.empty_output(q, layer, meta.num_tokens)  # PagedBackend never calls with zero tokens
+        self._attend(q, k, v, layer, meta, out, decode=False, splits=1)
         return out
 
     def compute_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
-        out = self.empty_output(q, layer, meta.num_tokens)
-        if not meta.num_tokens:
-            return out
+        out = self.empty_output(q, layer, meta.num_tokens)  # PagedBackend never calls with zero tokens
         max_keys = meta.max_encoder if layer.is_cross_attention else meta.max_seq
         splits = max(1, triton.cdiv(max(max_keys, 1), self.decode_split_len))
         per_token = splits * layer.num_heads * (layer.v_head_dim + _PARTIAL_EXTRA) * 4
