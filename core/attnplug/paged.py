@@ -67,7 +67,10 @@ class PagedBackend(AttentionBackend):
         self._guard = MetadataGuard(self.name)
         #: how many times metadata was built (tests: once per forward, whatever the layer count)
         self.metadata_builds = 0
-        self._claimed_dtypes = frozenset(type(self).capabilities.dtypes)
+        #: the claimed dtypes as torch dtypes, for the per-layer check (built once, here)
+        self._claimed_torch = frozenset(
+            getattr(torch, n) for n in type(self).capabilities.dtypes if hasattr(torch, n)
+        )
 
     # -- identity --------------------------------------------------------------
     @property
@@ -209,7 +212,7 @@ class PagedBackend(AttentionBackend):
         """Structural checks of one layer's call (no reductions, no device sync)."""
         cache = self.cache
         cache.check_layer_id(layer.layer_id)
-        if q.dtype not in self._claimed_torch_dtypes():
+        if q.dtype not in self._claimed_torch:
             raise NotSupportedError(
                 self.name, [f"dtype={str(q.dtype).replace('torch.', '')} "
                             f"(supported: {', '.join(type(self).capabilities.dtypes)})"]
@@ -228,14 +231,6 @@ class PagedBackend(AttentionBackend):
         if layer.is_cross_attention and batch.encoder_lens is None:
             raise ShapeError(f"cross-attention layer {layer.layer_id} but ForwardBatch.encoder_lens is None")
         self.require_supported(layer)
-
-    def _claimed_torch_dtypes(self) -> frozenset[Any]:
-        dts = self.__dict__.get("_claimed_torch")
-        if dts is None:
-            dts = self.__dict__["_claimed_torch"] = frozenset(
-                getattr(torch, n) for n in self._claimed_dtypes if hasattr(torch, n)
-            )
-        return dts
 
     # -- helpers for kernels ---------------------------------------------------------
     def check_workspace(self, nbytes: int, what: str) -> None:
