@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .dtypes import dtype_name, torch_dtype
-from .errors import NotSupportedError, ShapeError
+from .errors import KVLayoutError, ShapeError
 from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
 #: ``req_to_token`` value of a position that has no slot yet
@@ -98,7 +98,7 @@ class PagedKVCache:
 
     def _require_nhd(self, what: str) -> None:
         if self.layout.name != NHD:
-            raise NotSupportedError(
+            raise KVLayoutError(
                 f"PagedKVCache.{what} is the token-major storage of the {NHD!r} layout, but this cache is in layout "
                 f"{self.layout.name!r}: read slots with read_kv(layer_id, slots), write with set_kv, or reach "
                 f"the layout's own storage with layer_storage(layer_id)")
@@ -227,7 +227,7 @@ class PagedKVCache:
         """The K and V buffers of one layer: ``[num_slots, num_kv_heads, head_dim / v_head_dim]``.
 
         The storage itself (writes through it are cache writes), for the ``nhd`` layout only; a
-        ``NotSupportedError`` names the cache's layout otherwise (use ``read_kv``/``set_kv``).
+        ``KVLayoutError`` names the cache's layout otherwise (use ``read_kv``/``set_kv``).
         """
         self.check_layer_id(layer_id)
         self._require_nhd("get_kv")

@@ -19,6 +19,7 @@ import zlib
 from typing import Any, Callable, Iterable
 
 from ...capabilities import Capabilities, support_reasons
+from ...kvlayout import HND, NHD
 from ...layer import LayerSpec
 from ...modes import ForwardMode
 
@@ -176,6 +177,8 @@ class Case:
     unmapped_new: bool = False
     #: families that check something other than one forward (sequence, layers) read this
     extra: tuple[tuple[str, Any], ...] = ()
+    #: the KV-cache layout the problem's cache is allocated in (``cases_for`` sets the backend's first)
+    kv_layout: str = "nhd"
 
     @property
     def seed(self) -> int:
@@ -530,13 +533,56 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "garbage": gen_garbage,
     "rejected": gen_rejected,
     "random": gen_random,
+    "kv_layout": lambda: [],  # generated per backend: cases_for -> gen_kv_layout
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:
-    """The cases of ``family`` for a backend declaring ``caps`` (unclaimed ones included, to be skipped)."""
+    """The cases of ``family`` for a backend declaring ``caps`` (unclaimed ones included, to be skipped).
+
+    Every case runs in the backend's first declared KV layout, and at a page size it claims: a case
+    written for an unclaimed page size runs at the nearest claimed one (the smallest larger one, else
+    the largest), its id saying so (``~ps32``), so a backend with a page-size rule still meets every
+    family rather than skipping most of them.
+    """
     if family == "refusal":
         return gen_refusal(caps)
-    return GENERATORS[family]()
+    if family == "kv_layout":
+        return gen_kv_layout(caps)
+    layout = caps.kv_layouts[0] if caps.kv_layouts else NHD
+    return [fit_case(c, caps, layout) for c in GENERATORS[family]()]
+
+
+def fit_case(case: Case, caps: Capabilities, layout: str) -> Case:
+    """``case`` in ``layout`` at a page size ``caps`` claims (see ``cases_for``)."""
+    ps = case.page_size
+    claimed = caps.page_sizes
+    changes: dict[str, Any] = {"kv_layout": layout}
+    if claimed is not None and ps not in claimed:
+        bigger = [p for p in claimed if p > ps]
+        new = min(bigger) if bigger else max(claimed)
+        sc = case.scenario
+        if sc.name == "extend_prefix_midpage":
+            sc = scenario(sc.name, new)  # keep the prefix ending mid-page at the new size
+        changes.update(page_size=new, scenario=sc, id=f"{case.id}~ps{new}")
+    return dataclasses.replace(case, **changes)
+
+
+#: core layouts a backend reading any layout (``kv_layouts=None``) is tested in, besides ``nhd``
+#: (a plugin's layout may need a geometry the suite's shapes do not have; its owner's suite covers it)
+EXTRA_LAYOUTS_FOR_ANY: tuple[str, ...] = (HND,)
+
+
+def gen_kv_layout(caps: Capabilities) -> list[Case]:
+    """Every mode family in each KV layout the backend reads besides its first (each core layout for
+    a backend reading any), at its first claimed dtype: the layout is a claim like any other."""
+    layouts = list(EXTRA_LAYOUTS_FOR_ANY) if caps.kv_layouts is None else list(caps.kv_layouts[1:])
+    dt = refusal_model_dtype(caps)
+    out = []
+    for layout in layouts:
+        for name in ("decode", "extend_prefix", "mixed", "extend_prefix_midpage"):
+            base = _case("kv_layout", scenario(name), dt, 16, layout)
+            out.append(fit_case(base, caps, layout))
+    return out
 
 
 #: Families whose cases compute attention and compare values (the "numeric cases" of the summary).

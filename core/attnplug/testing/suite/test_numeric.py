@@ -70,6 +70,11 @@ def test_kv_cache_dtype(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
+def test_kv_layout(attnplug_case: Any, attnplug_record: Any) -> None:
+    """The forward is right, and writes only its slots, in every KV layout the backend declares."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
 def test_long(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
