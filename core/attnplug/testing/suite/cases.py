@@ -179,6 +179,8 @@ class Case:
     extra: tuple[tuple[str, Any], ...] = ()
     #: the KV-cache layout the problem's cache is allocated in (``cases_for`` sets the backend's first)
     kv_layout: str = "nhd"
+    #: ``(k_scale, v_scale)`` of every layer of an fp8 cache (``None``: 1.0, 1.0)
+    kv_scales: tuple[float, float] | None = None
 
     @property
     def seed(self) -> int:
@@ -259,6 +261,29 @@ def gen_kv_cache_dtype() -> list[Case]:
                 continue
             for name in ("extend_prefix", "decode"):
                 out.append(_case("kv_cache_dtype", scenario(name), dt, 16, f"kv_{kv}", kv_cache_dtype=kv))
+    return out
+
+
+#: fp8 KV-cache formats and, per format, the scale variants every claimed one runs with:
+#: ``unit`` (1, 1), ``scaled`` (a K scale below 1 and a V scale above 1, so ignoring either moves
+#: the output), ``saturate`` (scales small enough that a few percent of the N(0, 1) values
+#: exceed the format's finite range and are stored saturated)
+FP8_KV: dict[str, dict[str, tuple[float, float]]] = {
+    "float8_e4m3fn": {"unit": (1.0, 1.0), "scaled": (0.04, 2.5), "saturate": (1 / 256, 1 / 256)},
+    "float8_e5m2": {"unit": (1.0, 1.0), "scaled": (0.04, 2.5), "saturate": (1 / 32768, 1 / 32768)},
+}
+
+
+def gen_fp8_kv() -> list[Case]:
+    """An fp8 KV cache with per-layer scales: every format × model dtype fp32/bf16 × decode, extend
+    over a prefix, target-verify and a mixed batch × the scale variants of ``FP8_KV``."""
+    out = []
+    for kv, variants in FP8_KV.items():
+        for dt in ("float32", "bfloat16"):
+            for name in ("decode", "extend_prefix", "target_verify", "mixed"):
+                for label, scales in variants.items():
+                    out.append(_case("fp8_kv", scenario(name), dt, 16, f"kv_{kv}", label, kv_cache_dtype=kv,
+                                     kv_scales=scales, variant=label))
     return out
 
 
@@ -516,6 +541,7 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "feature": gen_feature,
     "cross_attention": gen_cross_attention,
     "kv_cache_dtype": gen_kv_cache_dtype,
+    "fp8_kv": gen_fp8_kv,
     "kv_cache_write": gen_kv_cache_write,
     "shared_metadata": gen_shared_metadata,
     "sequence": gen_sequence,
@@ -642,7 +668,7 @@ def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool 
 #: that casts them would return truncated or real-only results)
 REFUSAL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "complex64")
 #: KV-cache dtypes whose refusal is checked when not claimed (for the first claimed model dtype)
-REFUSAL_KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+REFUSAL_KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 
 #: Optional features whose *refusal* is checked when not claimed: a layer using
 #: them must get a non-empty ``not_supported_reasons``, and a forward with it is refused.

@@ -68,7 +68,7 @@ class Problem:
         """Write every slot of every layer back to ``kv`` (a ``snapshot()``), through the layout."""
         every = torch.arange(self.cache.num_slots, device=self.cache.device)
         for i, (k, v) in enumerate(kv):
-            self.cache.set_kv(i, every, k, v)
+            self.cache.set_kv(i, every, k, v, stored=True)
 
     def context(self, name: str) -> BuildContext:
         c = self.case
@@ -144,8 +144,11 @@ def make_problem(
                          page_size=ps, dtype=case.kv_dtype, device=device,
                          max_requests=MAX_REQUESTS, max_context_len=max(MAX_CONTEXT, max(lens, default=0)),
                          layout=default_registry().kv_layout(case.kv_layout))
+    if case.kv_scales is not None:
+        for i in range(len(layers)):
+            cache.set_kv_scales(i, *case.kv_scales)
     every = torch.arange(cache.num_slots, device=device)
-    for i in range(len(layers)):  # noise in every slot, written through the layout
+    for i in range(len(layers)):  # noise in every slot, written through the layout (quantized for fp8)
         cache.set_kv(i, every, _randn(gen, (cache.num_slots, sh.num_kv_heads, sh.head_dim), case.kv_dtype, device),
                      _randn(gen, (cache.num_slots, sh.num_kv_heads, sh.v_dim), case.kv_dtype, device))
     alloc = PageAllocator(num_pages, shuffle=True, seed=case.seed)
@@ -184,8 +187,8 @@ def fill_garbage(problem: Problem, value: float, *, stale_new: bool) -> None:
     if not bad.numel():
         return
     for i in range(cache.num_layers):
-        k, v = cache.read_kv(i, bad)
-        cache.set_kv(i, bad, k.fill_(value), v.fill_(value))
+        k, v = cache.read_kv(i, bad)  # stored values: garbage is written as it is, never quantized
+        cache.set_kv(i, bad, k.fill_(value), v.fill_(value), stored=True)
     first_bad = int(bad[0])
     lens = problem.case.scenario.seq_lens
     for r, length in zip(problem.req_rows, lens):
@@ -265,7 +268,8 @@ def expected_output(problem: Problem, layer_idx: int, kv_before: tuple[torch.Ten
     k_before, v_before = kv_before or problem.before[layer_idx]
     q, k, v = qkv or problem.qkv[layer_idx]
     return reference.reference_attention(q, k, v, problem.layers[layer_idx], problem.batch,
-                                         k_before, v_before, problem.cache.req_to_token)
+                                         k_before, v_before, problem.cache.req_to_token,
+                                         *problem.cache.kv_scales(layer_idx))
 
 
 def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -274,7 +278,8 @@ def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tens
     if not save:
         return k_before, v_before
     _, k, v = qkv or problem.qkv[layer_idx]
-    return reference.expected_cache_after(k_before, v_before, k, v, problem.batch.out_cache_loc)
+    return reference.expected_cache_after(k_before, v_before, k, v, problem.batch.out_cache_loc,
+                                          *problem.cache.kv_scales(layer_idx))
 
 
 def run(backend: Any, problem: Problem, layer_idx: int = 0, *, init: bool = True, save: bool | None = None,
