@@ -329,10 +329,7 @@ class TorchNativeBackend(PagedBackend):
             if cd == _F32:
                 torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
             else:
-                # float32 scores from bf16 operands: this block's K (bounded by decode_block_bytes) is
-                # widened once here; a bf16-rounded score would be off by |s| * 2^-9 before exp()
-                torch.bmm(qs[r0:r0 + rows].to(_F32), Km.to(_F32), out=S)
-            if cd != _F32:
+                self._shifted_scores(qs[r0:r0 + rows], Km, S, blk, n, Hkv, G, shift_back=bool(cap) or sinks is not None)
                 S.mul_(scale)
             if cap:
                 S.div_(cap).tanh_().mul_(cap)
@@ -360,6 +357,33 @@ class TorchNativeBackend(PagedBackend):
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
+
+    def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, S: torch.Tensor, blk: _Block, n: int, Hkv: int,
+                        G: int, shift_back: bool) -> None:
+        """Unscaled float32 scores ``q @ Km`` of bf16 operands with bf16 matmuls only (K is never widened).
+
+        A bf16 matmul accumulates in float32 but rounds its output to bf16, which puts an error of
+        up to ``|s| * 2^-8`` on a score ``s``: at ``scaling=1.0`` that is visible after ``exp()``.
+        So a first bf16 matmul finds each query row's largest score ``m``; a second one,
+        ``baddbmm`` onto ``-m``, subtracts ``m`` inside the float32 accumulation and rounds
+        ``s - m`` once. Softmax ignores the shift, and the scores that carry the weight (near the
+        row's maximum) now have an error of ``|s - m| * 2^-8``, the same order as rounding the
+        probabilities to bf16 for the value matmul. ``m`` is added back in float32 when a soft-cap
+        or sinks need the absolute score (``shift_back``). Both matmuls read the block's K from cache.
+        """
+        rows, L = S.shape[0], S.shape[2]
+        Sb = self.workspace.get("dec.sb", (rows, G, L), q.dtype)
+        torch.bmm(q, Km, out=Sb)
+        if blk.hidden is not None:  # padding keys (zeroed, score 0) must not pick the shift
+            Sb.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+        m = Sb.amax(dim=2, keepdim=True)
+        m.masked_fill_(torch.isinf(m), 0)  # a request without keys: any shift will do
+        torch.neg(m, out=m)
+        Sb.copy_(m.expand(rows, G, L))
+        Sb.baddbmm_(q, Km)  # s - m: float32 accumulation onto -m, one rounding
+        S.copy_(Sb)
+        if shift_back:
+            S.sub_(m)
 
     def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
                     cd: torch.dtype) -> torch.Tensor:
