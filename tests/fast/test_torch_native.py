@@ -379,6 +379,47 @@ def test_half_dtypes(dtype, mode):
     run_and_check(s, make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1]))
 
 
+BF16_DECODE_LAYERS = {
+    "plain": dict(scaling=1.0),
+    "softcap": dict(scaling=1.0, logit_cap=400.0),  # bites a little, leaves scores apart
+    "sinks": dict(scaling=1.0, sinks=torch.linspace(-2.0, 9.0, 8)),
+    "window": dict(scaling=1.0, sliding_window=9),
+}
+
+
+@pytest.mark.parametrize("block", [1, None], ids=["one_request_blocks", "whole_batch_block"])
+@pytest.mark.parametrize("layer_kind", sorted(BF16_DECODE_LAYERS))
+def test_bf16_decode_with_large_scores(layer_kind, block):
+    # keys sharing a large common part (as real keys do) and scaling 1.0: scores of hundreds whose
+    # differences are a few units, where a bf16-rounded score (off by up to |s| * 2^-8) changes
+    # the softmax past the suite's tolerance; ragged lengths pad the blocks
+    s = make_setup(dtype=torch.bfloat16, head_dim=16, seed=31, layer_kw=BF16_DECODE_LAYERS[layer_kind],
+                   decode_block_bytes=block)
+    common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
+    s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
+    run_and_check(s, make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1]))
+
+
+def test_bf16_shifted_scores_round_s_minus_max_once():
+    """``_shifted_scores`` (bf16 decode): the rounding error of each score is relative to its distance
+    from the row maximum, not to the score itself; a plain bf16 matmul is far outside that bound."""
+    s = make_setup(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    rows, G, L, D = 6, 4, 300, 128
+    q = (3 * torch.randn(rows, G, D, generator=g)).to(torch.bfloat16)
+    K = (3 * torch.randn(rows, L, D, generator=g)).to(torch.bfloat16)
+    exact = torch.bmm(q.double(), K.double().transpose(1, 2))
+    blk = s.backend.build_metadata(ForwardBatch.decode([0], [1], torch.tensor([0]))).decode_plan(
+        None, False, None, 1, True)[0]._replace(hidden=None)
+    shifted, m = s.backend._shifted_scores(q, K.transpose(1, 2), blk, rows, 1, G)
+    dist = exact - m.double()
+    bound = dist.abs() * 2.0 ** -8 + exact.abs().amax() * 2.0 ** -16  # one bf16 rounding + float32 accumulation
+    assert bool(((shifted.double() - dist).abs() <= bound).all())
+    assert float(dist.amax(dim=2).abs().max()) <= float(exact.abs().amax()) * 2.0 ** -7  # m is the row maximum
+    plain = torch.bmm(q, K.transpose(1, 2)).double() - m.double()
+    assert not bool(((plain - dist).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_fp32_model_with_bf16_kv_cache(mode):
     s = make_setup(dtype=torch.float32, kv_dtype=torch.bfloat16, seed=11)

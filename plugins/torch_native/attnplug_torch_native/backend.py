@@ -14,9 +14,13 @@ Compute dtype
 
 When the query and the cache share float32 or bfloat16, the kernels run in that
 dtype: matmuls take bf16 operands and accumulate in float32 (oneDNN on CPU, with
-AVX-512 BF16 where the CPU has it); scores and the softmax are float32. Gathered
-bf16 K/V are never upcast. Any other pairing (float16, or a cache dtype other than
-the model's) computes in float32, converting one bounded block at a time.
+AVX-512 BF16 where the CPU has it); the softmax computes in float32. Gathered
+bf16 K/V are never upcast. A bf16 matmul rounds its output, so a decode score
+``s`` would be off by up to ``|s| * 2^-8``: decode instead takes each query row's
+maximum ``m`` from a first bf16 matmul, then a second one (``baddbmm`` onto
+``-m``) rounds ``s - m`` once, after the float32 accumulation (see
+``_shifted_scores``). Any other pairing (float16, or a cache dtype other than the
+model's) computes in float32, converting one bounded block at a time.
 
 Garbage never reaches an output
 -------------------------------
@@ -40,8 +44,9 @@ len, head_dim]`` workspace (each matrix contiguous, which the bf16 matmul and
 multi-request blocks need; a float32 one-request block gathers whole token rows
 instead, faster, and its matmul reads them strided), the new token's K is copied into its row from the arguments, padding rows are
 zeroed, one ``bmm`` scores the ``num_heads // num_kv_heads`` query heads of every
-group at once, soft-cap and mask follow, the softmax (with a sink term in the
-denominator when the layer has sinks), then the same for V and one ``bmm``. The
+group at once (bf16: two, shifted by the row maximum), soft-cap and mask follow,
+the softmax (with a sink term in the denominator when the layer has sinks), then
+the same for V and one ``bmm``. The
 gather indices of every block are built once per forward and window and shared by
 every layer.
 
@@ -324,28 +329,38 @@ class TorchNativeBackend(PagedBackend):
             r0 = blk.b0 * Hkv
             K = self._block_rows("dec.k", kb, blk, k, D, Hkv, cd)
             # scores, probabilities and outputs go to reused workspaces too (no allocation per block)
-            S = self.workspace.get("dec.s", (rows, G, L), _F32)
             Km = self._matrices(K, blk, rows, L, D).transpose(1, 2)
-            if cd == _F32:
-                torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
-            else:
-                self._shifted_scores(qs[r0:r0 + rows], Km, S, blk, n, Hkv, G, shift_back=bool(cap) or sinks is not None)
-                S.mul_(scale)
-            if cap:
-                S.div_(cap).tanh_().mul_(cap)
-            if blk.hidden is not None:
-                S.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
             den = None
-            if sinks is None:
-                P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
+            if cd == _F32:
+                S = torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s", (rows, G, L), _F32))
             else:
-                sk = sinks.unsqueeze(0).expand(n, Hkv, G).reshape(rows, G, 1)
-                m = torch.maximum(S.amax(dim=2, keepdim=True), sk)
-                P = S.sub_(m).exp_()
-                den = P.sum(dim=2, keepdim=True) + torch.exp(sk - m)
+                Sb, m = self._shifted_scores(qs[r0:r0 + rows], Km, blk, n, Hkv, G)
+                if not cap and sinks is None:
+                    # softmax needs no absolute score: scale and normalise s - m in bf16 (softmax
+                    # computes in float32 inside); rounding (s - m) * scale adds one more error of
+                    # the same order as the probabilities' own rounding to bf16
+                    Sb.mul_(scale)
+                    if blk.hidden is not None:
+                        Sb.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+                    P = torch.softmax(Sb, dim=2, out=self.workspace.get("dec.p16", (rows, G, L), cd))
+                    S = None
+                else:  # soft-cap and sinks need the absolute score: s = (s - m) + m in float32
+                    S = self.workspace.get("dec.s", (rows, G, L), _F32).copy_(Sb).add_(m).mul_(scale)
+            if S is not None:
+                if cap:
+                    S.div_(cap).tanh_().mul_(cap)
+                if blk.hidden is not None:
+                    S.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+                if sinks is None:
+                    P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
+                else:
+                    sk = sinks.unsqueeze(0).expand(n, Hkv, G).reshape(rows, G, 1)
+                    mx = torch.maximum(S.amax(dim=2, keepdim=True), sk)
+                    P = S.sub_(mx).exp_()
+                    den = P.sum(dim=2, keepdim=True) + torch.exp(sk - mx)
+                if cd != _F32:
+                    P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
             V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
-            if cd != _F32:
-                P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
             ob = out[blk.b0:blk.b1]
             direct = den is None and cd == out.dtype  # the matmul writes the output rows itself
             O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv),
@@ -358,9 +373,10 @@ class TorchNativeBackend(PagedBackend):
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
 
-    def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, S: torch.Tensor, blk: _Block, n: int, Hkv: int,
-                        G: int, shift_back: bool) -> None:
-        """Unscaled float32 scores ``q @ Km`` of bf16 operands with bf16 matmuls only (K is never widened).
+    def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
+                        G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s - m, m)``: unscaled scores ``s = q @ Km`` of bf16 operands, shifted by each query
+        row's maximum ``m``, from bf16 matmuls only (K is never widened to float32).
 
         A bf16 matmul accumulates in float32 but rounds its output to bf16, which puts an error of
         up to ``|s| * 2^-8`` on a score ``s``: at ``scaling=1.0`` that is visible after ``exp()``.
@@ -368,22 +384,20 @@ class TorchNativeBackend(PagedBackend):
         ``baddbmm`` onto ``-m``, subtracts ``m`` inside the float32 accumulation and rounds
         ``s - m`` once. Softmax ignores the shift, and the scores that carry the weight (near the
         row's maximum) now have an error of ``|s - m| * 2^-8``, the same order as rounding the
-        probabilities to bf16 for the value matmul. ``m`` is added back in float32 when a soft-cap
-        or sinks need the absolute score (``shift_back``). Both matmuls read the block's K from cache.
+        probabilities to bf16 for the value matmul. Both matmuls read the block's K from cache.
+        Returns the bf16 ``[rows, G, L]`` workspace holding ``s - m``, and ``m`` (``[rows, G, 1]``).
         """
-        rows, L = S.shape[0], S.shape[2]
+        rows, L = q.shape[0], Km.shape[2]
         Sb = self.workspace.get("dec.sb", (rows, G, L), q.dtype)
         torch.bmm(q, Km, out=Sb)
         if blk.hidden is not None:  # padding keys (zeroed, score 0) must not pick the shift
             Sb.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
         m = Sb.amax(dim=2, keepdim=True)
-        m.masked_fill_(torch.isinf(m), 0)  # a request without keys: any shift will do
-        torch.neg(m, out=m)
-        Sb.copy_(m.expand(rows, G, L))
+        if blk.hidden is not None:  # a request without keys: any finite shift will do
+            m.masked_fill_(torch.isinf(m), 0)
+        Sb.copy_(torch.neg(m).expand(rows, G, L))
         Sb.baddbmm_(q, Km)  # s - m: float32 accumulation onto -m, one rounding
-        S.copy_(Sb)
-        if shift_back:
-            S.sub_(m)
+        return Sb, m
 
     def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
                     cd: torch.dtype) -> torch.Tensor:
