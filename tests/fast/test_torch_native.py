@@ -228,12 +228,32 @@ def test_decode(page_size, heads, kv_heads):
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
 
 
-@pytest.mark.parametrize("block", [1, 20000, None], ids=["one_request_per_block", "two_per_block", "whole_batch"])
+@pytest.mark.parametrize("block", [1, 8200, 20000, None],
+                         ids=["one_kv_head_per_block", "one_request_per_block", "two_per_block", "whole_batch"])
 def test_decode_block_split(block):
-    # decode processes blocks of requests (max_len 63, 2 KV heads x 16 dims: 8064 B of K per request);
-    # 20000 B gives blocks of 2, 2 and 1 requests
+    # decode processes blocks of requests (max_len 64, 2 KV heads x 16 dims x 4 B: 8192 B of K per
+    # request); 8200 B gives one request per block, 20000 B blocks of 2, 2 and 1 requests, and 1 B
+    # splits every request's KV heads into blocks of one head
     s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block)
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
+
+
+@pytest.mark.parametrize("layer_kind", ["plain", "sinks", "window_softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
+    # a request whose keys alone exceed decode_block_bytes is split by KV heads: 4 KV heads x 16
+    # dims x 4 B x 64 keys = 16384 B; 12300 B holds 3 heads' keys, so the long requests get blocks of
+    # heads 0-2 and 3 while the short ones are grouped whole
+    kw = {"plain": {}, "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
+          "window_softcap": dict(sliding_window=50, logit_cap=3.0)}[layer_kind]
+    s = make_setup(page_size=16, heads=8, kv_heads=4, dtype=dtype, seed=13, layer_kw=kw, decode_block_bytes=12300)
+    batch = make_batch(s, ForwardMode.DECODE, [63, 2, 0, 58], [1] * 4)
+    run_and_check(s, batch)
+    meta = s.backend.build_metadata(batch)
+    plan = meta.decode_plan(s.layers[0].sliding_window, False, 12300, 4 * 16 * 4, dtype != torch.float32)
+    # (the window of 50 still leaves 51 keys, 13056 B: split too)
+    assert [(b.b0, b.b1, b.h0, b.h1) for b in plan] == [(0, 1, 0, 3), (0, 1, 3, 4), (1, 3, 0, 4), (3, 4, 0, 3),
+                                                        (3, 4, 3, 4)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])

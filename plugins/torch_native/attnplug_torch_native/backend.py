@@ -38,7 +38,8 @@ Decode
 
 Requests are processed in blocks holding about ``decode_block_bytes`` of gathered
 K (default 4 MiB on CPU, so the block stays in cache between the gather and the
-matmuls that read it). Per block: one ``index_select`` gathers every
+matmuls that read it); a request whose keys alone exceed that (long contexts) is
+split into blocks of its KV heads, which attend independently. Per block: one ``index_select`` gathers every
 ``(request, kv_head, position)`` row of K into a head-major ``[requests * kv_heads,
 len, head_dim]`` workspace (each matrix contiguous, which the bf16 matmul and
 multi-request blocks need; a float32 one-request block gathers whole token rows
@@ -125,11 +126,12 @@ class Workspace:
 
 
 class _Block(NamedTuple):
-    """One decode block: requests ``b0 … b1-1`` padded to ``length`` keys.
+    """One decode block: KV heads ``h0 … h1-1`` of requests ``b0 … b1-1``, padded to ``length`` keys.
 
-    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``: the block's
-    workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
-    (``head_major=True``: ``[requests, Hkv, length, dim]``, each matrix contiguous).
+    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``, all heads: the
+    block's workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
+    (``head_major=True``: ``[requests, h1 - h0, length, dim]``, each matrix contiguous). A block
+    holds fewer than all KV heads only when one request's keys alone exceed the block size.
     """
 
     b0: int
@@ -141,6 +143,8 @@ class _Block(NamedTuple):
     pad_rows: torch.Tensor | None  # workspace rows past a request's keys (zeroed after the gather)
     hidden: torch.Tensor | None  # [(b1-b0), 1, 1, length] bool: True where the key is padding
     empty: list[int]  # block-local requests with no key at all (output zeros)
+    h0: int  # first KV head
+    h1: int  # one past the last KV head
 
 
 class ForwardMeta:
@@ -187,9 +191,18 @@ class ForwardMeta:
             cached = [p - s0 for p, s0 in zip(self.prefix, start)]
             total = [c + 1 for c in cached]
         blocks: list[_Block] = []
+        Hkv = self._cache.num_kv_heads
         b0 = 0
         while b0 < B:
             b1, length = b0 + 1, max(total[b0], 1)
+            if block_bytes is not None and length * row_bytes > block_bytes and Hkv > 1:
+                # one request's keys alone overflow the block (long context): split its KV heads,
+                # which attend independently, so each block's K stays in cache
+                hs = max(1, block_bytes * Hkv // (length * row_bytes))
+                for h0 in range(0, Hkv, hs):
+                    blocks.append(self._block(b0, b1, length, start, cached, total, cross, True, h0, min(Hkv, h0 + hs)))
+                b0 = b1
+                continue
             if block_bytes is not None:
                 while b1 < B and (b1 - b0 + 1) * max(length, total[b1]) * row_bytes <= block_bytes:
                     length = max(length, total[b1])
@@ -199,12 +212,13 @@ class ForwardMeta:
                 length = max(max(total[b0:b1]), 1)
             # token-major rows only for a one-request block: a strided batched matmul over several
             # requests' rows falls off the BLAS fast path (measured 4x slower at 8 x 128 keys)
-            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major or b1 - b0 > 1))
+            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major or b1 - b0 > 1,
+                                      0, Hkv))
             b0 = b1
         return blocks
 
     def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
-               cross: bool, head_major: bool) -> _Block:
+               cross: bool, head_major: bool, h0: int, h1: int) -> _Block:
         cache = self._cache
         dev, Hkv, r2t = cache.device, cache.num_kv_heads, cache.req_to_token
         n = b1 - b0
@@ -221,14 +235,15 @@ class ForwardMeta:
         pad = pos[None, :] >= nt[:, None]  # [n, length]
         any_pad = any(t < length for t in total[b0:b1])
         new_rows = pad_rows = hidden = None
-        if head_major:  # workspace [n, Hkv, length] rows of dim
-            heads = torch.arange(Hkv, device=dev)
+        if head_major:  # workspace [n, h1 - h0, length] rows of dim
+            hh = h1 - h0
+            heads = torch.arange(h0, h1, device=dev)
             index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
-            flat = torch.arange(n * Hkv * length, device=dev).view(n, Hkv, length)
+            flat = torch.arange(n * hh * length, device=dev).view(n, hh, length)
             if not cross:
-                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, Hkv, 1)).reshape(-1)
+                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, hh, 1)).reshape(-1)
             if any_pad:
-                pad_rows = flat[pad[:, None, :].expand(n, Hkv, length)].reshape(-1)
+                pad_rows = flat[pad[:, None, :].expand(n, hh, length)].reshape(-1)
         else:  # workspace [length, n] rows of Hkv * dim
             index = slots.t().reshape(-1)
             flat = torch.arange(length * n, device=dev).view(length, n)
@@ -239,7 +254,7 @@ class ForwardMeta:
         if any_pad:
             hidden = pad.view(n, 1, 1, length)
         empty = [i for i, t in enumerate(total[b0:b1]) if t == 0]
-        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty)
+        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty, h0, h1)
 
 
 # ---------------------------------------------------------------------------
@@ -322,11 +337,11 @@ class TorchNativeBackend(PagedBackend):
         if cd == _F32:
             qs = qs * scale
         for blk in blocks:
-            n = blk.b1 - blk.b0
-            rows, L = n * Hkv, blk.length
+            n, hh = blk.b1 - blk.b0, blk.h1 - blk.h0
+            rows, L = n * hh, blk.length
             self.check_workspace(rows * L * (D + Dv) * (kb.element_size() + (0 if kb.dtype == cd else 4)),
                                  f"decode block of {n} request(s) x {L} keys")
-            r0 = blk.b0 * Hkv
+            r0 = blk.b0 * Hkv + blk.h0
             K = self._block_rows("dec.k", kb, blk, k, D, Hkv, cd)
             # scores, probabilities and outputs go to reused workspaces too (no allocation per block)
             Km = self._matrices(K, blk, rows, L, D).transpose(1, 2)
@@ -334,14 +349,14 @@ class TorchNativeBackend(PagedBackend):
             if cd == _F32:
                 S = torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s", (rows, G, L), _F32))
             else:
-                Sb, m = self._shifted_scores(qs[r0:r0 + rows], Km, blk, n, Hkv, G)
+                Sb, m = self._shifted_scores(qs[r0:r0 + rows], Km, blk, n, hh, G)
                 if not cap and sinks is None:
                     # softmax needs no absolute score: scale and normalise s - m in bf16 (softmax
                     # computes in float32 inside); rounding (s - m) * scale adds one more error of
                     # the same order as the probabilities' own rounding to bf16
                     Sb.mul_(scale)
                     if blk.hidden is not None:
-                        Sb.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+                        Sb.view(n, hh, G, L).masked_fill_(blk.hidden, -math.inf)
                     P = torch.softmax(Sb, dim=2, out=self.workspace.get("dec.p16", (rows, G, L), cd))
                     S = None
                 else:  # soft-cap and sinks need the absolute score: s = (s - m) + m in float32
@@ -350,25 +365,25 @@ class TorchNativeBackend(PagedBackend):
                 if cap:
                     S.div_(cap).tanh_().mul_(cap)
                 if blk.hidden is not None:
-                    S.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+                    S.view(n, hh, G, L).masked_fill_(blk.hidden, -math.inf)
                 if sinks is None:
                     P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
                 else:
-                    sk = sinks.unsqueeze(0).expand(n, Hkv, G).reshape(rows, G, 1)
+                    sk = sinks[blk.h0:blk.h1].unsqueeze(0).expand(n, hh, G).reshape(rows, G, 1)
                     mx = torch.maximum(S.amax(dim=2, keepdim=True), sk)
                     P = S.sub_(mx).exp_()
                     den = P.sum(dim=2, keepdim=True) + torch.exp(sk - mx)
                 if cd != _F32:
                     P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
             V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
-            ob = out[blk.b0:blk.b1]
+            ob = out[blk.b0:blk.b1, blk.h0 * G:blk.h1 * G]  # contiguous: all heads, or one request
             direct = den is None and cd == out.dtype  # the matmul writes the output rows itself
             O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv),
                           out=ob.view(rows, G, Dv) if direct else self.workspace.get("dec.o", (rows, G, Dv), cd))
             if den is not None:
                 O = O.to(_F32).div_(den)
             if not direct:
-                ob.copy_(O.view(n, H, Dv))
+                ob.copy_(O.view(n, hh * G, Dv))
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
@@ -405,7 +420,7 @@ class TorchNativeBackend(PagedBackend):
         width = dim if blk.head_major else Hkv * dim
         X = self._gather(name, buf, blk.index, width, cd)
         if blk.new_rows is not None:
-            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1].reshape(-1, width).to(cd))
+            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1, blk.h0:blk.h1].reshape(-1, width).to(cd))
         if blk.pad_rows is not None:
             X.index_fill_(0, blk.pad_rows, 0)  # select, never multiply garbage by 0
         return X
