@@ -41,6 +41,9 @@ BAD = [
     (["--backend", "all,torch_native"], "'all' cannot be combined"),
     (["--device", "nonsense"], "--device 'nonsense' is not a torch device"),
     (["--json", "/nonexistent-dir/out.json"], "--json '/nonexistent-dir/out.json': cannot write there"),
+    (["--clock", "cpu"], "--clock cpu needs --threads 1 (got None)"),
+    (["--clock", "cpu", "--threads", "2"], "--clock cpu needs --threads 1 (got '2')"),
+    (["--clock", "cpu", "--threads", "1", "--device", "meta"], "--clock cpu: times CPU work only, but --device is"),
 ]
 
 

@@ -164,3 +164,23 @@ def test_a_backend_that_raises_is_a_note_and_the_baselines_still_run(monkeypatch
     (res,) = json.loads(capsys.readouterr().out)["problems"]
     assert res["notes"] == ["torch_native: failed (RuntimeError: boom)"]
     assert [r["name"] for r in res["rows"]] == ["template_sdpa", runner.LOOP, runner.FLOOR]
+
+
+def test_cpu_clock_leaves_out_time_spent_off_the_cpu():
+    """``--clock cpu`` times the calling thread's CPU time: a call that only waits (sleeps) costs
+    next to nothing on it, and its full length on the wall clock."""
+    import time
+
+    from attnplug.bench.timing import CLOCKS, interleaved_median_ms
+
+    calls = {"wait": lambda: time.sleep(0.05)}
+    assert interleaved_median_ms(calls, 3, 0, clock=CLOCKS["wall"])["wait"] >= 50
+    assert interleaved_median_ms(calls, 3, 0, clock=CLOCKS["cpu"])["wait"] < 25
+
+
+def test_cpu_clock_run_records_it(tmp_path):
+    path = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--clock", "cpu", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["clock"] == "cpu" and "thread CPU time" in doc["bandwidth"]["method"]
+    assert all(r["ms"] > 0 for res in doc["problems"] for r in res["rows"])

@@ -107,6 +107,9 @@ class Spec:
     max_kv_gib: float
     bandwidth_mib: int
     threads: int | None = None
+    #: "wall" (time.perf_counter) or "cpu" (the calling thread's CPU time: one-thread runs on a
+    #: shared machine, where a call that loses its core to another job would count the wait)
+    clock: str = "wall"
 
     def problems(self) -> Iterator[Problem]:
         for mode, dtype in itertools.product(self.modes, self.dtypes):

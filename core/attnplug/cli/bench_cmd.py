@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device", default="cpu", help="torch device (default: cpu)")
     a("--threads", metavar="N", help="torch CPU threads for the run (default: torch's own choice; --quick: 1)")
     a("--seed", default="0", metavar="N", help="page scatter and data seed (default: 0)")
+    a("--clock", choices=("wall", "cpu"), default="wall",
+      help="what a call's time is: wall (default) or cpu, the CPU time of the timing thread; cpu needs "
+      "--threads 1 and a CPU device, and leaves out the time a call waits for a core taken by other jobs "
+      "(a shared machine)")
     a("--warm", action="store_true", help="do not flush the CPU caches before each timed call (default: flush, "
       "as in a real forward where the other layers ran in between)")
     a("--max-kv-gib", metavar="GIB", help=f"skip problems whose K/V exceed this (default: {DEFAULT_MAX_KV_GIB:g})")
@@ -100,7 +104,20 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         max_kv_gib=max_kv,
         bandwidth_mib=_one("--bandwidth-mib", value["bandwidth_mib"]),
         threads=_one("--threads", value["threads"]) if value["threads"] is not None else None,
+        clock=_clock(args, device, value["threads"]),
     )
+
+
+def _clock(args: argparse.Namespace, device: str, threads: object) -> str:
+    """``--clock``: ``cpu`` times the calling thread only, so every op must run on it."""
+    clock = getattr(args, "clock", None) or "wall"
+    if clock == "cpu":
+        if device != "cpu":
+            raise BenchUsageError(f"--clock cpu: times CPU work only, but --device is {device!r}")
+        if str(threads).strip() != "1":
+            raise BenchUsageError(f"--clock cpu needs --threads 1 (got {threads!r}): the CPU time of other "
+                                  "threads would not be counted")
+    return clock
 
 
 def check_output_path(flag: str, path: str | None) -> None:
