@@ -182,7 +182,9 @@ def test_not_supported_reasons_are_the_generic_ones():
                       is_cross_attention=True)
     assert s.backend.not_supported_reasons(layer, s.backend.ctx) == []
     fp8 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="fp8")
-    assert any("kv_cache_dtype" in r for r in s.backend.not_supported_reasons(layer, fp8))
+    assert s.backend.not_supported_reasons(layer, fp8) == []  # fp8 KV is claimed (suite family fp8_kv)
+    f64 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="float64")
+    assert any("kv_cache_dtype=float64" in r for r in s.backend.not_supported_reasons(layer, f64))
 
 
 def test_forward_without_kv_cache_raises_clearly():

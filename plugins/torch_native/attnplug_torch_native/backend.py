@@ -87,6 +87,38 @@ _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
 
 
+class _Rows:
+    """One layer's K (or V) as this backend reads it.
+
+    A cache in the ``nhd`` layout is indexed in place (``buf``, token-major); any other layout is
+    read through ``PagedKVCache.read_kv``, only for the slots a block needs (the fallback that
+    lets torch_native serve a half of a pair whose other half owns the layout). An fp8 cache's
+    rows are dequantized as they are gathered: stored * ``scale``.
+    """
+
+    __slots__ = ("cache", "layer_id", "which", "buf", "dtype", "scale", "heads", "dim")
+
+    def __init__(self, cache: Any, layer_id: int, which: int) -> None:
+        self.cache, self.layer_id, self.which = cache, layer_id, which
+        self.buf = cache.get_kv(layer_id)[which] if cache.layout.name == "nhd" else None
+        self.dtype = cache.dtype
+        self.scale = cache.kv_scales(layer_id)[which] if cache.quantized else None
+        self.heads = cache.num_kv_heads
+        self.dim = cache.head_dim if which == 0 else cache.v_head_dim
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, index: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows ``index`` of the ``[-1, width]`` view a token-major buffer would have (``width`` =
+        heads * dim: token rows; = dim: (token, head) rows), read through the cache's layout."""
+        slots = index if width == self.heads * self.dim else torch.div(index, self.heads, rounding_mode="floor")
+        rows = self.cache.read_kv(self.layer_id, slots)[self.which]  # [n, heads, dim]
+        if width == self.heads * self.dim:
+            return rows.reshape(index.numel(), width)
+        return rows[torch.arange(index.numel(), device=index.device), index % self.heads]
+
+
 def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, TorchNativeBackend(ctx)
@@ -288,7 +320,16 @@ class TorchNativeBackend(PagedBackend):
     # -- helpers -----------------------------------------------------------
     def _compute_dtype(self, q: torch.Tensor) -> torch.dtype:
         cd = self.cache.dtype
+        if self.cache.quantized:  # fp8 blocks are dequantized into the model dtype's arithmetic
+            return q.dtype if q.dtype in _NATIVE else _F32
         return cd if q.dtype == cd and cd in _NATIVE else _F32
+
+    def _stored(self, layer: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """The new K/V as the cache stores them: an fp8 cache quantizes (the reference reads new
+        tokens as stored, whether or not they are saved); any other cache gives them unchanged."""
+        if k is None or not self.cache.quantized:
+            return k, v
+        return self.cache.dequantize(layer.layer_id, *self.cache.quantize(layer.layer_id, k, v))
 
     @staticmethod
     def _sinks(layer: Any, device: torch.device) -> torch.Tensor | None:
@@ -298,16 +339,26 @@ class TorchNativeBackend(PagedBackend):
             layer.num_kv_heads, layer.gqa_group_size
         )
 
-    def _gather(self, name: str, src: torch.Tensor, index: torch.Tensor, width: int, cd: torch.dtype) -> torch.Tensor:
-        """Rows ``index`` of ``src`` viewed ``[-1, width]``, in ``cd``, in a reused workspace."""
-        src2 = src.view(-1, width) if src.is_contiguous() else src.reshape(-1, width)
+    def _gather(self, name: str, src: _Rows, index: torch.Tensor, width: int, cd: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` of ``src`` viewed ``[-1, width]``, in ``cd`` (dequantized for fp8), in a reused
+        workspace."""
         n = index.numel()
-        raw = self.workspace.get(name, (n, width), src.dtype)
-        torch.index_select(src2, 0, index, out=raw)
-        if src.dtype == cd:
+        if src.buf is not None:
+            buf = src.buf
+            src2 = buf.view(-1, width) if buf.is_contiguous() else buf.reshape(-1, width)
+            raw = self.workspace.get(name, (n, width), src.dtype)
+            torch.index_select(src2, 0, index, out=raw)
+        else:
+            raw = src.read(index, width)
+        if src.dtype == cd and src.scale is None:
             return raw
         out = self.workspace.get(name + "." + str(cd), (n, width), cd)
-        out.copy_(raw)
+        if src.scale is None:
+            out.copy_(raw)
+        elif cd == _F32:
+            out.copy_(raw).mul_(src.scale)
+        else:  # one rounding of stored * scale into the model dtype
+            out.copy_(raw.to(_F32).mul_(src.scale))
         return out
 
     def _note_chunk(self, nbytes: int) -> None:
@@ -319,7 +370,8 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
+        k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
         # bf16 matmuls want each (request, kv_head) matrix contiguous: gather rows of one head;
         # float32 ones take a strided matrix, and whole-token rows gather faster (one-request blocks)
@@ -414,7 +466,7 @@ class TorchNativeBackend(PagedBackend):
         Sb.baddbmm_(q, Km)  # s - m: float32 accumulation onto -m, one rounding
         return Sb, m
 
-    def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
+    def _block_rows(self, name: str, buf: _Rows, blk: _Block, new: Any, dim: int, Hkv: int,
                     cd: torch.dtype) -> torch.Tensor:
         """The block's K (or V) rows in ``cd``: gathered, the new token from the arguments, padding zeroed."""
         width = dim if blk.head_major else Hkv * dim
@@ -437,7 +489,8 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
         out = self.empty_output(q, layer)
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
+        k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
         cross = layer.is_cross_attention
         window = None if cross else layer.sliding_window
@@ -485,14 +538,14 @@ class TorchNativeBackend(PagedBackend):
                 out[t0 + a0:t0 + a1] = o.transpose(0, 1)
         return out
 
-    def _assemble(self, name: str, buf: torch.Tensor, slots: torch.Tensor, new: torch.Tensor | None, Hkv: int,
+    def _assemble(self, name: str, buf: _Rows, slots: torch.Tensor, new: torch.Tensor | None, Hkv: int,
                   dim: int, cd: torch.dtype) -> torch.Tensor:
         """One request's keys (or values): owned cached rows, then the new ones; ``[Hkv, n, dim]`` in ``cd``."""
         c = slots.numel()
         n = c + (0 if new is None else new.shape[0])
         tok = self.workspace.get(name + ".tok", (n, Hkv, dim), cd)
-        if c and buf.dtype == cd:  # gather straight into the token-major workspace
-            torch.index_select(buf.view(-1, Hkv * dim), 0, slots, out=tok[:c].view(c, Hkv * dim))
+        if c and buf.buf is not None and buf.dtype == cd and buf.scale is None:  # straight into the workspace
+            torch.index_select(buf.buf.view(-1, Hkv * dim), 0, slots, out=tok[:c].view(c, Hkv * dim))
         elif c:
             tok[:c] = self._gather(name + ".raw", buf, slots, Hkv * dim, cd).view(c, Hkv, dim)
         if new is not None:
