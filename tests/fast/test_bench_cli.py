@@ -34,6 +34,7 @@ BAD = [
     (["--max-kv-gib", "lots"], "--max-kv-gib 'lots' is not a number"),
     (["--dtype", "int8"], "--dtype 'int8' is not a benchmarkable dtype"),
     (["--dtype", "nosuch"], "--dtype 'nosuch'"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not a KV-cache dtype bench runs"),
     (["--mode", "prefill"], "--mode 'prefill' is not one of decode, extend, verify, mixed"),
     (["--backend", "nosuch"], "--backend 'nosuch': unknown attention backend 'nosuch'"),
     (["--backend", "fa3"], "--backend 'fa3': fa3 is not available here"),

@@ -193,7 +193,7 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     calls, built, diffs, row_notes = {}, {}, {}, []
     for name in prep.backends:
         try:
-            ctx = prob.context(name, reg.host)
+            ctx = prob.context(name, reg.host, reg)
             _, backend = reg.build(name, ctx)
             reasons = backend.not_supported_reasons(prob.layer, ctx)
             if reasons:
