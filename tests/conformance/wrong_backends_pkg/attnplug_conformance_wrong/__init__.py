@@ -45,6 +45,8 @@ BUGS = {
     "conf_mask_everywhere": "applies a verify mask in every mode",
     "conf_new_from_cache": "reads the new tokens back through req_to_token instead of from k/v",
     "conf_nan_when_empty": "returns NaN for a query row with no visible key",
+    "conf_chunk_drops_last": "under a small max_workspace_bytes, a decode in pieces forgets the last request",
+    "conf_workspace_oom": "under a small max_workspace_bytes, raises MemoryError (not ResourceLimitError)",
 }
 
 
