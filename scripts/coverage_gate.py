@@ -37,14 +37,11 @@ GATED: dict[str, tuple[str, ...]] = {
 }
 
 
-#: Modules held to a lower, stated threshold, with every uncovered line justified (issue 15):
-#: triton's backend.py reaches 90% under the suite. Uncovered: ``Metadata.requests`` and the
-#: decode chunk planner (only when one batch's split-KV partials exceed
-#: ``BuildContext.max_workspace_bytes``, which the suite's problems never do), and the
-#: constructor's refusal of a bad tuning knob; both are exercised by
-#: ``tests/plugins/test_triton.py`` (decode chunking and refusal under the workspace limit,
-#: knob validation). GPU-only tile sizing is marked ``pragma: no cover`` in the module.
-MODULE_THRESHOLDS: dict[str, float] = {"*/attnplug_triton/backend.py": 90.0}
+#: Lines the suite leaves uncovered, each justified (issue 15): in triton's backend.py only the
+#: constructor's refusal of a bad tuning knob (``decode_split_len``/``block_n``/``extend_rows``;
+#: the suite builds every backend through the registry with the defaults), tested by
+#: ``tests/plugins/test_triton.py``. GPU-only tile sizing is marked ``pragma: no cover`` there.
+#: The decode chunk planner is reached by the suite's ``workspace`` family.
 
 
 def _patterns() -> list[str]:
@@ -79,11 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             if not files:
                 print(f"  {pattern}: not imported by this run (its backend was not run)")
                 continue
-            limit = min(a.threshold, MODULE_THRESHOLDS.get(pattern, a.threshold))
             for f in files:
                 pct = cov.report(morfs=[f], show_missing=True, file=sys.stdout, skip_empty=True)
-                if pct < limit:
-                    below.append(f"{f}: {pct:.1f}% (threshold {limit:g}%)")
+                if pct < a.threshold:
+                    below.append(f"{f}: {pct:.1f}% (threshold {a.threshold:g}%)")
     if rc != 0:
         print(f"coverage_gate: pytest failed (exit {rc})", file=sys.stderr)
         return rc

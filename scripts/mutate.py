@@ -16,7 +16,7 @@ raising at import) must be killed first, which proves the copy is what runs.
 
     python scripts/mutate.py --backend torch_native \\
         --module plugins/torch_native/attnplug_torch_native/backend.py [--sample 60 --seed 1] \\
-        [--pytest-args "-k 'float32 and ps16'"] [--json mutants.json]
+        [--pytest-args "-k 'float32 and ps16'"] [--lines 1-90,120-300] [--json mutants.json]
 
 Exit status 0 whatever the score (it is a measurement); 2 for bad arguments or a
 canary that survives.
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=0, help="test only N mutants, drawn with --seed (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 5x the clean run + 30)")
-    p.add_argument("--lines", default="", help="only mutate lines A-B")
+    p.add_argument("--lines", default="", help="only mutate lines A-B (comma-separated ranges: A-B,C-D)")
     p.add_argument("--json", type=Path, default=None, help="write every mutant and its outcome here")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     a = p.parse_args(argv)
@@ -196,8 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     source = module.read_text(encoding="utf-8")
     found = mutants(source)
     if a.lines:
-        lo, _, hi = a.lines.partition("-")
-        found = [m for m in found if int(lo) <= m[0].line <= int(hi or lo)]
+        spans = []
+        for part in a.lines.split(","):
+            lo, _, hi = part.strip().partition("-")
+            if not lo.isdigit() or not (hi or lo).isdigit():
+                p.error(f"--lines {a.lines!r}: expected ranges like 10-40,55-90")
+            spans.append((int(lo), int(hi or lo)))
+        found = [m for m in found if any(lo <= m[0].line <= hi for lo, hi in spans)]
     if a.sample and a.sample < len(found):
         found = sorted(random.Random(a.seed).sample(found, a.sample), key=lambda m: m[0].index)
     if a.list:

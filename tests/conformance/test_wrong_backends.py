@@ -87,7 +87,7 @@ def test_ignored_sinks_fail_sink_cases_only(wrong_site: Path, tmp_path: Path) ->
 CONTROL = ("test_garbage and ps16 and nan or test_edge and float32 and ps16 or test_scaling and float32 and decode "
            "or test_no_save and float32 and ps16 or test_unmapped_slot and float32 and ps16 "
            "or test_cross_attention and float32 and ps16 or test_rejected or test_kv_none "
-           "or test_output_ownership and float32 or test_random or test_refusal")
+           "or test_output_ownership and float32 or test_random or test_refusal or test_workspace")
 
 
 def test_correct_backends_pass_the_depth_and_robustness_families(wrong_site: Path, tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ def test_correct_backends_pass_the_depth_and_robustness_families(wrong_site: Pat
     assert not failed and len(passed) > 80
     fams = {k.split("[")[0] for k in passed}
     assert {"test_garbage", "test_edge", "test_rejected", "test_kv_none", "test_output_ownership", "test_random",
-            "test_no_save", "test_unmapped_slot", "test_scaling", "test_refusal"} <= fams
+            "test_no_save", "test_unmapped_slot", "test_scaling", "test_refusal", "test_workspace"} <= fams
     failed, passed, _ = _split(run, "conf_narrow")
     refusals = {k for k in passed if k.startswith("test_refusal")}
     assert not failed and {"test_refusal[dtype_int32]", "test_refusal[dtype_complex64]",
@@ -116,6 +116,8 @@ AIMED = {
     "conf_mask_everywhere": "test_edge and float32",
     "conf_new_from_cache": "(test_no_save or test_unmapped_slot) and float32 and ps16",
     "conf_nan_when_empty": "(test_edge or test_cross_attention) and float32 and ps16",
+    "conf_chunk_drops_last": "test_workspace",
+    "conf_workspace_oom": "test_workspace",
 }
 
 
@@ -155,7 +157,11 @@ def test_each_wrong_backend_fails_the_family_aimed_at_its_bug(wrong_site: Path, 
     failed, passed, _ = res["conf_nan_when_empty"]
     empty = {k for k in failed | passed if "no_visible" in k or "_empty-" in k}
     assert empty and failed - fam(failed, "test_mode[") == empty
-
+    failed, passed, _ = res["conf_chunk_drops_last"]
+    workspace = fam(failed | passed, "test_workspace")
+    assert fam(failed, "test_workspace") == {k for k in workspace if "decode_workspace" in k} != set()
+    failed, passed, _ = res["conf_workspace_oom"]
+    assert fam(failed, "test_workspace") == fam(failed | passed, "test_workspace") != set()
 
 
 def test_an_ignored_v_scale_fails_exactly_the_fp8_cases_with_a_v_scale(wrong_site: Path, tmp_path: Path) -> None:

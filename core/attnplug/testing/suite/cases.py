@@ -100,6 +100,10 @@ def scenario(name: str, page_size: int = 16) -> Scenario:
         # 700 queries x 4.2k keys x 8 heads = 94 MiB of float32 scores: chunked by a 64 MiB bound
         "extend_long": lambda: Scenario(name, "extend", (3500, 0), (700, 300)),
         "mixed_long": lambda: Scenario(name, "mixed", (2047, 1500, 0), (1, 600, 5)),
+        # -- under a small workspace limit (the ``workspace`` family): ragged decodes, one at position 0 --
+        "decode_workspace": lambda: Scenario(name, "decode", (200, 3, 130, 0, 64, 90), (1,) * 6),
+        "cross_decode_workspace": lambda: Scenario(name, "decode", (130, 3, 70, 90), (1,) * 4,
+                                                   encoder=(129, 0, 70, 65)),
     }
     try:
         return table[name]()
@@ -181,6 +185,8 @@ class Case:
     kv_layout: str = "nhd"
     #: ``(k_scale, v_scale)`` of every layer of an fp8 cache (``None``: 1.0, 1.0)
     kv_scales: tuple[float, float] | None = None
+    #: ``BuildContext.max_workspace_bytes`` the backend is built with (None: the default, 4 GiB)
+    max_workspace_bytes: int | None = None
 
     @property
     def seed(self) -> int:
@@ -496,6 +502,31 @@ def gen_garbage() -> list[Case]:
     return out
 
 
+#: workspace limits of the ``workspace`` family (bytes): from below one request's decode state to
+#: a few requests' worth at the default layer shape, so a backend that works in pieces under
+#: ``max_workspace_bytes`` cuts the batch at different places (or refuses) at each limit
+WORKSPACE_LIMITS: tuple[int, ...] = (4 << 10, 16 << 10, 32 << 10)
+
+
+def gen_workspace() -> list[Case]:
+    """A backend built with a small ``BuildContext.max_workspace_bytes``: every forward equals the
+    reference (work cut into pieces that fit) or raises ``attnplug.ResourceLimitError`` naming the
+    limit, writing nothing. A ragged decode of six requests (one at position 0) at every limit,
+    plain, with sinks and in bfloat16; cross-attention with an empty encoder; an extend."""
+    out = []
+    for limit in WORKSPACE_LIMITS:
+        kib = f"ws{limit >> 10}k"
+        sc = scenario("decode_workspace")
+        out.append(_case("workspace", sc, "float32", 16, kib, max_workspace_bytes=limit))
+        out.append(_case("workspace", sc, "bfloat16", 16, kib, max_workspace_bytes=limit))
+        out.append(_case("workspace", sc, "float32", 16, "sinks", kib, features=Features(sinks=True),
+                         max_workspace_bytes=limit))
+        out.append(_case("workspace", scenario("cross_decode_workspace"), "float32", 16, kib,
+                         features=Features(cross_attention=True), max_workspace_bytes=limit))
+    out.append(_case("workspace", scenario("extend_prefix"), "float32", 16, "ws16k", max_workspace_bytes=16 << 10))
+    return out
+
+
 #: rejected forwards: variant -> (field the error must name, expected error class name)
 REJECTIONS: dict[str, tuple[str, str]] = {
     "out_cache_loc_beyond": ("out_cache_loc", "ShapeError"),
@@ -560,6 +591,7 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "rejected": gen_rejected,
     "random": gen_random,
     "kv_layout": lambda: [],  # generated per backend: cases_for -> gen_kv_layout
+    "workspace": gen_workspace,
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:

@@ -88,6 +88,7 @@ class Problem:
             max_batch_size=MAX_REQUESTS,
             max_context_len=MAX_CONTEXT,
             layers=tuple(self.layers),
+            **({} if c.max_workspace_bytes is None else {"max_workspace_bytes": c.max_workspace_bytes}),
         )
 
 

@@ -8,7 +8,8 @@ long enough to cross block/split/chunk thresholds; non-default ``scaling``;
 ``save_kv_cache=False`` with stale ``out_cache_loc`` slots; new tokens whose
 slot ``req_to_token`` does not map yet; edges (a query row with no visible
 key, zero new tokens, position 0, a draft-extend carrying a verify mask);
-NaN/+inf in every slot no request owns.
+NaN/+inf in every slot no request owns; a small ``BuildContext.max_workspace_bytes``
+(``workspace``: answer in pieces, or refuse with ``ResourceLimitError`` writing nothing).
 
 Every case also checks the cache afterwards, byte for byte: the old contents
 with the new K/V at exactly ``out_cache_loc`` (nothing at all when the case
@@ -19,7 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tolerances import tolerance_for
+import torch
+
+from ...errors import ResourceLimitError
+from ...registry import default_registry
+from ..tolerances import EXACT, tolerance_for
 from . import harness as H
 from ._common import capabilities, fail
 
@@ -29,6 +34,12 @@ def _check_one_forward(bound: Any, record: Any) -> None:
     problem = H.make_problem(case, H.device_for(capabilities(name)))
     backend = H.build_backend(name, problem)
     out = H.run(backend, problem)
+    _check_result(name, problem, out, record)
+
+
+def _check_result(name: str, problem: H.Problem, out: Any, record: Any) -> None:
+    """``out`` (layer 0's output) equals the reference; the cache holds exactly the expected writes."""
+    case = problem.case
     H.check_output_shape(out, problem)
     ref = H.expected_output(problem, 0)
     cmp = H.compare(out, ref, tolerance_for(case.dtype, case.kv_cache_dtype))
@@ -103,3 +114,39 @@ def test_edge(attnplug_case: Any, attnplug_record: Any) -> None:
 
 def test_garbage(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_workspace(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Built with a small ``max_workspace_bytes``: the output equals the reference (the backend
+    worked in pieces that fit), or the build or forward raised ``attnplug.ResourceLimitError``
+    naming ``max_workspace_bytes`` and nothing was written. A backend claiming deterministic
+    output must also give the same bits as without the limit (the pieces are a batch split)."""
+    name, case = attnplug_case.backend, attnplug_case.case
+    problem = H.make_problem(case, H.device_for(capabilities(name)))
+    limit = f"max_workspace_bytes={case.max_workspace_bytes}"
+    r2t = problem.cache.req_to_token.clone()
+    try:
+        backend = H.build_backend(name, problem)
+        out = H.run(backend, problem)
+    except ResourceLimitError as exc:
+        if "max_workspace_bytes" not in str(exc):
+            fail(f"{name}: the ResourceLimitError under {limit} must name max_workspace_bytes; got: {exc}")
+        changes = H.cache_changes(problem.before, problem, r2t)
+        if changes:
+            fail(f"{name}: a {case.scenario.mode} forward refused under {limit} changed the KV cache: "
+                 + "; ".join(changes))
+        attnplug_record(refused=str(exc)[:200])
+        return
+    _check_result(name, problem, out, attnplug_record)
+    if not capabilities(name).deterministic:
+        return
+    for (kb, vb), (k0, v0) in zip(zip(problem.cache.k_buffers, problem.cache.v_buffers), problem.before):
+        kb.copy_(k0)
+        vb.copy_(v0)
+    _, free = default_registry().build(name, problem.context(name).replace(max_workspace_bytes=4 << 30))
+    whole = H.run(free, problem)
+    if not torch.equal(out, whole):
+        diff = float((out.double() - whole.double()).abs().max())
+        attnplug_record(max_abs_err=diff, tolerance=EXACT.to_dict())
+        fail(f"{name} claims deterministic output, but a {case.scenario.mode} forward under {limit} differs "
+             f"from the same forward without the limit (max abs difference {diff:.3g})")

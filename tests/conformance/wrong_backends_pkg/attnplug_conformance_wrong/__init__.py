@@ -46,6 +46,8 @@ BUGS = {
     "conf_new_from_cache": "reads the new tokens back through req_to_token instead of from k/v",
     "conf_nan_when_empty": "returns NaN for a query row with no visible key",
     "conf_no_v_scale": "reads an fp8 cache's values without their V scale",
+    "conf_chunk_drops_last": "under a small max_workspace_bytes, a decode in pieces forgets the last request",
+    "conf_workspace_oom": "under a small max_workspace_bytes, raises MemoryError (not ResourceLimitError)",
 }
 
 

@@ -35,6 +35,8 @@ class ReferenceBackend(AttentionBackend):
         self.cache = ctx.kv_cache
         self.meta = MetadataGuard(name)
         self._out: torch.Tensor | None = None
+        #: below this the workspace bugs show (the suite's workspace family builds with a few KiB)
+        self.small_workspace = getattr(ctx, "max_workspace_bytes", 4 << 30) < (1 << 20)
 
     def init_forward_metadata(self, batch: Any) -> None:
         self.meta.set(batch, None)
@@ -103,10 +105,14 @@ class ReferenceBackend(AttentionBackend):
         if self.bug == "new_from_cache" and k is not None and save_kv_cache:
             slots = _new_positions_slots(batch, self.cache.req_to_token)
             new_k, new_v = kc[slots].to(k.dtype), vc[slots].to(v.dtype)
+        if self.bug == "workspace_oom" and self.small_workspace:
+            raise MemoryError("workspace too large")  # not attnplug.ResourceLimitError, names no setting
         k_scale, v_scale = self.cache.kv_scales(layer.layer_id)
         if self.bug == "v_scale":
             v_scale = 1.0
         out = reference_attention(q, new_k, new_v, seen, seen_batch, kc, vc, self.cache.req_to_token, k_scale, v_scale)
+        if self.bug == "chunk_drops_last" and self.small_workspace and batch.forward_mode is ForwardMode.DECODE:
+            out[-1:] = 0  # a decode cut into pieces that forgets the batch's last request
         if self.bug == "pad_multiply" and not layer.is_cross_attention:
             out = out + _padding_times_zero(batch, vc, self.cache.req_to_token)
         if self.bug == "nan_when_empty":
@@ -175,4 +181,6 @@ create_conf_reused_output = _factory("conf_reused_output", "reused_output")
 create_conf_mask_everywhere = _factory("conf_mask_everywhere", "mask_everywhere")
 create_conf_new_from_cache = _factory("conf_new_from_cache", "new_from_cache")
 create_conf_nan_when_empty = _factory("conf_nan_when_empty", "nan_when_empty")
+create_conf_chunk_drops_last = _factory("conf_chunk_drops_last", "chunk_drops_last")
+create_conf_workspace_oom = _factory("conf_workspace_oom", "workspace_oom")
 create_conf_no_v_scale = _factory("conf_no_v_scale", "v_scale")
