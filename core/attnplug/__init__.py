@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 #: ``attnplug.errors`` (every exception), ``attnplug.speculative``, ``attnplug.guard``,
 #: ``attnplug.resolution``, ``attnplug.dtypes``, ``attnplug.testing`` (the conformance suite
 #: and reference), ``attnplug.capabilities`` (``support_reasons``), ``attnplug.kvcache``
-#: (``indptr``, ``UNASSIGNED``), ``attnplug.probes`` (installed-library helpers).
+#: (``indptr``, ``UNASSIGNED``), ``attnplug.kvlayout`` (KV-cache layouts), ``attnplug.probes``
+#: (installed-library helpers).
 _EXPORTS: dict[str, str] = {
     # configuration and choice (hosts)
     "AttentionConfig": "config",
@@ -37,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "ForwardBatch": "batch",
     "PagedKVCache": "kvcache",
     "PageAllocator": "kvcache",
+    "KVLayout": "kvlayout",
     # writing a backend
     "AttentionBackend": "backend",
     "PagedBackend": "paged",
@@ -59,7 +61,7 @@ _EXPORTS: dict[str, str] = {
 PUBLIC_NAMESPACES: tuple[str, ...] = (
     "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
     "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
-    "attnplug.capabilities", "attnplug.kvcache", "attnplug.probes",
+    "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes",
 )
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -28,6 +28,9 @@ class Capabilities:
     v_head_dim_differs: bool = False
     #: Supported page sizes; ``None`` means any.
     page_sizes: tuple[int, ...] | None = None
+    #: KV-cache layouts the backend reads and writes, preferred first (``kvlayout.py``); ``None`` means
+    #: any layout, read and written only through ``PagedKVCache.read_kv``/``set_kv``.
+    kv_layouts: tuple[str, ...] | None = ("nhd",)
     gqa: bool = True
     mqa: bool = True
     sliding_window: bool = False
@@ -44,6 +47,16 @@ class Capabilities:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
         object.__setattr__(self, "kv_cache_dtypes", tuple(dtype_name(d) for d in self.kv_cache_dtypes))
+        if isinstance(self.kv_layouts, list):
+            object.__setattr__(self, "kv_layouts", tuple(self.kv_layouts))
+
+    def reads_layout(self, name: str) -> bool:
+        """Whether the backend reads and writes a cache in layout ``name``."""
+        return self.kv_layouts is None or name in self.kv_layouts
+
+    def layouts_text(self) -> str:
+        """The declared layouts as words (``any (through read_kv/set_kv)`` for ``None``)."""
+        return "any (through read_kv/set_kv)" if self.kv_layouts is None else ", ".join(self.kv_layouts)
 
     def supports_mode(self, mode: ForwardMode) -> bool:
         """Whether forwards of ``mode`` are claimed (verify and draft-extend are opt-in)."""
@@ -81,6 +94,7 @@ def support_reasons(
     dtype: Any = None,
     kv_cache_dtype: Any = None,
     page_size: int | None = None,
+    kv_layout: str | None = None,
     device: str | None = None,
     mode: ForwardMode | None = None,
     cuda_graph: bool | None = None,
@@ -102,6 +116,8 @@ def support_reasons(
             reasons.append(f"kv_cache_dtype={kv} (supported: {', '.join(allowed)})")
     if page_size is not None and caps.page_sizes is not None and page_size not in caps.page_sizes:
         reasons.append(f"page_size={page_size} (supported: {_join(caps.page_sizes)})")
+    if kv_layout is not None and not caps.reads_layout(kv_layout):
+        reasons.append(f"kv_layout={kv_layout} (reads: {caps.layouts_text()})")
     if device is not None:
         kind = device.split(":", 1)[0]
         if kind not in caps.devices:

@@ -43,6 +43,8 @@ class AttentionConfig:
     dtype: str | None = None
     kv_cache_dtype: str | None = None
     page_size: int | None = None
+    #: the KV-cache layout (``kvlayout.py``); ``None``: resolution picks one both halves read
+    kv_layout: str | None = None
     cuda_graph: bool = False
     #: Free-form, host-specific switches (e.g. ``{"diffusion_lm": True}``) that
     #: registered rules may look at. Keys are strings; values are plain data.
@@ -58,6 +60,8 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name}={value!r} (expected a non-empty backend name or None)")
+        if self.kv_layout is not None and (not isinstance(self.kv_layout, str) or not self.kv_layout.strip()):
+            raise ConfigError(f"kv_layout={self.kv_layout!r} (expected a layout name such as 'nhd', or None)")
         if self.page_size is not None and (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)
                                            or self.page_size < 1):
             raise ConfigError(f"page_size={self.page_size!r} (expected a positive integer)")
@@ -127,6 +131,8 @@ def add_attention_args(parser: argparse.ArgumentParser, title: str = "attention 
                    help="which half serves target-verify and draft-extend-v2 (default: prefill)")
     g.add_argument("--speculative-draft-attention-backend", default=None, metavar="NAME",
                    help="backend for the draft model's runner (default: the configured pair)")
+    g.add_argument("--kv-layout", default=None, metavar="NAME",
+                   help="KV-cache layout (default: the first one both halves read; attnplug list shows them)")
     g.add_argument("--deterministic-inference", dest="deterministic", action="store_true", default=False,
                    help="require a backend that declares deterministic, batch-invariant output")
     return g

@@ -46,6 +46,9 @@ class BackendDescriptor:
     ``min_library_version``: the kernel-library distribution and its floor.
     ``delegates_to``: other distributions' backend names the factory may
     answer with (an explicit delegation; see ``Registry.build``).
+    ``kv_layout_factories``: KV-cache layouts this plugin defines, ``{name:
+    "module:attr"}`` naming a ``kvlayout.KVLayout`` subclass (imported only when
+    a cache is allocated in it; ``Registry.kv_layout``).
     ``distribution`` and ``version`` are filled in by the registry. Every
     field's type is checked when the plugin registers the descriptor
     (``descriptor_problems``).
@@ -64,6 +67,7 @@ class BackendDescriptor:
     #: canonical names of *other* distributions' backends this factory may answer with (a
     #: declared delegation); without it a factory may only answer names of its own distribution
     delegates_to: tuple[str, ...] = ()
+    kv_layout_factories: Mapping[str, str] = dataclasses.field(default_factory=dict)
     distribution: str = ""
     version: str = ""
 
@@ -157,6 +161,7 @@ class BackendDescriptor:
             "aliases": list(self.aliases),
             "deprecated_aliases": list(self.deprecated_aliases),
             "delegates_to": list(self.delegates_to),
+            "kv_layout_factories": dict(self.kv_layout_factories),
             "factory": self.factory if isinstance(self.factory, str) else repr(self.factory),
             "library": self.library,
             "min_library_version": self.min_library_version,
@@ -226,6 +231,10 @@ def descriptor_problems(d: "BackendDescriptor") -> list[str]:
             bad(field, "a str or None", value)
     if not isinstance(d.description, str):
         bad("description", "a str", d.description)
+    layouts = d.kv_layout_factories
+    if not (isinstance(layouts, Mapping) and all(
+            isinstance(k, str) and k and isinstance(v, str) and ":" in v for k, v in layouts.items())):
+        bad("kv_layout_factories", "a dict {layout name: 'module:attr'}", layouts)
     return out
 
 
@@ -250,6 +259,9 @@ def capabilities_problems(caps: Capabilities) -> list[str]:
             bad(field, "None (any) or a non-empty tuple of positive ints")
     if not (isinstance(caps.devices, tuple) and caps.devices and all(d in PLATFORMS for d in caps.devices)):
         bad("devices", f"a non-empty tuple of platforms from {PLATFORMS}")
+    lay = caps.kv_layouts
+    if lay is not None and not (isinstance(lay, tuple) and lay and all(isinstance(x, str) and x for x in lay)):
+        bad("kv_layouts", "None (any layout, through read_kv/set_kv) or a non-empty tuple of layout names")
     cc = caps.min_compute_capability
     if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) for v in cc)):

@@ -1,8 +1,10 @@
 """The canonical paged KV cache.
 
-Per layer, one K and one V buffer indexed by *slot*: ``k[layer]`` is
-``[num_slots, num_kv_heads, head_dim]`` and ``v[layer]`` is
-``[num_slots, num_kv_heads, v_head_dim]``. Slots are grouped in pages of
+Per layer, K and V for every *slot*, stored in one ``KVLayout`` (``kvlayout.py``;
+the default ``nhd`` holds ``k[layer]`` as ``[num_slots, num_kv_heads, head_dim]``
+and ``v[layer]`` as ``[num_slots, num_kv_heads, v_head_dim]``). Whatever the
+layout, ``read_kv`` returns any slots token-major and ``set_kv`` writes them:
+the host, the reference, the suite and doctor use only these. Slots are grouped in pages of
 ``page_size`` consecutive slots; page ``p`` holds slots
 ``p*page_size … p*page_size + page_size - 1``. ``req_to_token[r, i]`` is the
 slot of request ``r``'s token at position ``i``; within a request, positions
@@ -23,7 +25,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .dtypes import dtype_name, torch_dtype
-from .errors import ShapeError
+from .errors import NotSupportedError, ShapeError
+from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
@@ -49,6 +52,7 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         max_requests: int = 64,
         max_context_len: int = 4096,
+        layout: str | KVLayout = NHD,
     ) -> None:
         for field, value in (
             ("num_layers", num_layers), ("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
@@ -68,18 +72,36 @@ class PagedKVCache:
         self.dtype = torch_dtype(dtype)
         self.dtype_name = dtype_name(dtype)
         self.device = torch.device(device)
-        self.k_buffers = [
-            torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(self.num_slots, num_kv_heads, self.v_head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        #: how every layer's K/V are arranged (``kvlayout.KVLayout``); ``layout.name`` is what backends declare
+        self.layout = check_layout(layout)
+        self.geometry = KVGeometry(num_pages, page_size, num_kv_heads, head_dim, self.v_head_dim)
+        problems = self.layout.geometry_reasons(self.geometry)
+        if problems:
+            raise ValueError(f"PagedKVCache: layout {self.layout.name!r} cannot hold this cache: {'; '.join(problems)}")
+        self._storage = [self.layout.allocate(self.geometry, self.dtype, self.device) for _ in range(num_layers)]
         #: ``[max_requests, max_context_len]`` int64: slot of (request row, position); ``UNASSIGNED`` where none
         self.req_to_token = torch.full(
             (max_requests, max_context_len), UNASSIGNED, dtype=torch.int64, device=self.device
         )
+
+    @property
+    def k_buffers(self) -> list[torch.Tensor]:
+        """Per layer, the K buffer ``[num_slots, num_kv_heads, head_dim]`` (the ``nhd`` layout only)."""
+        self._require_nhd("k_buffers")
+        return [s[0] for s in self._storage]
+
+    @property
+    def v_buffers(self) -> list[torch.Tensor]:
+        """Per layer, the V buffer ``[num_slots, num_kv_heads, v_head_dim]`` (the ``nhd`` layout only)."""
+        self._require_nhd("v_buffers")
+        return [s[1] for s in self._storage]
+
+    def _require_nhd(self, what: str) -> None:
+        if self.layout.name != NHD:
+            raise NotSupportedError(
+                f"PagedKVCache.{what} is the token-major storage of the {NHD!r} layout, but this cache is in layout "
+                f"{self.layout.name!r}: read slots with read_kv(layer_id, slots), write with set_kv, or reach "
+                f"the layout's own storage with layer_storage(layer_id)")
 
     @property
     def max_context_len(self) -> int:
@@ -202,9 +224,31 @@ class PagedKVCache:
 
     # -- access --------------------------------------------------------------------
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V buffers of one layer: ``[num_slots, num_kv_heads, head_dim / v_head_dim]``."""
+        """The K and V buffers of one layer: ``[num_slots, num_kv_heads, head_dim / v_head_dim]``.
+
+        The storage itself (writes through it are cache writes), for the ``nhd`` layout only; a
+        ``NotSupportedError`` names the cache's layout otherwise (use ``read_kv``/``set_kv``).
+        """
         self.check_layer_id(layer_id)
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+        self._require_nhd("get_kv")
+        kb, vb = self._storage[layer_id]
+        return kb, vb
+
+    def layer_storage(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        """The raw storage of one layer in this cache's layout (for the backend that owns the layout)."""
+        self.check_layer_id(layer_id)
+        return self._storage[layer_id]
+
+    def read_kv(self, layer_id: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[n, num_kv_heads, head_dim]`` and V ``[n, num_kv_heads, v_head_dim]`` of ``slots`` (every slot
+        when ``None``), token-major, as new tensors, whatever the layout. Slots are bounds-checked."""
+        self.check_layer_id(layer_id)
+        if slots is None:
+            slots = torch.arange(self.num_slots, device=self.device)
+        else:
+            self.check_slots(slots, "slots")
+            slots = slots.to(device=self.device, dtype=torch.int64).reshape(-1)
+        return self.layout.read(self._storage[layer_id], self.geometry, slots)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                checked: bool = True) -> None:
@@ -213,17 +257,22 @@ class PagedKVCache:
         ``checked=False`` skips the slot-range check (one reduction) for callers that validated
         ``loc`` already, as ``PagedBackend`` does once per forward.
         """
-        kb, vb = self.get_kv(layer_id)
-        if k.shape[1:] != kb.shape[1:] or v.shape[1:] != vb.shape[1:] or k.shape[0] != loc.shape[0] \
+        self.check_layer_id(layer_id)
+        rows_k, rows_v = (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)
+        if tuple(k.shape[1:]) != rows_k or tuple(v.shape[1:]) != rows_v or k.shape[0] != loc.shape[0] \
                 or v.shape[0] != loc.shape[0]:
             raise ShapeError(
                 f"KV-cache write for layer {layer_id}: k {tuple(k.shape)} / v {tuple(v.shape)} at "
-                f"{tuple(loc.shape)} slots do not match cache rows {tuple(kb.shape[1:])} / {tuple(vb.shape[1:])}"
+                f"{tuple(loc.shape)} slots do not match cache rows {rows_k} / {rows_v}"
             )
         if checked:
             self.check_slots(loc, "loc")
-        kb[loc] = k.to(kb.dtype)
-        vb[loc] = v.to(vb.dtype)
+        storage = self._storage[layer_id]
+        if self.layout.name == NHD:  # the hot path: two indexed copies, no layout call
+            storage[0][loc] = k.to(self.dtype)
+            storage[1][loc] = v.to(self.dtype)
+            return
+        self.layout.write(storage, self.geometry, loc.to(torch.int64), k.to(self.dtype), v.to(self.dtype))
 
     @contextlib.contextmanager
     def staged(
@@ -242,19 +291,20 @@ class PagedKVCache:
         ``save_kv_cache=False`` forward runs a kernel that reads the new K/V only from the
         cache) and whenever the block raises, so a failed forward leaves the cache as it was.
         """
-        kb, vb = self.get_kv(layer_id)
+        self.check_layer_id(layer_id)
         if checked:
             self.check_slots(loc, "loc")
-        old = (kb[loc].clone(), vb[loc].clone())
+        loc = loc.to(torch.int64)
+        old = self.layout.read(self._storage[layer_id], self.geometry, loc)
         if k is not None:
             self.set_kv(layer_id, loc, k, v, checked=False)  # type: ignore[arg-type]
         try:
             yield
         except BaseException:
-            kb[loc], vb[loc] = old
+            self.set_kv(layer_id, loc, *old, checked=False)
             raise
         if not keep:
-            kb[loc], vb[loc] = old
+            self.set_kv(layer_id, loc, *old, checked=False)
 
     # -- slot assignment helpers (engines have their own; tests, doctor and benchmarks use these) --
     def assign_pages(

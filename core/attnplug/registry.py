@@ -48,12 +48,14 @@ from .errors import (
     AttnplugError,
     BackendConflictError,
     BackendUnavailableError,
+    ConfigError,
     NotSupportedError,
     PluginError,
     UnknownBackendError,
 )
 from .host import HostInfo, detect_host
 from .isolation import call_plugin, echo_output, output_note
+from .kvlayout import BUILTIN_LAYOUTS, KVLayout
 from .stamps import stamp
 
 __all__ = [
@@ -92,6 +94,11 @@ class Registry:
         self._resolved: dict[tuple[str, HostInfo], str] = {}
         #: name or alias -> (distribution, why) for plugins set aside after registering it
         self._set_aside: dict[str, tuple[str, str]] = {}
+        #: KV layouts plugins define: name -> (distribution, "module:attr"); built ones cached in _layouts
+        self.layout_sources: dict[str, tuple[str, str]] = {}
+        #: layout name -> why it is unusable (two distributions define it, or a plugin redefines a core one)
+        self.layout_conflicts: dict[str, str] = {}
+        self._layouts: dict[str, KVLayout] = {}
 
     # -- discovery -----------------------------------------------------
     @classmethod
@@ -209,6 +216,21 @@ class Registry:
                 if not self._claim(alias, "alias", src.distribution, claimed):
                     self._aliases[alias] = (d.name, deprecated)
                     self._alias_owner[alias] = src.distribution
+            for layout, path in d.kv_layout_factories.items():
+                self._claim_layout(layout, path, src.distribution)
+
+    def _claim_layout(self, name: str, path: str, dist: str) -> None:
+        """Record ``dist``'s definition of KV layout ``name``; a clash makes it unusable, naming both."""
+        if name in BUILTIN_LAYOUTS:
+            self.layout_conflicts[name] = f"plugin {dist!r} redefines the core's layout {name!r} (ignored)"
+            return
+        owner = self.layout_sources.get(name)
+        if owner is not None and owner != (dist, path):
+            self.layout_conflicts[name] = (f"KV layout {name!r} is defined by both {owner[0]!r} ({owner[1]}) and "
+                                           f"{dist!r} ({path}); neither is used")
+            return
+        if name not in self.layout_conflicts:
+            self.layout_sources[name] = (dist, path)
 
     def _claim(self, name: str, what: str, dist: str, claimed: dict[str, str]) -> bool:
         """Record ``dist``'s claim on ``name``; True when it conflicts with another distribution."""
@@ -419,6 +441,43 @@ class Registry:
             msg += ". Plugins filtered out: " + self._filtered_summary()
         return msg + ". Run `attnplug list` for details."
 
+    # -- KV layouts ----------------------------------------------------
+    def layout_names(self) -> dict[str, str]:
+        """Every usable KV layout: name -> who defines it (``"core"`` or a distribution)."""
+        out = {n: "core" for n in BUILTIN_LAYOUTS}
+        out.update({n: dist for n, (dist, _) in self.layout_sources.items() if n not in self.layout_conflicts})
+        return out
+
+    def kv_layout(self, name: str) -> KVLayout:
+        """The ``KVLayout`` called ``name`` (the core's, or a plugin's, imported on first use)."""
+        if name in BUILTIN_LAYOUTS:
+            return BUILTIN_LAYOUTS[name]()
+        if name in self._layouts:
+            return self._layouts[name]
+        if name in self.layout_conflicts:
+            raise ConfigError(self.layout_conflicts[name])
+        if name not in self.layout_sources:
+            raise ConfigError(f"KV layout {name!r} is not defined by the core or any installed plugin (known: "
+                              f"{', '.join(sorted(self.layout_names()))})")
+        dist, path = self.layout_sources[name]
+        module_name, _, attr = path.partition(":")
+
+        def load() -> Any:
+            import importlib
+
+            return getattr(importlib.import_module(module_name), attr)
+
+        what = f"loading KV layout {name!r} ({path})"
+        cls, out = call_plugin(dist, what, load)
+        echo_output(dist, what, out)
+        layout = cls
+        if isinstance(cls, type) and issubclass(cls, KVLayout):
+            layout, out = call_plugin(dist, what, cls)
+        if not isinstance(layout, KVLayout) or layout.name != name:
+            raise PluginError(dist, f"{path} must be a KVLayout subclass whose name is {name!r}; got {cls!r}")
+        self._layouts[name] = layout
+        return layout
+
     # -- building ------------------------------------------------------
     def build_problems(self, desc: BackendDescriptor, ctx: Any) -> list[str]:
         """Why ``desc``'s declared capabilities cannot serve the build context ``ctx`` (the core's
@@ -427,8 +486,10 @@ class Registry:
         if device == "cuda" and ctx.host.platform == "rocm":
             device = "rocm"  # torch names ROCm devices "cuda"
         caps = desc.capabilities
+        layout = getattr(getattr(ctx, "kv_cache", None), "layout", None)
         reasons = support_reasons(caps, dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype,
-                                  page_size=ctx.page_size, device=device)
+                                  page_size=ctx.page_size, device=device,
+                                  kv_layout=getattr(layout, "name", None))
         if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
             reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
         for layer in getattr(ctx, "layers", ()) or ():

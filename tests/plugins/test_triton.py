@@ -197,13 +197,17 @@ def test_library_floor_fails_at_start_up():
 TRITON_DEFAULT = ("arch_overrides", DIST, {"attention_backend": "triton"})
 
 
+#: the record closing every resolution here: triton, fa3 and flashinfer read the core's default layout
+NHD_LAYOUT = ("kv_layout", "attnplug", {"kv_layout": "nhd"})
+
+
 def test_gpt_oss_picks_triton_where_no_specific_override_applies():
     res = resolve(AttentionConfig(), arch=GPT, host=A100, registry=registry(A100))
     assert res.pair == ("triton", "triton")
-    assert [r.as_tuple() for r in res.records] == [TRITON_DEFAULT]
+    assert [r.as_tuple() for r in res.records] == [TRITON_DEFAULT, NHD_LAYOUT]
     # another architecture gets the platform default (triton too here, but by priority)
     res = resolve(AttentionConfig(), arch="LlamaForCausalLM", host=A100, registry=registry(A100))
-    assert [r.as_tuple()[0] for r in res.records] == ["default_fill"]
+    assert [r.as_tuple()[0] for r in res.records] == ["default_fill", "kv_layout"]
 
 
 def test_gpt_oss_catch_all_has_negative_precedence():
@@ -223,7 +227,7 @@ def test_a_specific_override_wins_over_the_catch_all():
     res = resolve(AttentionConfig(), arch=GPT, host=h100, registry=reg)
     assert res.pair == ("fa3", "fa3")
     assert [r.as_tuple() for r in res.records] == [
-        TRITON_DEFAULT, ("arch_overrides", "attnplug-fa3", {"attention_backend": "fa3"})]
+        TRITON_DEFAULT, ("arch_overrides", "attnplug-fa3", {"attention_backend": "fa3"}), NHD_LAYOUT]
 
 
 def test_user_choice_overrules_the_catch_all():

@@ -33,6 +33,7 @@ from .passes import (
     collect_arch_overrides,
     collect_resolution_rules,
     ranked,
+    layout_words,
     serve_problems,
     support_problems,
 )
@@ -249,7 +250,25 @@ class _Chain:
                 raise ConfigError(
                     f"{problem}; the {' and '.join(halves)} half uses it. Upgrade {desc.library}, or choose "
                     f"another backend for that half (attnplug resolve explains the choice)")
-        self.check_hook(cfg)
+        self.check_layout(pair["prefill"], pair["decode"])
+        self.check_hook(self.config)
+
+    def check_layout(self, prefill: str, decode: str) -> None:
+        """Both halves read the one KV layout (``run_kv_layout`` chose it, or the user did)."""
+        reg, layout = self.registry, self.config.kv_layout
+        known = reg.layout_names()
+        if layout is not None and layout not in known:
+            why = reg.layout_conflicts.get(layout, "")
+            raise ConfigError(f"kv_layout={layout!r} (flag --kv-layout) is not defined by the core or any installed "
+                              f"plugin (known: {', '.join(sorted(known))}){'; ' + why if why else ''}")
+        if layout is not None:
+            return  # a half that cannot read it was rejected by support_problems above
+        readers = {x: [n for n in reg.names() if reg.get(n).capabilities.reads_layout(x)] for x in known}
+        hint = "; ".join(f"{x}: {', '.join(ns) or 'none'}" for x, ns in readers.items())
+        raise ConfigError(
+            f"the pair (prefill {prefill!r}, decode {decode!r}) shares no KV-cache layout, and one cache serves both "
+            f"halves: {layout_words(reg, prefill)}; {layout_words(reg, decode)}. Choose halves that read a common "
+            f"layout (backends by layout: {hint})")
 
     def check_hook(self, cfg: AttentionConfig) -> None:
         found: list[str] = []

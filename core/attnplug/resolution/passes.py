@@ -181,7 +181,7 @@ def support_problems(registry: "Registry", name: str, config: AttentionConfig, h
     caps = registry.get(name).capabilities
     reasons = support_reasons(
         caps, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
-        cuda_graph=config.cuda_graph, deterministic=config.deterministic,
+        kv_layout=config.kv_layout, cuda_graph=config.cuda_graph, deterministic=config.deterministic,
     )
     if speculative_enabled(config):
         for mode in (ForwardMode.TARGET_VERIFY,):
@@ -342,6 +342,49 @@ def run_compat_fallback(state: State) -> list[Declaration]:
     return [Declaration(CORE, " / ".join(why), half_declaration(state.config, wanted))]
 
 
+def shared_layouts(registry: "Registry", prefill: str, decode: str) -> list[str]:
+    """KV layouts both backends read, defined by the core or an installed plugin; the decode half's
+    preference first (decode reads the whole cache every step), then the prefill half's, then the rest."""
+    cp, cd = registry.get(prefill).capabilities, registry.get(decode).capabilities
+    known = registry.layout_names()
+    order = list(cd.kv_layouts or ()) + list(cp.kv_layouts or ()) + list(known)
+    return [x for x in dict.fromkeys(order) if x in known and cp.reads_layout(x) and cd.reads_layout(x)]
+
+
+def layout_words(registry: "Registry", name: str) -> str:
+    """``"<name> reads nhd, hnd"``: the layouts a backend declares, for explanations and errors."""
+    return f"{name} reads {registry.get(name).capabilities.layouts_text()}"
+
+
+def run_kv_layout(state: State) -> list[Declaration]:
+    """One cache serves both halves: pick the first KV layout both read, or replace a half the user
+    did not choose by the best backend that shares a layout with the other half."""
+    reg, cfg = state.registry, state.config
+    pair = dict(zip(HALVES, cfg.attention_backends()))
+    if cfg.kv_layout is not None or any(n is None or n == AUTO or n not in reg.descriptors for n in pair.values()):
+        return []  # the user's layout (or an unfilled half) is for the checks
+    p, d = pair["prefill"], pair["decode"]
+    shared = shared_layouts(reg, p, d)
+    if shared:
+        return [Declaration(CORE, f"one cache serves both halves ({layout_words(reg, p)}; {layout_words(reg, d)}): "
+                            f"first shared layout {shared[0]}", {"kv_layout": shared[0]})]
+    for half in ("prefill", "decode"):  # keep the decode half when neither was the user's choice
+        if half in state.pinned_halves:
+            continue
+        other = pair["decode" if half == "prefill" else "prefill"]
+        for name, _ in ranked(reg, state.host):
+            if name == pair[half] or serve_problems(reg, state.host, name, cfg, half):
+                continue
+            both = shared_layouts(reg, *((name, other) if half == "prefill" else (other, name)))
+            if both:
+                fields = half_declaration(cfg, {half: name})
+                fields["kv_layout"] = both[0]
+                return [Declaration(CORE, f"{layout_words(reg, pair[half])} but {layout_words(reg, other)}: the "
+                                    f"{half} half moves to {name}, the best backend sharing layout {both[0]}",
+                                    fields)]
+    return []
+
+
 #: The chain, in order. Plugins extend it through hooks, not by adding passes.
 DEFAULT_PASSES: tuple[Pass, ...] = (
     Pass("arch_overrides", None, run_arch_overrides,
@@ -354,6 +397,8 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
          description="a backend chosen by a pass that cannot serve here falls back to the next by priority"),
     Pass("fallback_rules", None, _run_stage("fallback"),
          description="compatibility rules declared by plugins (attnplug_resolution_rules, stage 'fallback')"),
+    Pass("kv_layout", PAIR_FIELDS | {"kv_layout"}, run_kv_layout,
+         description="one KV cache serves both halves: the first layout both read (kvlayout.py)"),
 )
 
 
