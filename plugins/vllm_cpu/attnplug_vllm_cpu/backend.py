@@ -186,7 +186,13 @@ class VllmCpuBackend(PagedBackend):
         if not batch.num_tokens:
             return
         rows, prefix, seq = batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu
-        mapped = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)])
+        dev = cache.req_to_token.device
+        ext = torch.as_tensor(batch.extend_seq_lens_cpu, device=dev)
+        start = batch.qo_indptr(dev)[:-1].to(torch.int64)
+        r = torch.as_tensor(rows, dtype=torch.int64, device=dev).repeat_interleave(ext)
+        pos = (torch.as_tensor(prefix, dtype=torch.int64, device=dev) - start).repeat_interleave(ext) + \
+            torch.arange(batch.num_tokens, device=dev)
+        mapped = cache.req_to_token[r, pos]  # the slot of each new token's position
         bad = (mapped < 0) | (mapped >= cache.num_slots)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])

@@ -86,8 +86,10 @@ class VllmCpuLayout(KVLayout):
         ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
                                          slots.to(torch.int64).contiguous(),
                                          isa_for(geometry.head_dim, geometry.page_size))
-        bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
-        if bool(bad.any()):
+        # one reduction on the hot path: a NaN/inf makes the sum non-finite (a finite sum that overflows
+        # only costs a conservative per-row look)
+        if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
+            bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
             nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
 
     @staticmethod
