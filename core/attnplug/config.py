@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any, Literal, Mapping
 
-from .dtypes import dtype_name
+from .dtypes import AUTO, dtype_name
 from .errors import ConfigError
 
 SpeculativeAttentionMode = Literal["prefill", "decode"]
@@ -71,7 +71,7 @@ class AttentionConfig:
                 raise ConfigError(f"{name}={value!r} ({type(value).__name__}; expected True or False)")
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
-            if value is None:
+            if value is None or (name == "kv_cache_dtype" and value == AUTO):
                 continue
             if not isinstance(value, str):
                 raise ConfigError(f"{name}={value!r} ({type(value).__name__}; expected a dtype name such as "
@@ -131,6 +131,9 @@ def add_attention_args(parser: argparse.ArgumentParser, title: str = "attention 
                    help="which half serves target-verify and draft-extend-v2 (default: prefill)")
     g.add_argument("--speculative-draft-attention-backend", default=None, metavar="NAME",
                    help="backend for the draft model's runner (default: the configured pair)")
+    g.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="KV-cache dtype: auto (= the model dtype; the default), fp8_e4m3, fp8_e5m2, or a dtype "
+                        "name; both halves must support it (one cache serves both)")
     g.add_argument("--kv-layout", default=None, metavar="NAME",
                    help="KV-cache layout (default: the first one both halves read; attnplug list shows them)")
     g.add_argument("--deterministic-inference", dest="deterministic", action="store_true", default=False,

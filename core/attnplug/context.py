@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from .config import AttentionConfig
-from .dtypes import dtype_name
+from .dtypes import dtype_name, kv_dtype_name
 from .host import HostInfo
 from .layer import LayerSpec
 
@@ -57,7 +57,7 @@ class BuildContext:
         if not isinstance(self.is_draft, bool):
             raise ValueError(f"BuildContext.is_draft={self.is_draft!r} (expected True or False)")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        object.__setattr__(self, "kv_cache_dtype", dtype_name(self.kv_cache_dtype or self.dtype))
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype_name(self.kv_cache_dtype, self.dtype))
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -32,6 +32,18 @@ def dtype_name(dtype: Any) -> str:
         raise ValueError(f"unknown dtype {dtype!r} (known: {sorted(set(_ALIASES.values()))})") from None
 
 
+#: ``kv_cache_dtype`` value meaning "the model dtype" (what engines' ``--kv-cache-dtype auto`` means)
+AUTO = "auto"
+
+
+def kv_dtype_name(kv_cache_dtype: Any, model_dtype: Any = None) -> str | None:
+    """The KV-cache dtype's canonical name: ``None``/``"auto"`` mean the model dtype (``None`` when
+    that is unknown too); ``fp8_e4m3`` / ``fp8_e5m2`` (engines' spellings) name the fp8 formats."""
+    if kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower() == AUTO):
+        return None if model_dtype is None else dtype_name(model_dtype)
+    return dtype_name(kv_cache_dtype)
+
+
 def torch_dtype(name: Any) -> Any:
     """The torch dtype for a name (imports torch; call only where torch is needed)."""
     import torch

@@ -84,6 +84,10 @@ class ShapeError(AttnplugError, ValueError):
     """A tensor has the wrong shape or dtype; the message names the field, expected vs actual."""
 
 
+class KVLayoutError(AttnplugError, ValueError):
+    """The KV cache is in another layout than the caller reads (names both layouts and the way out)."""
+
+
 class MetadataNotInitializedError(AttnplugError, RuntimeError):
     """``forward`` was called before ``init_forward_metadata`` for this batch."""
 

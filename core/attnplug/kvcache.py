@@ -15,6 +15,11 @@ offset in its page is ``i % page_size``. A position no page was assigned to hold
 Bounds: every slot index written or read goes through a check — per call in
 ``set_kv``/``staged`` (host code), once per forward in ``check_batch`` (backends,
 which then write with ``checked=False``).
+
+FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry one K and one V scale per layer
+(per tensor; ``set_kv_scales``). Every write path quantizes: stored = round(x / scale)
+saturated to the dtype's finite range (NaN stays NaN); a reader dequantizes: value =
+stored × scale (``read_kv(..., dequantize=True)``, ``dequantize``).
 """
 
 from __future__ import annotations
@@ -24,12 +29,27 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .dtypes import dtype_name, torch_dtype
-from .errors import NotSupportedError, ShapeError
+from .dtypes import FP8_E4M3, FP8_E5M2, dtype_name, torch_dtype
+from .errors import KVLayoutError, ShapeError
 from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
+
+#: KV-cache dtypes stored quantized, with per-layer scales
+FP8_DTYPES: tuple[str, ...] = (FP8_E4M3, FP8_E5M2)
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``round(x / scale)`` saturated to ``dtype``'s finite range, in ``dtype`` (NaN stays NaN)."""
+    fmax = torch.finfo(dtype).max
+    return (x.to(torch.float32) / scale).clamp_(-fmax, fmax).to(dtype)
+
+
+def _check_scale(owner: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < float("inf")):
+        raise ValueError(f"{owner}={value!r} (expected a positive finite number)")
+    return float(value)
 
 
 def _positive_int(owner: str, name: str, value: object) -> int:
@@ -75,6 +95,11 @@ class PagedKVCache:
         #: how every layer's K/V are arranged (``kvlayout.KVLayout``); ``layout.name`` is what backends declare
         self.layout = check_layout(layout)
         self.geometry = KVGeometry(num_pages, page_size, num_kv_heads, head_dim, self.v_head_dim)
+        #: whether K/V are stored quantized (an fp8 dtype): writes quantize with the layer's scales
+        self.quantized = self.dtype_name in FP8_DTYPES
+        #: per layer, the K and V scales (1.0 until ``set_kv_scales``; fp8 caches only)
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
         problems = self.layout.geometry_reasons(self.geometry)
         if problems:
             raise ValueError(f"PagedKVCache: layout {self.layout.name!r} cannot hold this cache: {'; '.join(problems)}")
@@ -98,7 +123,7 @@ class PagedKVCache:
 
     def _require_nhd(self, what: str) -> None:
         if self.layout.name != NHD:
-            raise NotSupportedError(
+            raise KVLayoutError(
                 f"PagedKVCache.{what} is the token-major storage of the {NHD!r} layout, but this cache is in layout "
                 f"{self.layout.name!r}: read slots with read_kv(layer_id, slots), write with set_kv, or reach "
                 f"the layout's own storage with layer_storage(layer_id)")
@@ -227,7 +252,7 @@ class PagedKVCache:
         """The K and V buffers of one layer: ``[num_slots, num_kv_heads, head_dim / v_head_dim]``.
 
         The storage itself (writes through it are cache writes), for the ``nhd`` layout only; a
-        ``NotSupportedError`` names the cache's layout otherwise (use ``read_kv``/``set_kv``).
+        ``KVLayoutError`` names the cache's layout otherwise (use ``read_kv``/``set_kv``).
         """
         self.check_layer_id(layer_id)
         self._require_nhd("get_kv")
@@ -239,21 +264,58 @@ class PagedKVCache:
         self.check_layer_id(layer_id)
         return self._storage[layer_id]
 
-    def read_kv(self, layer_id: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_kv(self, layer_id: int, slots: torch.Tensor | None = None, *,
+                dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[n, num_kv_heads, head_dim]`` and V ``[n, num_kv_heads, v_head_dim]`` of ``slots`` (every slot
-        when ``None``), token-major, as new tensors, whatever the layout. Slots are bounds-checked."""
+        when ``None``), token-major, as new tensors, whatever the layout. Slots are bounds-checked.
+
+        The stored values, in the cache dtype; ``dequantize=True`` returns float32 values (stored ×
+        the layer's scale for an fp8 cache)."""
         self.check_layer_id(layer_id)
         if slots is None:
             slots = torch.arange(self.num_slots, device=self.device)
         else:
             self.check_slots(slots, "slots")
             slots = slots.to(device=self.device, dtype=torch.int64).reshape(-1)
-        return self.layout.read(self._storage[layer_id], self.geometry, slots)
+        k, v = self.layout.read(self._storage[layer_id], self.geometry, slots)
+        return self.dequantize(layer_id, k, v) if dequantize else (k, v)
+
+    # -- fp8: scales, quantize, dequantize ---------------------------------------------
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """The K and V scales of one layer (positive finite numbers; fp8 caches only: another dtype
+        stores values as they are, and a scale it would ignore is an error)."""
+        self.check_layer_id(layer_id)
+        k_scale = _check_scale(f"layer {layer_id} k_scale", k_scale)
+        v_scale = _check_scale(f"layer {layer_id} v_scale", v_scale)
+        if not self.quantized and (k_scale, v_scale) != (1.0, 1.0):
+            raise ValueError(f"KV scales apply to fp8 caches ({', '.join(FP8_DTYPES)}); this cache stores "
+                             f"{self.dtype_name}, which would ignore k_scale={k_scale}, v_scale={v_scale}")
+        self.k_scales[layer_id], self.v_scales[layer_id] = k_scale, v_scale
+
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of one layer (1.0, 1.0 unless set)."""
+        self.check_layer_id(layer_id)
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def quantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` as this cache stores them for ``layer_id``: quantized with its scales for fp8,
+        else converted to the cache dtype."""
+        if not self.quantized:
+            return k.to(self.dtype), v.to(self.dtype)
+        return (quantize(k, self.k_scales[layer_id], self.dtype), quantize(v, self.v_scales[layer_id], self.dtype))
+
+    def dequantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored ``k``/``v`` as float32 values (× the layer's scales for fp8)."""
+        if not self.quantized:
+            return k.to(torch.float32), v.to(torch.float32)
+        return (k.to(torch.float32) * self.k_scales[layer_id], v.to(torch.float32) * self.v_scales[layer_id])
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               checked: bool = True) -> None:
+               checked: bool = True, stored: bool = False) -> None:
         """Write ``k``/``v`` (``[n, heads, dim]``) into the slots ``loc`` (``[n]``) of one layer.
 
+        Values are quantized as the cache stores them (``quantize``); ``stored=True`` writes values
+        that already are stored values (a ``read_kv`` snapshot being restored) as they are.
         ``checked=False`` skips the slot-range check (one reduction) for callers that validated
         ``loc`` already, as ``PagedBackend`` does once per forward.
         """
@@ -267,12 +329,16 @@ class PagedKVCache:
             )
         if checked:
             self.check_slots(loc, "loc")
+        if stored or not self.quantized:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        else:
+            k, v = self.quantize(layer_id, k, v)
         storage = self._storage[layer_id]
         if self.layout.name == NHD:  # the hot path: two indexed copies, no layout call
-            storage[0][loc] = k.to(self.dtype)
-            storage[1][loc] = v.to(self.dtype)
+            storage[0][loc] = k
+            storage[1][loc] = v
             return
-        self.layout.write(storage, self.geometry, loc.to(torch.int64), k.to(self.dtype), v.to(self.dtype))
+        self.layout.write(storage, self.geometry, loc.to(torch.int64), k, v)
 
     @contextlib.contextmanager
     def staged(
@@ -301,10 +367,10 @@ class PagedKVCache:
         try:
             yield
         except BaseException:
-            self.set_kv(layer_id, loc, *old, checked=False)
+            self.set_kv(layer_id, loc, *old, checked=False, stored=True)
             raise
         if not keep:
-            self.set_kv(layer_id, loc, *old, checked=False)
+            self.set_kv(layer_id, loc, *old, checked=False, stored=True)
 
     # -- slot assignment helpers (engines have their own; tests, doctor and benchmarks use these) --
     def assign_pages(

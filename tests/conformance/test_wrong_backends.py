@@ -155,3 +155,19 @@ def test_each_wrong_backend_fails_the_family_aimed_at_its_bug(wrong_site: Path, 
     failed, passed, _ = res["conf_nan_when_empty"]
     empty = {k for k in failed | passed if "no_visible" in k or "_empty-" in k}
     assert empty and failed - fam(failed, "test_mode[") == empty
+
+
+
+def test_an_ignored_v_scale_fails_exactly_the_fp8_cases_with_a_v_scale(wrong_site: Path, tmp_path: Path) -> None:
+    """The correct control passes every fp8 case; a backend reading values without their V scale
+    fails every case whose V scale is not 1 (and only those)."""
+    run = run_pytest(["--backend=conf_reference", "--backend=conf_no_v_scale", "-k", "test_fp8_kv"],
+                     tmp_path, wrong_site)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    failed, passed, _ = _split(run, "conf_reference")
+    assert not failed and len(passed) == 48  # 2 formats x 2 model dtypes x 4 modes x 3 scale variants
+    failed, passed, _ = _split(run, "conf_no_v_scale")
+    cases = failed | passed
+    assert len(cases) == 48
+    assert failed == {k for k in cases if "-unit-" not in k}, sorted(failed)
+    assert "max abs error" in run.output

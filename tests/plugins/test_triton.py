@@ -428,7 +428,7 @@ def test_refuses_in_words_what_it_does_not_claim():
                       is_cross_attention=True)
     assert s.backend.not_supported_reasons(layer, s.backend.ctx) == []
     fp8 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="float8_e4m3fn")
-    assert any("kv_cache_dtype" in r for r in s.backend.not_supported_reasons(layer, fp8))
+    assert s.backend.not_supported_reasons(layer, fp8) == []  # fp8 KV is claimed (suite family fp8_kv)
     f64 = s.backend.ctx.replace(kv_cache=None, dtype="float64", kv_cache_dtype="float64")
     assert any("dtype=float64" in r for r in s.backend.not_supported_reasons(layer, f64))
 
@@ -971,20 +971,25 @@ _AOT = textwrap.dedent("""
     kind, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     target = GPUTarget(kind, int(arch) if kind == "cuda" else arch, warp)
     out = []
-    # (dtype, kv dtype, head_dim, v_head_dim, group, decode, cross-attention)
-    for dt, kv, d, dv, g, decode, cross in [("bf16", "bf16", 128, 128, 8, True, False),
-                                            ("fp16", "bf16", 192, 128, 4, False, False),
-                                            ("fp32", "fp32", 64, 64, 1, False, False),
-                                            ("fp16", "fp16", 64, 64, 2, True, True)]:
+    # (dtype, kv dtype, head_dim, v_head_dim, group, decode, cross-attention): an fp8 cache (dequantized
+    # per block) in e5m2 everywhere, in e4m3 (fp8e4nv) where the GPU has it (SM89+)
+    rows = [("bf16", "bf16", 128, 128, 8, True, False), ("fp16", "bf16", 192, 128, 4, False, False),
+            ("fp32", "fp32", 64, 64, 1, False, False), ("fp16", "fp16", 64, 64, 2, True, True),
+            ("bf16", "fp8e5", 128, 128, 8, True, False)]
+    if kind == "cuda" and int(arch) >= 89:
+        rows.append(("bf16", "fp8e4nv", 128, 128, 4, False, False))
+    for dt, kv, d, dv, g, decode, cross in rows:
         t = choose_tiles(decode, g, d, dv, 4 if dt == "fp32" else 2, interpret=False)
         consts = dict(D=d, DV=dv, G=g, BLOCK_M=t.block_m, BLOCK_R=t.block_r, BLOCK_N=t.block_n, BLOCK_D=p2(d),
                       BLOCK_DV=p2(dv), STORE_PARTIALS=decode, IS_CROSS=cross, HAS_WINDOW=not cross,
-                      HAS_CAP=not cross, HAS_SINKS=True, HAS_MASK=not decode, FP32_DOT=dt == "fp32")
+                      HAS_CAP=not cross, HAS_SINKS=True, HAS_MASK=not decode, FP32_DOT=dt == "fp32",
+                      KV_SCALED=kv.startswith("fp8"))
         types = {n: "*" + dt for n in ("Q", "K_new", "V_new", "Out")}
         types.update({"K_cache": "*" + kv, "V_cache": "*" + kv, "Req_to_token": "*i64", "Part_acc": "*fp32",
                       "Part_m": "*fp32", "Part_l": "*fp32", "Sinks": "*fp32", "Mask": "*u8", "Req": "*i64",
                       "Q_start": "*i64", "Prefix_len": "*i32", "Ext_len": "*i32", "scale": "fp32", "cap": "fp32",
-                      "window": "i32", "split_len": "i32", "num_splits": "i32"})
+                      "window": "i32", "split_len": "i32", "num_splits": "i32", "k_scale": "fp32",
+                      "v_scale": "fp32"})
         sig = {n: "constexpr" if n in consts else types.get(n, "i64") for n in _attn_kernel.arg_names}
         k = triton.compile(ASTSource(_attn_kernel, sig, consts), target=target,
                            options=dict(num_warps=t.num_warps, num_stages=t.num_stages))

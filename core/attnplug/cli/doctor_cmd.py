@@ -112,9 +112,11 @@ def claim_cases(caps: Any, name: str) -> list[tuple[str, Any]]:
     if caps.head_dims is not None and shape.head_dim not in caps.head_dims:
         shape = dataclasses.replace(shape, head_dim=caps.head_dims[0])
 
+    layout = caps.kv_layouts[0] if caps.kv_layouts else "nhd"
+
     def case(label: str, scen: str, **kw: Any) -> tuple[str, Any]:
         c = C.Case("doctor", f"{label}-{scen}", C.scenario(scen, ps), dtype=kw.pop("dtype", dtype),
-                   page_size=ps, shape=kw.pop("shape", shape), **kw)
+                   page_size=ps, shape=kw.pop("shape", shape), kv_layout=layout, **kw)
         return label, c
 
     out = [case(f"mode:{scen}", scen) for scen in C.ALL_MODE_SCENARIOS]
@@ -205,8 +207,7 @@ def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any) -> Mo
         want = (kb, vb)
     else:
         want = expected_cache_after(kb, vb, k, v, problem.batch.out_cache_loc)
-    cache_ok = all(torch.equal(got, exp) for got, exp in zip((problem.cache.k_buffers[0],
-                                                              problem.cache.v_buffers[0]), want))
+    cache_ok = all(torch.equal(got, exp) for got, exp in zip(problem.cache.read_kv(0), want))
     error = None if cmp.ok else cmp.detail
     if not cache_ok:
         error = (error + "; " if error else "") + "KV-cache write differs from the new k/v at out_cache_loc"

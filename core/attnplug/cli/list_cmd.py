@@ -27,6 +27,8 @@ def collect(registry: Any) -> dict[str, Any]:
         "host": host.to_dict(),
         "backends": backends,
         "plugins": [p.to_dict() for p in registry.plugins],
+        "kv_layouts": registry.layout_names(),
+        "kv_layout_conflicts": dict(registry.layout_conflicts),
         "conflicts": {n: str(e) for n, e in registry.conflicts.items()},
         "problems": list(registry.problems),
         "empty_hint": registry.empty_hint(),
@@ -50,9 +52,14 @@ def run(args: argparse.Namespace) -> int:
     for b in data["backends"]:
         caps = b["capabilities"]
         flags = [k for k, v in sorted(caps.items()) if v is True]
-        print(f"  {b['name']}: dtypes={','.join(caps['dtypes'])} devices={','.join(caps['devices'])} "
-              f"head_dims={caps['head_dims'] or 'any'} page_sizes={caps['page_sizes'] or 'any'} "
-              f"features={','.join(flags) or '-'}")
+        kv = ",".join(caps["kv_cache_dtypes"]) or "model dtype"
+        layouts = ",".join(caps["kv_layouts"]) if caps["kv_layouts"] is not None else "any"
+        print(f"  {b['name']}: dtypes={','.join(caps['dtypes'])} kv_cache_dtypes={kv} kv_layouts={layouts} "
+              f"devices={','.join(caps['devices'])} head_dims={caps['head_dims'] or 'any'} "
+              f"page_sizes={caps['page_sizes'] or 'any'} features={','.join(flags) or '-'}")
+    print("kv layouts: " + ", ".join(f"{n} ({owner})" for n, owner in sorted(data["kv_layouts"].items())))
+    for msg in data["kv_layout_conflicts"].values():
+        print(f"conflict: {msg}")
     for p in data["plugins"]:
         if p["status"] != "loaded":
             print(f"plugin {p['distribution']} {p['version']} ({p['name']}): {p['status']}: {p['error']}")

@@ -20,7 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", dest="deterministic", action="store_true",
                    help="same as --deterministic-inference")
     g.add_argument("--dtype", default=None, help="model dtype (float32, float16, bfloat16)")
-    g.add_argument("--kv-cache-dtype", default=None, help="KV-cache dtype (default: the model dtype)")
     g.add_argument("--page-size", type=int, default=None, help="KV-cache page size in tokens")
     g.add_argument("--cuda-graph", action="store_true", default=False, help="require CUDA-graph capture")
     g.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE", dest="extra_items",

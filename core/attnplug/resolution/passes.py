@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from ..capabilities import support_reasons
 from ..config import AttentionConfig
+from ..dtypes import kv_dtype_name
 from ..errors import PluginError
 from ..hookspecs import RegisterArchOverride, RegisterResolutionRule
 from ..host import HostInfo
@@ -180,7 +181,8 @@ def support_problems(registry: "Registry", name: str, config: AttentionConfig, h
     """Why backend ``name`` cannot serve ``half`` of ``config`` (capabilities only); empty when it can."""
     caps = registry.get(name).capabilities
     reasons = support_reasons(
-        caps, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
+        caps, dtype=config.dtype, kv_cache_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
+        page_size=config.page_size,
         kv_layout=config.kv_layout, cuda_graph=config.cuda_graph, deterministic=config.deterministic,
     )
     if speculative_enabled(config):

@@ -28,6 +28,11 @@ Semantics (the contract every backend must match):
   reach the output.
 * The custom mask is read in target-verify only; any other mode ignores a
   ``spec_custom_mask`` it carries.
+* An fp8 KV cache (``k_cache``/``v_cache`` in ``float8_e4m3fn``/``float8_e5m2``)
+  holds stored values: a key is ``stored * k_scale``, a value ``stored * v_scale``.
+  The new ``k``/``v`` of the forward are read as the cache stores them too
+  (quantized with the same scales: ``kvcache.quantize``), whether or not the
+  forward saves them, as the kernels that read new tokens from the cache do.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..kvcache import FP8_DTYPES, quantize
 from ..modes import ForwardMode
 
 
@@ -49,11 +55,14 @@ def reference_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     req_to_token: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Expected output ``[tokens, num_heads, v_head_dim]`` in float64.
 
     ``k_cache``/``v_cache`` are this layer's buffers as they were *before* the
-    forward (``[slots, kv_heads, dim]``).
+    forward (``[slots, kv_heads, dim]``, token-major: ``PagedKVCache.read_kv``);
+    ``k_scale``/``v_scale`` are the layer's scales when they hold fp8 values.
     """
     mode = batch.forward_mode
     H, Dv = layer.num_heads, layer.v_head_dim
@@ -66,6 +75,12 @@ def reference_attention(
     reqs = batch.req_pool_indices.tolist()
     q64 = q.detach().to(torch.float64).cpu()
     kc, vc = k_cache.detach().cpu(), v_cache.detach().cpu()
+    fp8 = str(kc.dtype).replace("torch.", "") in FP8_DTYPES
+    if fp8:  # stored values times the scales; new tokens as the cache would store them
+        kc, vc = _f64(kc) * k_scale, _f64(vc) * v_scale
+        if k is not None:
+            k = _f64(quantize(k, k_scale, k_cache.dtype)) * k_scale
+            v = _f64(quantize(v, v_scale, v_cache.dtype)) * v_scale  # type: ignore[arg-type]
     r2t = req_to_token.cpu()
     sinks = None if layer.sinks is None else torch.as_tensor(layer.sinks).detach().to(torch.float64).cpu()
     out = torch.zeros(q.shape[0], H, Dv, dtype=torch.float64)
@@ -154,11 +169,15 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 
 
 def expected_cache_after(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out_cache_loc: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    out_cache_loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's buffers after a forward that saves ``k``/``v`` at ``out_cache_loc`` (in cache dtype)."""
+    """The layer's buffers after a forward that saves ``k``/``v`` at ``out_cache_loc`` (in cache dtype;
+    quantized with ``k_scale``/``v_scale`` for an fp8 cache)."""
     kc, vc = k_cache.clone(), v_cache.clone()
-    if k is not None and k.shape[0]:
+    if k is not None and v is not None and k.shape[0]:
+        if str(kc.dtype).replace("torch.", "") in FP8_DTYPES:
+            k, v = quantize(k, k_scale, kc.dtype), quantize(v, v_scale, vc.dtype)
         for t, slot in enumerate(out_cache_loc.tolist()):
             kc[slot] = k[t].to(kc.dtype)
             vc[slot] = v[t].to(vc.dtype)

@@ -10,6 +10,10 @@ rounding of scores, probabilities and the output.
 KV-cache writes, repeated forwards of a backend that claims ``deterministic``
 and batch invariance are compared bit for bit (tolerance 0).
 
+An fp8 KV cache uses the model dtype's tolerance: the reference reads exactly
+the stored values × scales (new tokens quantized as stored), so quantization
+error never enters the comparison (docs/conformance.md, "Tolerances").
+
 Imports nothing heavy: the pytest plugin and the docs read this module.
 """
 

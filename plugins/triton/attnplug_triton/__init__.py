@@ -35,8 +35,9 @@ GPT_OSS = "GptOssForCausalLM"
 
 CAPABILITIES = Capabilities(
     dtypes=("float32", "float16", "bfloat16"),
-    # K/V blocks are converted to the model dtype as they are loaded
-    kv_cache_dtypes=("float32", "float16", "bfloat16"),
+    # K/V blocks are converted to the model dtype as they are loaded; fp8 blocks are dequantized
+    # (stored * the layer's scale, in float32) one block at a time
+    kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     # any head dim: tiles are padded to a power of two and masked
     head_dims=None,
     v_head_dim_differs=True,

@@ -276,7 +276,10 @@ class TritonBackend(PagedBackend):
         if cross:
             k = v = q  # unused by the kernel (no new keys); any pointer will do
         else:
+            if cache.quantized:  # new tokens are read as the fp8 cache stores them (docs/api.md)
+                k, v = cache.dequantize(layer.layer_id, *cache.quantize(layer.layer_id, k, v))
             k, v = self._rowwise(k), self._rowwise(v)
+        k_scale, v_scale = cache.kv_scales(layer.layer_id)
         H, G, D, DV = layer.num_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
         B = meta.batch_size
         fp32_dot = q.dtype == torch.float32 or (self.interpret and q.dtype == torch.bfloat16)
@@ -309,13 +312,13 @@ class TritonBackend(PagedBackend):
             out.stride(0), out.stride(1),
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
             0 if mask is None else mask.stride(0), 0 if mask is None else mask.stride(1),
-            float(layer.scaling), float(cap), int(window or 0), int(split_len), splits,
+            float(layer.scaling), float(cap), int(window or 0), int(split_len), splits, k_scale, v_scale,
             D=D, DV=DV, G=G,
             BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n,
             BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
             STORE_PARTIALS=decode, IS_CROSS=cross, HAS_WINDOW=window is not None and not cross,
             HAS_CAP=bool(cap), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-            FP32_DOT=fp32_dot,
+            FP32_DOT=fp32_dot, KV_SCALED=cache.quantized,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if decode:

@@ -102,12 +102,12 @@ def _attn_kernel(
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
     stride_mask_b, stride_mask_a,
-    scale, cap, window, split_len, num_splits,
+    scale, cap, window, split_len, num_splits, k_scale, v_scale,
     D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     STORE_PARTIALS: tl.constexpr, IS_CROSS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,11 +165,16 @@ def _attn_kernel(
         k = tl.load(
             K_cache + slot[:, None] * stride_kcs + kvh * stride_kch + offs_d[None, :],
             mask=k_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-        ).to(q.dtype)
+        )
         v = tl.load(
             V_cache + slot[:, None] * stride_vcs + kvh * stride_vch + offs_dv[None, :],
             mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        ).to(q.dtype)
+        )
+        if KV_SCALED:  # an fp8 cache: dequantize this block only (stored * scale, in float32)
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         visible = row_ok[:, None] & k_ok[None, :]
         if not IS_CROSS:
             if HAS_WINDOW:

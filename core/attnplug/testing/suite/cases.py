@@ -19,6 +19,7 @@ import zlib
 from typing import Any, Callable, Iterable
 
 from ...capabilities import Capabilities, support_reasons
+from ...kvlayout import HND, NHD
 from ...layer import LayerSpec
 from ...modes import ForwardMode
 
@@ -176,6 +177,10 @@ class Case:
     unmapped_new: bool = False
     #: families that check something other than one forward (sequence, layers) read this
     extra: tuple[tuple[str, Any], ...] = ()
+    #: the KV-cache layout the problem's cache is allocated in (``cases_for`` sets the backend's first)
+    kv_layout: str = "nhd"
+    #: ``(k_scale, v_scale)`` of every layer of an fp8 cache (``None``: 1.0, 1.0)
+    kv_scales: tuple[float, float] | None = None
 
     @property
     def seed(self) -> int:
@@ -256,6 +261,29 @@ def gen_kv_cache_dtype() -> list[Case]:
                 continue
             for name in ("extend_prefix", "decode"):
                 out.append(_case("kv_cache_dtype", scenario(name), dt, 16, f"kv_{kv}", kv_cache_dtype=kv))
+    return out
+
+
+#: fp8 KV-cache formats and, per format, the scale variants every claimed one runs with:
+#: ``unit`` (1, 1), ``scaled`` (a K scale below 1 and a V scale above 1, so ignoring either moves
+#: the output), ``saturate`` (scales small enough that a few percent of the N(0, 1) values
+#: exceed the format's finite range and are stored saturated)
+FP8_KV: dict[str, dict[str, tuple[float, float]]] = {
+    "float8_e4m3fn": {"unit": (1.0, 1.0), "scaled": (0.04, 2.5), "saturate": (1 / 256, 1 / 256)},
+    "float8_e5m2": {"unit": (1.0, 1.0), "scaled": (0.04, 2.5), "saturate": (1 / 32768, 1 / 32768)},
+}
+
+
+def gen_fp8_kv() -> list[Case]:
+    """An fp8 KV cache with per-layer scales: every format × model dtype fp32/bf16 × decode, extend
+    over a prefix, target-verify and a mixed batch × the scale variants of ``FP8_KV``."""
+    out = []
+    for kv, variants in FP8_KV.items():
+        for dt in ("float32", "bfloat16"):
+            for name in ("decode", "extend_prefix", "target_verify", "mixed"):
+                for label, scales in variants.items():
+                    out.append(_case("fp8_kv", scenario(name), dt, 16, f"kv_{kv}", label, kv_cache_dtype=kv,
+                                     kv_scales=scales, variant=label))
     return out
 
 
@@ -513,6 +541,7 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "feature": gen_feature,
     "cross_attention": gen_cross_attention,
     "kv_cache_dtype": gen_kv_cache_dtype,
+    "fp8_kv": gen_fp8_kv,
     "kv_cache_write": gen_kv_cache_write,
     "shared_metadata": gen_shared_metadata,
     "sequence": gen_sequence,
@@ -530,13 +559,56 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "garbage": gen_garbage,
     "rejected": gen_rejected,
     "random": gen_random,
+    "kv_layout": lambda: [],  # generated per backend: cases_for -> gen_kv_layout
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:
-    """The cases of ``family`` for a backend declaring ``caps`` (unclaimed ones included, to be skipped)."""
+    """The cases of ``family`` for a backend declaring ``caps`` (unclaimed ones included, to be skipped).
+
+    Every case runs in the backend's first declared KV layout, and at a page size it claims: a case
+    written for an unclaimed page size runs at the nearest claimed one (the smallest larger one, else
+    the largest), its id saying so (``~ps32``), so a backend with a page-size rule still meets every
+    family rather than skipping most of them.
+    """
     if family == "refusal":
         return gen_refusal(caps)
-    return GENERATORS[family]()
+    if family == "kv_layout":
+        return gen_kv_layout(caps)
+    layout = caps.kv_layouts[0] if caps.kv_layouts else NHD
+    return [fit_case(c, caps, layout) for c in GENERATORS[family]()]
+
+
+def fit_case(case: Case, caps: Capabilities, layout: str) -> Case:
+    """``case`` in ``layout`` at a page size ``caps`` claims (see ``cases_for``)."""
+    ps = case.page_size
+    claimed = caps.page_sizes
+    changes: dict[str, Any] = {"kv_layout": layout}
+    if claimed is not None and ps not in claimed:
+        bigger = [p for p in claimed if p > ps]
+        new = min(bigger) if bigger else max(claimed)
+        sc = case.scenario
+        if sc.name == "extend_prefix_midpage":
+            sc = scenario(sc.name, new)  # keep the prefix ending mid-page at the new size
+        changes.update(page_size=new, scenario=sc, id=f"{case.id}~ps{new}")
+    return dataclasses.replace(case, **changes)
+
+
+#: core layouts a backend reading any layout (``kv_layouts=None``) is tested in, besides ``nhd``
+#: (a plugin's layout may need a geometry the suite's shapes do not have; its owner's suite covers it)
+EXTRA_LAYOUTS_FOR_ANY: tuple[str, ...] = (HND,)
+
+
+def gen_kv_layout(caps: Capabilities) -> list[Case]:
+    """Every mode family in each KV layout the backend reads besides its first (each core layout for
+    a backend reading any), at its first claimed dtype: the layout is a claim like any other."""
+    layouts = list(EXTRA_LAYOUTS_FOR_ANY) if caps.kv_layouts is None else list(caps.kv_layouts[1:])
+    dt = refusal_model_dtype(caps)
+    out = []
+    for layout in layouts:
+        for name in ("decode", "extend_prefix", "mixed", "extend_prefix_midpage"):
+            base = _case("kv_layout", scenario(name), dt, 16, layout)
+            out.append(fit_case(base, caps, layout))
+    return out
 
 
 #: Families whose cases compute attention and compare values (the "numeric cases" of the summary).
@@ -596,7 +668,7 @@ def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool 
 #: that casts them would return truncated or real-only results)
 REFUSAL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "complex64")
 #: KV-cache dtypes whose refusal is checked when not claimed (for the first claimed model dtype)
-REFUSAL_KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+REFUSAL_KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 
 #: Optional features whose *refusal* is checked when not claimed: a layer using
 #: them must get a non-empty ``not_supported_reasons``, and a forward with it is refused.

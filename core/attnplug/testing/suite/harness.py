@@ -61,7 +61,14 @@ class Problem:
     owned: list[int] = dataclasses.field(default_factory=list)
 
     def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k.clone(), v.clone()) for k, v in zip(self.cache.k_buffers, self.cache.v_buffers)]
+        """Every layer's K/V, token-major ``[num_slots, …]``, read through the cache's layout."""
+        return [self.cache.read_kv(i) for i in range(self.cache.num_layers)]
+
+    def restore(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write every slot of every layer back to ``kv`` (a ``snapshot()``), through the layout."""
+        every = torch.arange(self.cache.num_slots, device=self.cache.device)
+        for i, (k, v) in enumerate(kv):
+            self.cache.set_kv(i, every, k, v, stored=True)
 
     def context(self, name: str) -> BuildContext:
         c = self.case
@@ -135,10 +142,15 @@ def make_problem(
     num_pages = sum(pages_needed) + fresh_pages + 5  # spare pages: stray writes land somewhere visible
     cache = PagedKVCache(len(layers), num_pages, sh.num_kv_heads, sh.head_dim, v_head_dim=sh.v_dim,
                          page_size=ps, dtype=case.kv_dtype, device=device,
-                         max_requests=MAX_REQUESTS, max_context_len=max(MAX_CONTEXT, max(lens, default=0)))
-    for kb, vb in zip(cache.k_buffers, cache.v_buffers):
-        kb.copy_(_randn(gen, kb.shape, case.kv_dtype, device))
-        vb.copy_(_randn(gen, vb.shape, case.kv_dtype, device))
+                         max_requests=MAX_REQUESTS, max_context_len=max(MAX_CONTEXT, max(lens, default=0)),
+                         layout=default_registry().kv_layout(case.kv_layout))
+    if case.kv_scales is not None:
+        for i in range(len(layers)):
+            cache.set_kv_scales(i, *case.kv_scales)
+    every = torch.arange(cache.num_slots, device=device)
+    for i in range(len(layers)):  # noise in every slot, written through the layout (quantized for fp8)
+        cache.set_kv(i, every, _randn(gen, (cache.num_slots, sh.num_kv_heads, sh.head_dim), case.kv_dtype, device),
+                     _randn(gen, (cache.num_slots, sh.num_kv_heads, sh.v_dim), case.kv_dtype, device))
     alloc = PageAllocator(num_pages, shuffle=True, seed=case.seed)
     rows = torch.randperm(MAX_REQUESTS, generator=gen)[:n].tolist()
     for r, length, need in zip(rows, lens, pages_needed):
@@ -174,9 +186,9 @@ def fill_garbage(problem: Problem, value: float, *, stale_new: bool) -> None:
     bad = (~keep).nonzero().flatten().to(cache.device)
     if not bad.numel():
         return
-    for kb, vb in zip(cache.k_buffers, cache.v_buffers):
-        kb[bad] = value
-        vb[bad] = value
+    for i in range(cache.num_layers):
+        k, v = cache.read_kv(i, bad)  # stored values: garbage is written as it is, never quantized
+        cache.set_kv(i, bad, k.fill_(value), v.fill_(value), stored=True)
     first_bad = int(bad[0])
     lens = problem.case.scenario.seq_lens
     for r, length in zip(problem.req_rows, lens):
@@ -256,7 +268,8 @@ def expected_output(problem: Problem, layer_idx: int, kv_before: tuple[torch.Ten
     k_before, v_before = kv_before or problem.before[layer_idx]
     q, k, v = qkv or problem.qkv[layer_idx]
     return reference.reference_attention(q, k, v, problem.layers[layer_idx], problem.batch,
-                                         k_before, v_before, problem.cache.req_to_token)
+                                         k_before, v_before, problem.cache.req_to_token,
+                                         *problem.cache.kv_scales(layer_idx))
 
 
 def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -265,7 +278,8 @@ def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tens
     if not save:
         return k_before, v_before
     _, k, v = qkv or problem.qkv[layer_idx]
-    return reference.expected_cache_after(k_before, v_before, k, v, problem.batch.out_cache_loc)
+    return reference.expected_cache_after(k_before, v_before, k, v, problem.batch.out_cache_loc,
+                                          *problem.cache.kv_scales(layer_idx))
 
 
 def run(backend: Any, problem: Problem, layer_idx: int = 0, *, init: bool = True, save: bool | None = None,
@@ -350,7 +364,7 @@ def cache_changes(before: list[tuple[torch.Tensor, torch.Tensor]], problem: Prob
 def check_cache(problem: Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
     """Differences between layer ``layer_idx``'s buffers and ``want`` (bit for bit)."""
     problems = []
-    got = problem.cache.get_kv(layer_idx)
+    got = problem.cache.read_kv(layer_idx)
     for name, g, w in zip(("K", "V"), got, want):
         if g.dtype != w.dtype or g.shape != w.shape:
             problems.append(f"layer {layer_idx} {name} buffer changed dtype/shape: {g.dtype}{tuple(g.shape)}")

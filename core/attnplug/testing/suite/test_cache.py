@@ -17,7 +17,7 @@ from .cases import Features, Scenario
 
 
 def _cache_err(problem: H.Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> float:
-    got = problem.cache.get_kv(layer_idx)
+    got = problem.cache.read_kv(layer_idx)
     errs = [float((g.to(torch.float64) - w.to(torch.float64)).abs().max()) if g.numel() else 0.0
             for g, w in zip(got, want)]
     return max(errs)
@@ -125,7 +125,8 @@ def test_output_ownership(attnplug_case: Any, attnplug_record: Any) -> None:
     ref0 = H.expected_output(problem, 0)
     first = kept.clone()
     storages = {t.untyped_storage().data_ptr() for t in problem.qkv[0] + problem.qkv[1] if t is not None}
-    storages |= {b.untyped_storage().data_ptr() for b in problem.cache.k_buffers + problem.cache.v_buffers}
+    storages |= {b.untyped_storage().data_ptr() for i in range(problem.cache.num_layers)
+                 for b in problem.cache.layer_storage(i)}
     if kept.numel() and kept.untyped_storage().data_ptr() in storages:
         fail(f"{name}: the output of layer 0 shares storage with q/k/v or the KV cache; a forward must return "
              f"a fresh tensor owned by the caller")

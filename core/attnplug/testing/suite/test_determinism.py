@@ -15,9 +15,7 @@ from .cases import Scenario
 
 
 def _restore(problem: H.Problem) -> None:
-    for (kb, vb), (k0, v0) in zip(zip(problem.cache.k_buffers, problem.cache.v_buffers), problem.before):
-        kb.copy_(k0)
-        vb.copy_(v0)
+    problem.restore(problem.before)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

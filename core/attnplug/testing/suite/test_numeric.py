@@ -70,6 +70,17 @@ def test_kv_cache_dtype(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
+def test_fp8_kv(attnplug_case: Any, attnplug_record: Any) -> None:
+    """An fp8 cache with scales: the output matches the reference on the stored values × scales, and
+    the new K/V are stored quantized (round(x / scale), saturated) at exactly ``out_cache_loc``."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_kv_layout(attnplug_case: Any, attnplug_record: Any) -> None:
+    """The forward is right, and writes only its slots, in every KV layout the backend declares."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
 def test_long(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 

@@ -14,7 +14,7 @@ from attnplug import BackendDescriptor, Capabilities, hookimpl
 
 CAPABILITIES = Capabilities(
     dtypes=("float32", "float16", "bfloat16"),
-    kv_cache_dtypes=("float32", "float16", "bfloat16"),
+    kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     v_head_dim_differs=True,
     sliding_window=True,
     logit_softcap=True,
@@ -45,6 +45,7 @@ BUGS = {
     "conf_mask_everywhere": "applies a verify mask in every mode",
     "conf_new_from_cache": "reads the new tokens back through req_to_token instead of from k/v",
     "conf_nan_when_empty": "returns NaN for a query row with no visible key",
+    "conf_no_v_scale": "reads an fp8 cache's values without their V scale",
 }
 
 

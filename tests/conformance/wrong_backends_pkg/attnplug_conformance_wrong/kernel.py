@@ -103,7 +103,10 @@ class ReferenceBackend(AttentionBackend):
         if self.bug == "new_from_cache" and k is not None and save_kv_cache:
             slots = _new_positions_slots(batch, self.cache.req_to_token)
             new_k, new_v = kc[slots].to(k.dtype), vc[slots].to(v.dtype)
-        out = reference_attention(q, new_k, new_v, seen, seen_batch, kc, vc, self.cache.req_to_token)
+        k_scale, v_scale = self.cache.kv_scales(layer.layer_id)
+        if self.bug == "v_scale":
+            v_scale = 1.0
+        out = reference_attention(q, new_k, new_v, seen, seen_batch, kc, vc, self.cache.req_to_token, k_scale, v_scale)
         if self.bug == "pad_multiply" and not layer.is_cross_attention:
             out = out + _padding_times_zero(batch, vc, self.cache.req_to_token)
         if self.bug == "nan_when_empty":
@@ -172,3 +175,4 @@ create_conf_reused_output = _factory("conf_reused_output", "reused_output")
 create_conf_mask_everywhere = _factory("conf_mask_everywhere", "mask_everywhere")
 create_conf_new_from_cache = _factory("conf_new_from_cache", "new_from_cache")
 create_conf_nan_when_empty = _factory("conf_nan_when_empty", "nan_when_empty")
+create_conf_no_v_scale = _factory("conf_no_v_scale", "v_scale")
