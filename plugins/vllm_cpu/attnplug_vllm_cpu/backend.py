@@ -151,6 +151,8 @@ class VllmCpuBackend(PagedBackend):
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
+        #: handed from check_batch to build_metadata within one init_forward_metadata
+        self._remap: tuple[torch.Tensor, torch.Tensor] | None = None
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
         if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
@@ -234,7 +236,7 @@ class VllmCpuBackend(PagedBackend):
 
     def build_metadata(self, batch: Any) -> ForwardMeta:
         meta = ForwardMeta(batch, self.cache)
-        meta.remap, self._remap = getattr(self, "_remap", None), None
+        meta.remap, self._remap = self._remap, None
         return meta
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
