@@ -7,7 +7,8 @@ forward on CUDA against ``attnplug.testing.reference`` and prints one line:
 reason: the backend is unavailable here, or refuses the layer in words).
 
 Cases: attention sinks on each backend that claims them (fa3, trtllm_mha,
-aiter); MQA (one KV head) on trtllm_mha; fp8 KV on SM90 (fa3, flashinfer);
+aiter); MQA (one KV head) on trtllm_mha; fp8 KV on SM90 (fa3, flashinfer; scales 1
+and (0.04, 2.5));
 determinism on SM90 (flashinfer and fa3: one request's output is bitwise the
 same alone and inside a larger batch).
 
@@ -26,27 +27,35 @@ from typing import Any
 import torch
 
 from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec
-from attnplug.kvcache import PageAllocator, PagedKVCache
+from attnplug.kvcache import PageAllocator, PagedKVCache, quantize
 from attnplug.registry import Registry
 from attnplug.testing.reference import reference_attention
 
 DEV = "cuda"
 #: Excess-error bound per query dtype (|out - ref| <= atol + rtol * |ref|), as in the conformance suite.
 TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (4e-2, 4e-2)}
+#: fp8 KV scales of the scaled cases: (k_scale, v_scale), neither 1 and different (a dropped or swapped scale fails)
+FP8_SCALES = (0.04, 2.5)
 FP8_TOL = (1.5e-1, 1.5e-1)  # the cache itself is rounded to e4m3; the reference reads the rounded cache
 
 
 def problem(mode: ForwardMode, prefix: list[int], ext: list[int], *, heads: int = 8, kv_heads: int = 2,
             head_dim: int = 128, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-            kv_dtype: torch.dtype | None = None, sinks: bool = False, window: int | None = None, seed: int = 0):
+            kv_dtype: torch.dtype | None = None, kv_scales: tuple[float, float] = (1.0, 1.0), sinks: bool = False,
+            window: int | None = None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     seq = [p + e for p, e in zip(prefix, ext)]
     pages = sum(math.ceil(s / page_size) for s in seq) + 4
     cache = PagedKVCache(1, pages, kv_heads, head_dim, page_size=page_size, dtype=kv_dtype or dtype, device=DEV,
                          max_requests=len(seq) + 2, max_context_len=max(seq) + page_size)
     kb, vb = cache.get_kv(0)
-    kb.copy_(torch.randn(kb.shape, generator=g).to(kb.dtype).to(DEV))
-    vb.copy_(torch.randn(vb.shape, generator=g).to(vb.dtype).to(DEV))
+    if cache.quantized:  # stored = round(x / scale): dequantized values ~ N(0, 1) whatever the scales
+        cache.set_kv_scales(0, *kv_scales)
+        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], kb.dtype).to(DEV))
+        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], vb.dtype).to(DEV))
+    else:
+        kb.copy_(torch.randn(kb.shape, generator=g).to(kb.dtype).to(DEV))
+        vb.copy_(torch.randn(vb.shape, generator=g).to(vb.dtype).to(DEV))
     alloc = PageAllocator(pages, shuffle=True, seed=seed)
     rows = list(range(len(seq)))
     for r, s in zip(rows, seq):
@@ -94,8 +103,11 @@ def accuracy(reg: Registry, name: str, p: dict[str, Any]) -> tuple[str, str]:
         return "SKIP", why
     out = run(backend, p).double().cpu()
     kb, vb = p["before"]
+    cache = p["cache"]
+    # fp8: the stored values and the layer's scales (the reference dequantizes and quantizes new tokens)
+    kc, vc = (kb.cpu(), vb.cpu()) if cache.quantized else (kb.cpu().double(), vb.cpu().double())
     ref = reference_attention(p["q"].cpu(), p["k"].cpu(), p["v"].cpu(), p["layer"], _cpu(p["batch"]),
-                              kb.cpu().double(), vb.cpu().double(), p["cache"].req_to_token.cpu())
+                              kc, vc, cache.req_to_token.cpu(), *cache.kv_scales(0))
     atol, rtol = FP8_TOL if p["kv_dtype"] == torch.float8_e4m3fn else TOL[p["dtype"]]
     excess = float(((out - ref).abs() - (atol + rtol * ref.abs())).max())
     return ("PASS" if excess <= 0 else "FAIL"), f"max excess error {excess:.3g}"
@@ -136,8 +148,9 @@ def cases() -> list[tuple[str, Any]]:
                 r, "trtllm_mha", problem(m, a, b, kv_heads=1, page_size=s))))
     for name in ("flashinfer", "fa3"):
         for mode, pre, ext in ((E, [0, 37], [21, 9]), (D, [40, 100], [1, 1])):
-            out.append((f"fp8kv/{name}/{mode.value}", lambda r, n=name, m=mode, a=pre, b=ext: accuracy(
-                r, n, problem(m, a, b, kv_dtype=torch.float8_e4m3fn))))
+            for tag, scales in (("", (1.0, 1.0)), ("/scaled", FP8_SCALES)):
+                out.append((f"fp8kv/{name}/{mode.value}{tag}", lambda r, n=name, m=mode, a=pre, b=ext, s=scales:
+                            accuracy(r, n, problem(m, a, b, kv_dtype=torch.float8_e4m3fn, kv_scales=s))))
     for name in ("flashinfer", "fa3"):
         out.append((f"deterministic/{name}", lambda r, n=name: determinism(r, n)))
     return out

@@ -28,14 +28,6 @@ def assert_binds(calls: list[C.Call], library: str, version: str, declared: tupl
     assert not found, "\n".join(dict.fromkeys(found))
 
 
-def to_fp8_cache(cache: Any) -> None:
-    """Replace the cache's buffers by float8_e4m3fn copies (an fp8 KV cache with the same contents)."""
-    for i, (k, v) in enumerate(zip(cache.k_buffers, cache.v_buffers)):
-        cache.k_buffers[i] = k.to(torch.float8_e4m3fn)
-        cache.v_buffers[i] = v.to(torch.float8_e4m3fn)
-    cache.dtype = torch.float8_e4m3fn
-
-
 def check_versions(library_versions: list[tuple[str, str]], run_at: Any) -> dict[str, list[str]]:
     """For each ``(library, version)``: ``run_at(library, version)`` returns ``(refusals, calls)``. A refused
     combination is fine (the plugin said no in words); an accepted one must bind and meet every

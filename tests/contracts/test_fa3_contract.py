@@ -27,7 +27,9 @@ def _run_at(p, **cfg):
     def run_at(library, version):
         rec = C.Recorder()
         host = H.cuda_host(90, **{library.replace("-", "_"): version})
-        ctx = BuildContext(config=AttentionConfig(**cfg), host=host, dtype="bfloat16", num_heads=p.layer.num_heads,
+        kv = "float8_e4m3fn" if p.cache.quantized else "bfloat16"
+        ctx = BuildContext(config=AttentionConfig(**cfg), host=host, dtype="bfloat16", kv_cache_dtype=kv,
+                           num_heads=p.layer.num_heads,
                            num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
                            kv_cache=p.cache, max_context_len=p.cache.max_context_len)
         backend = FA3Backend(ctx, kernel=rec.wrap(QUAL, unchecked(test_fa3.emulate_flash_attn_with_kvcache)),
@@ -90,3 +92,41 @@ def test_a_float32_sink_fails_the_emulator_as_it_fails_sgl_kernel():
                 cu_seqlens_q=torch.arange(4, dtype=torch.int32), max_seqlen_q=1, softmax_scale=0.1, causal=True)
     with pytest.raises(AssertionError, match="sinks must have dtype bfloat16"):
         test_fa3.emulate_flash_attn_with_kvcache(q, kc, kc, sinks=torch.zeros(4), **args)
+
+
+FP8_SCALES = (0.04, 2.5)
+
+
+@pytest.mark.parametrize("case", ["extend", "decode", "verify_tree", "mqa"])
+def test_fp8_kv_calls_bind_with_descales_on_every_supported_sgl_kernel(case):
+    """fp8 KV (mocked: no GPU): e4m3 q and cache, float32 ``[batch, kv_heads]`` descales holding the cache's
+    scales, bound to every supported release's signature and checked against FA3's shape rule."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, kv_dtype=torch.float8_e4m3fn,
+                       kv_scales=FP8_SCALES, **CASES[case])
+    seen = []
+
+    def run_at(library, version):
+        refusals, calls = _run_at(p, kv_cache_dtype="fp8_e4m3")(library, version)
+        seen.extend(calls)
+        return refusals, calls
+
+    verdicts = check_versions(SUPPORTED, run_at)
+    assert not any(verdicts.values()), verdicts
+    for call in seen:
+        a = call.arguments(C.signature("sgl-kernel", "0.3.21", QUAL))
+        assert a["q"].dtype == torch.float8_e4m3fn
+        assert float(a["k_descale"].max()) == float(a["k_descale"].min()) == pytest.approx(FP8_SCALES[0])
+        assert float(a["v_descale"].max()) == float(a["v_descale"].min()) == pytest.approx(FP8_SCALES[1])
+        assert float(a["q_descale"].max()) == 1.0 and a["softmax_scale"] == p.layer.scaling
+
+
+def test_a_descale_of_the_wrong_shape_fails_the_precondition():
+    """The shape rule itself can fail: one value per request instead of ``[batch, kv_heads]``."""
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    call = C.Call(QUAL, (torch.zeros(3, 4, 64, dtype=torch.float8_e4m3fn), kc, kc),
+                  dict(cache_seqlens=torch.ones(3, dtype=torch.int32), page_table=torch.zeros(3, 1, dtype=torch.int32),
+                       cu_seqlens_q=torch.arange(4, dtype=torch.int32), max_seqlen_q=1, softmax_scale=0.1,
+                       causal=True, k_descale=torch.ones(3), v_descale=torch.ones(3, 2, dtype=torch.float64)))
+    found = C.problems(call, "sgl-kernel", "0.3.21")
+    assert any("k_descale must have shape (batch_size, num_heads_k) = (3, 2)" in f for f in found), found
+    assert any("v_descale must be a float32 tensor" in f for f in found), found

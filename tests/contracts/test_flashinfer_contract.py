@@ -14,7 +14,7 @@ import torch
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
-from _drive import check_versions, forward, to_fp8_cache
+from _drive import check_versions, forward
 from attnplug import AttentionConfig, BuildContext, ForwardMode
 from packaging.version import Version as version_key
 from attnplug_flashinfer import LIBRARY, MIN_LIBRARY_VERSION
@@ -52,8 +52,7 @@ def _install_recorder(monkeypatch):
 def _record(rec, pb, *, fp8=False, deterministic=False, save=True, graph=False):
     from attnplug_flashinfer.backend import FlashInferBackend
 
-    if fp8:
-        to_fp8_cache(pb.cache)
+    assert pb.cache.quantized is fp8, "make fp8 problems with _problem(case, fp8=True)"
     c = pb.cache
     ctx = BuildContext(AttentionConfig(deterministic=deterministic), H.host(
         "cuda", {LIBRARY: MIN_LIBRARY_VERSION}, compute_capability=(9, 0)), dtype="float16",
@@ -88,6 +87,16 @@ CASES = {
     "extend": dict(mode=ForwardMode.EXTEND, prefix_lens=[0, 6], extend_lens=[3, 4]),
     "verify_tree": dict(mode=ForwardMode.TARGET_VERIFY, prefix_lens=[4, 7], extend_lens=[3, 3], tree_mask=True),
 }
+#: the fp8 variant's cache scales (k_scale, v_scale): they must reach run() as floats
+FP8_SCALES = (0.04, 2.5)
+
+
+def _problem(case, fp8=False, **_):
+    """``CASES[case]`` on 4-token pages; ``fp8``: an e4m3 cache with ``FP8_SCALES``."""
+    extra = dict(kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES) if fp8 else {}
+    return H.make_problem(page_size=4, **CASES[case], **extra)
+
+
 VARIANTS = {"plain": {}, "fp8_kv": dict(fp8=True), "deterministic": dict(deterministic=True),
             "no_cache_write": dict(save=False), "deterministic_no_cache_write": dict(deterministic=True, save=False)}
 
@@ -97,15 +106,16 @@ VARIANTS = {"plain": {}, "fp8_kv": dict(fp8=True), "deterministic": dict(determi
 def test_calls_bind_to_every_supported_flashinfer(recorder, case, variant):
     """Bug 4 (fp8 KV: backend="auto" before 0.6.4) and bug 5 (split arguments dropped off the FA2 path)."""
     kw = VARIANTS[variant]
-    pb = H.make_problem(page_size=4, **CASES[case])
-    calls = _record(recorder, pb, **kw)
+    calls = _record(recorder, _problem(case, **kw), **kw)
     check_versions(SUPPORTED, lambda lib, v: ([], calls))
+    runs = [c for c in calls if c.qualname.endswith(".run")]
+    want = {"k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]} if kw.get("fp8") else {}
+    assert runs and all({n: c.kwargs[n] for n in ("k_scale", "v_scale") if n in c.kwargs} == want for c in runs)
 
 
 @pytest.mark.parametrize("case", ["decode", "verify_tree"])
 def test_cuda_graph_calls_bind_deterministic(recorder, case):
-    pb = H.make_problem(page_size=4, **CASES[case])
-    calls = _record(recorder, pb, deterministic=True, graph=True)
+    calls = _record(recorder, _problem(case), deterministic=True, graph=True)
     assert any(c.owner.get("use_cuda_graph") for c in calls if c.qualname.endswith(".plan"))
     check_versions(SUPPORTED, lambda lib, v: ([], calls))
 
@@ -124,7 +134,7 @@ def test_calls_bind_to_the_installed_flashinfer(monkeypatch, variant):
     calls = []
     for case in ("decode", "extend", "verify_tree"):
         recorder.calls.clear()
-        calls += _record(recorder, H.make_problem(page_size=4, **CASES[case]), **VARIANTS[variant])
+        calls += _record(recorder, _problem(case, **VARIANTS[variant]), **VARIANTS[variant])
     found = [p for call in calls
              for p in C.problems(call, LIBRARY, version, sig=real[call.qualname])]
     assert not found, "\n".join(dict.fromkeys(found))

@@ -22,13 +22,16 @@ import test_trtllm_mha as T
 
 DECODE = "flashinfer.decode.trtllm_batch_decode_with_kv_cache"
 CONTEXT = "flashinfer.prefill.trtllm_batch_context_with_kv_cache"
+#: fp8 cases' cache scales (k_scale, v_scale)
+FP8_SCALES = (0.04, 2.5)
 SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= version_key(MIN_VERSION)]
 
 
 def _calls(p):
     rec = C.Recorder()
     ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(100, flashinfer_python=MIN_VERSION),
-                       dtype="bfloat16", num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
+                       dtype="bfloat16", kv_cache_dtype="float8_e4m3fn" if p.cache.quantized else "bfloat16",
+                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
                        head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
                        max_context_len=p.cache.max_context_len)
     kernels = (rec.wrap(DECODE, unchecked(T.emulate_decode)), rec.wrap(CONTEXT, unchecked(T.emulate_context)))
@@ -67,6 +70,8 @@ def test_calls_bind_to_the_installed_flashinfer():
     version = im.distribution(LIBRARY).version
     calls = [c for case in ("decode", "mqa_extend", "sinks_window")
              for c in _calls(H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, **CASES[case]))]
+    calls += _calls(H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, kv_dtype=torch.float8_e4m3fn,
+                                   kv_scales=FP8_SCALES, **CASES["extend"]))
     found = [p for c in calls for p in C.problems(c, LIBRARY, version, sig=real[c.qualname])]
     assert not found, "\n".join(dict.fromkeys(found))
 
@@ -78,3 +83,28 @@ def test_one_kv_head_view_has_canonical_strides_over_the_same_memory():
     assert torch.equal(view, buf.view(4, 16, 1, 8).permute(0, 2, 1, 3))
     two = hnd_view(torch.zeros(64, 2, 8), 16)
     assert two.stride() == (256, 8, 16, 1)  # several heads: the permuted NHD strides are already distinct
+
+
+
+@pytest.mark.parametrize("case", ["decode", "extend", "mqa_decode", "sinks_window"])
+def test_fp8_kv_calls_bind_with_the_fused_scales(case):
+    """fp8 KV (mocked: no GPU): e4m3 query and cache, bmm1_scale = 0.04 x softmax scale and bmm2_scale = 2.5
+    as floats, bound to every supported flashinfer's signature and its scale-type rule."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, kv_dtype=torch.float8_e4m3fn,
+                       kv_scales=FP8_SCALES, **CASES[case])
+    calls = _calls(p)
+    check_versions(SUPPORTED, lambda lib, v: ([], calls))
+    for c in calls:
+        a = c.arguments(C.signature(LIBRARY, "0.7.4", c.qualname))
+        assert a["query"].dtype == torch.float8_e4m3fn and a["kv_cache"][0].dtype == torch.float8_e4m3fn
+        assert a["bmm1_scale"] == pytest.approx(FP8_SCALES[0] * p.layer.scaling, rel=1e-12)
+        assert a["bmm2_scale"] == FP8_SCALES[1]
+
+
+def test_a_float64_bmm_scale_tensor_fails_the_precondition():
+    """The scale rule itself can fail ("bmm1_scale tensor must have dtype torch.float32")."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, **CASES["decode"])
+    call = _calls(p)[0]
+    call.kwargs["bmm1_scale"] = torch.tensor(0.1, dtype=torch.float64)
+    found = C.problems(call, LIBRARY, "0.7.4")
+    assert any("bmm1_scale tensor must have dtype torch.float32" in f for f in found), found

@@ -34,6 +34,7 @@ BAD = [
     (["--max-kv-gib", "lots"], "--max-kv-gib 'lots' is not a number"),
     (["--dtype", "int8"], "--dtype 'int8' is not a benchmarkable dtype"),
     (["--dtype", "nosuch"], "--dtype 'nosuch'"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not a KV-cache dtype bench runs"),
     (["--mode", "prefill"], "--mode 'prefill' is not one of decode, extend, verify, mixed"),
     (["--backend", "nosuch"], "--backend 'nosuch': unknown attention backend 'nosuch'"),
     (["--backend", "fa3"], "--backend 'fa3': fa3 is not available here"),
@@ -41,6 +42,9 @@ BAD = [
     (["--backend", "all,torch_native"], "'all' cannot be combined"),
     (["--device", "nonsense"], "--device 'nonsense' is not a torch device"),
     (["--json", "/nonexistent-dir/out.json"], "--json '/nonexistent-dir/out.json': cannot write there"),
+    (["--clock", "cpu"], "--clock cpu needs --threads 1 (got None)"),
+    (["--clock", "cpu", "--threads", "2"], "--clock cpu needs --threads 1 (got '2')"),
+    (["--clock", "cpu", "--threads", "1", "--device", "meta"], "--clock cpu: times CPU work only, but --device is"),
 ]
 
 

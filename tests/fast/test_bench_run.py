@@ -164,3 +164,51 @@ def test_a_backend_that_raises_is_a_note_and_the_baselines_still_run(monkeypatch
     (res,) = json.loads(capsys.readouterr().out)["problems"]
     assert res["notes"] == ["torch_native: failed (RuntimeError: boom)"]
     assert [r["name"] for r in res["rows"]] == ["template_sdpa", runner.LOOP, runner.FLOOR]
+
+
+def test_cpu_clock_leaves_out_time_spent_off_the_cpu():
+    """``--clock cpu`` times the calling thread's CPU time: a call that only waits (sleeps) costs
+    next to nothing on it, and its full length on the wall clock."""
+    import time
+
+    from attnplug.bench.timing import CLOCKS, interleaved_median_ms
+
+    calls = {"wait": lambda: time.sleep(0.05)}
+    assert interleaved_median_ms(calls, 3, 0, clock=CLOCKS["wall"])["wait"] >= 50
+    assert interleaved_median_ms(calls, 3, 0, clock=CLOCKS["cpu"])["wait"] < 25
+
+
+def test_cpu_clock_run_records_it(tmp_path):
+    path = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--clock", "cpu", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["clock"] == "cpu" and "thread CPU time" in doc["bandwidth"]["method"]
+    assert all(r["ms"] > 0 for res in doc["problems"] for r in res["rows"])
+
+
+def test_fp8_kv_rows_sit_beside_the_model_dtype_rows_and_read_half_the_bytes(capsys):
+    """--kv-cache-dtype auto,fp8_e4m3: each problem twice, the fp8 one reading 1-byte K/V; the backend
+    (the cache dequantized block by block) and the loop (dequantized after its gather) agree, and the
+    template, which claims no fp8 cache, is a note rather than a row."""
+    assert main(["bench", *TINY, "--backend", "torch,template", "--dtype", "bf16", "--mode", "decode",
+                 "--kv-cache-dtype", "auto,fp8_e4m3", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    a, b = doc["problems"]
+    assert (a["problem"]["kv_dtype"], b["problem"]["kv_dtype"]) == (None, "float8_e4m3fn")
+    assert b["kv_bytes"] * 2 == a["kv_bytes"]  # bf16 (2 bytes) vs fp8 (1 byte)
+    assert "kv float8_e4m3fn" in b["label"]
+    assert [r["name"] for r in b["rows"]] == ["torch_native", runner.LOOP, runner.FLOOR]
+    assert any("template_sdpa: skipped" in n and "kv_cache_dtype=float8_e4m3fn" in n for n in b["notes"])
+    assert all(r["max_abs_diff_vs_loop"] < 5e-2 for r in b["rows"] if "max_abs_diff_vs_loop" in r)
+
+
+def test_a_backend_reading_another_layout_gets_the_problem_in_it():
+    """PagedProblem.cache_for: the same slots and values in another KV layout (what a vllm_cpu row reads)."""
+    from attnplug.kvlayout import HNDLayout
+
+    p = Problem("decode", "float32", 3, 9, 4, 2, 8, 4)
+    prob = PagedProblem(p, "cpu", seed=3)
+    other = prob.cache_for(HNDLayout())
+    assert other.layout.name == "hnd" and prob.cache_for(HNDLayout()) is other
+    assert torch.equal(other.req_to_token, prob.cache.req_to_token)
+    assert all(torch.equal(x, y) for x, y in zip(other.read_kv(0), prob.cache.read_kv(0)))

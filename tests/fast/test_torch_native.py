@@ -182,7 +182,9 @@ def test_not_supported_reasons_are_the_generic_ones():
                       is_cross_attention=True)
     assert s.backend.not_supported_reasons(layer, s.backend.ctx) == []
     fp8 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="fp8")
-    assert any("kv_cache_dtype" in r for r in s.backend.not_supported_reasons(layer, fp8))
+    assert s.backend.not_supported_reasons(layer, fp8) == []  # fp8 KV is claimed (suite family fp8_kv)
+    f64 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="float64")
+    assert any("kv_cache_dtype=float64" in r for r in s.backend.not_supported_reasons(layer, f64))
 
 
 def test_forward_without_kv_cache_raises_clearly():
@@ -228,12 +230,32 @@ def test_decode(page_size, heads, kv_heads):
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
 
 
-@pytest.mark.parametrize("block", [1, 20000, None], ids=["one_request_per_block", "two_per_block", "whole_batch"])
+@pytest.mark.parametrize("block", [1, 8200, 20000, None],
+                         ids=["one_kv_head_per_block", "one_request_per_block", "two_per_block", "whole_batch"])
 def test_decode_block_split(block):
-    # decode processes blocks of requests (max_len 63, 2 KV heads x 16 dims: 8064 B of K per request);
-    # 20000 B gives blocks of 2, 2 and 1 requests
+    # decode processes blocks of requests (max_len 64, 2 KV heads x 16 dims x 4 B: 8192 B of K per
+    # request); 8200 B gives one request per block, 20000 B blocks of 2, 2 and 1 requests, and 1 B
+    # splits every request's KV heads into blocks of one head
     s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block)
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
+
+
+@pytest.mark.parametrize("layer_kind", ["plain", "sinks", "window_softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
+    # a request whose keys alone exceed decode_block_bytes is split by KV heads: 4 KV heads x 16
+    # dims x 4 B x 64 keys = 16384 B; 12300 B holds 3 heads' keys, so the long requests get blocks of
+    # heads 0-2 and 3 while the short ones are grouped whole
+    kw = {"plain": {}, "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
+          "window_softcap": dict(sliding_window=50, logit_cap=3.0)}[layer_kind]
+    s = make_setup(page_size=16, heads=8, kv_heads=4, dtype=dtype, seed=13, layer_kw=kw, decode_block_bytes=12300)
+    batch = make_batch(s, ForwardMode.DECODE, [63, 2, 0, 58], [1] * 4)
+    run_and_check(s, batch)
+    meta = s.backend.build_metadata(batch)
+    plan = meta.decode_plan(s.layers[0].sliding_window, False, 12300, 4 * 16 * 4, dtype != torch.float32)
+    # (the window of 50 still leaves 51 keys, 13056 B: split too)
+    assert [(b.b0, b.b1, b.h0, b.h1) for b in plan] == [(0, 1, 0, 3), (0, 1, 3, 4), (1, 3, 0, 4), (3, 4, 0, 3),
+                                                        (3, 4, 3, 4)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])
@@ -377,6 +399,47 @@ def test_v_head_dim_differs(mode):
 def test_half_dtypes(dtype, mode):
     s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)))
     run_and_check(s, make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1]))
+
+
+BF16_DECODE_LAYERS = {
+    "plain": dict(scaling=1.0),
+    "softcap": dict(scaling=1.0, logit_cap=400.0),  # bites a little, leaves scores apart
+    "sinks": dict(scaling=1.0, sinks=torch.linspace(-2.0, 9.0, 8)),
+    "window": dict(scaling=1.0, sliding_window=9),
+}
+
+
+@pytest.mark.parametrize("block", [1, None], ids=["one_request_blocks", "whole_batch_block"])
+@pytest.mark.parametrize("layer_kind", sorted(BF16_DECODE_LAYERS))
+def test_bf16_decode_with_large_scores(layer_kind, block):
+    # keys sharing a large common part (as real keys do) and scaling 1.0: scores of hundreds whose
+    # differences are a few units, where a bf16-rounded score (off by up to |s| * 2^-8) changes
+    # the softmax past the suite's tolerance; ragged lengths pad the blocks
+    s = make_setup(dtype=torch.bfloat16, head_dim=16, seed=31, layer_kw=BF16_DECODE_LAYERS[layer_kind],
+                   decode_block_bytes=block)
+    common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
+    s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
+    run_and_check(s, make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1]))
+
+
+def test_bf16_shifted_scores_round_s_minus_max_once():
+    """``_shifted_scores`` (bf16 decode): the rounding error of each score is relative to its distance
+    from the row maximum, not to the score itself; a plain bf16 matmul is far outside that bound."""
+    s = make_setup(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    rows, G, L, D = 6, 4, 300, 128
+    q = (3 * torch.randn(rows, G, D, generator=g)).to(torch.bfloat16)
+    K = (3 * torch.randn(rows, L, D, generator=g)).to(torch.bfloat16)
+    exact = torch.bmm(q.double(), K.double().transpose(1, 2))
+    blk = s.backend.build_metadata(ForwardBatch.decode([0], [1], torch.tensor([0]))).decode_plan(
+        None, False, None, 1, True)[0]._replace(hidden=None)
+    shifted, m = s.backend._shifted_scores(q, K.transpose(1, 2), blk, rows, 1, G)
+    dist = exact - m.double()
+    bound = dist.abs() * 2.0 ** -8 + exact.abs().amax() * 2.0 ** -16  # one bf16 rounding + float32 accumulation
+    assert bool(((shifted.double() - dist).abs() <= bound).all())
+    assert float(dist.amax(dim=2).abs().max()) <= float(exact.abs().amax()) * 2.0 ** -7  # m is the row maximum
+    plain = torch.bmm(q, K.transpose(1, 2)).double() - m.double()
+    assert not bool(((plain - dist).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])

@@ -24,6 +24,7 @@ import torch
 
 from attnplug import ForwardBatch, ForwardMode, LayerSpec, PageAllocator, PagedKVCache
 from attnplug.host import HostInfo
+from attnplug.kvcache import quantize
 from attnplug.registry import Registry
 from attnplug.testing.reference import reference_attention
 
@@ -77,8 +78,14 @@ def make_problem(
     sinks: bool = False,
     custom_mask: bool = False,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> types.SimpleNamespace:
-    """One layer's problem. Decode: ``ext`` must be all ones; target-verify: all equal (the draft count)."""
+    """One layer's problem. Decode: ``ext`` must be all ones; target-verify: all equal (the draft count).
+
+    ``kv_dtype`` fp8: the cache stores fp8 with the layer's ``kv_scales`` (prefix values ~ N(0, 1) after
+    dequantization), and q holds values e4m3 represents exactly, so a kernel path that quantizes q
+    with scale 1 computes what the reference computes from the unquantized q."""
     g = torch.Generator().manual_seed(seed)
     prefix, ext = list(prefix), list(ext)
     seq = [p + e for p, e in zip(prefix, ext)]
@@ -87,10 +94,15 @@ def make_problem(
     num_pages = 2 * need + 3
     max_requests = 2 * B + 3
     cache = PagedKVCache(1, num_pages, num_kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
-                         dtype=dtype, max_requests=max_requests, max_context_len=max(seq) + page_size)
+                         dtype=kv_dtype or dtype, max_requests=max_requests, max_context_len=max(seq) + page_size)
     kb, vb = cache.get_kv(0)
-    kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-    vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
+    if cache.quantized:
+        cache.set_kv_scales(0, *kv_scales)
+        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
+        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
+    else:
+        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
+        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
     cache.req_to_token.fill_(-1)  # nothing may read an unassigned position
     alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
     rows = torch.randperm(max_requests, generator=g)[:B].tolist()
@@ -113,13 +125,15 @@ def make_problem(
         batch = ForwardBatch.extend(rows, prefix, ext, loc, mode=mode, **kw)
     T = sum(ext)
     Dv = v_head_dim or head_dim
-    q = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(T, num_heads, head_dim, generator=g)
+    q = (q.to(torch.float8_e4m3fn) if cache.quantized else q).to(dtype)
     k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(T, num_kv_heads, Dv, generator=g).to(dtype)
     layer = LayerSpec(0, num_heads, num_kv_heads, head_dim, v_head_dim=v_head_dim, sliding_window=window,
                       logit_cap=cap, sinks=_bf16_exact(torch.randn(num_heads, generator=g)) if sinks else None)
     before = (kb.clone(), vb.clone())
-    expected = reference_attention(q, k, v, layer, batch, before[0], before[1], cache.req_to_token)
+    expected = reference_attention(q, k, v, layer, batch, before[0], before[1], cache.req_to_token,
+                                   *cache.kv_scales(0))
     return types.SimpleNamespace(cache=cache, batch=batch, layer=layer, q=q, k=k, v=v, before=before,
                                  expected=expected, rows=rows, prefix=prefix, ext=ext, seq=seq, page_size=page_size)
 

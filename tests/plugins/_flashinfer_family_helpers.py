@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from attnplug import ForwardBatch, ForwardMode, HostInfo, LayerSpec, PageAllocator, PagedKVCache
+from attnplug.kvcache import quantize
 
 
 @dataclasses.dataclass
@@ -45,25 +46,33 @@ def make_problem(
     sinks: bool = False,
     tree_mask: bool = False,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Problem:
     """A batch whose requests sit in pool rows 3, 0, 5, … (not batch order) on shuffled pages.
 
     Prefix K/V are random in the cache; the new tokens' slots follow the prefix
     in the same page table (so a prefix ending mid-page shares its last page).
+    ``kv_dtype`` fp8: the cache stores fp8 with the layer's ``kv_scales`` (dequantized values ~ N(0, 1)).
     """
     g = torch.Generator().manual_seed(seed)
     b = len(prefix_lens)
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pages_per = [(s + page_size - 1) // page_size for s in seq]
-    cache = PagedKVCache(1, sum(pages_per) + 5, num_kv_heads, head_dim, page_size=page_size, dtype=dtype,
+    cache = PagedKVCache(1, sum(pages_per) + 5, num_kv_heads, head_dim, page_size=page_size, dtype=kv_dtype or dtype,
                          max_requests=2 * b + 6, max_context_len=max(seq) + page_size)
     alloc = PageAllocator(cache.num_pages, shuffle=True, seed=seed)
     rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
     for r, s, n in zip(rows, seq, pages_per):
         cache.assign_pages(r, s, alloc.alloc(n))
     kb, vb = cache.get_kv(0)
-    kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-    vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
+    if cache.quantized:
+        cache.set_kv_scales(0, *kv_scales)
+        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
+        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
+    else:
+        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
+        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
     out_loc = torch.cat([cache.req_to_token[r, p:p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)])
     n_tok = sum(extend_lens)
     kw: dict[str, Any] = {}

@@ -176,6 +176,18 @@ def _fa3_kvcache(a: dict[str, Any], version: str, owner: dict[str, Any], strict:
             out.append(f"sinks must hold one value per query head ({q.shape[-2]}), got {s.numel()}")
     if kc.dtype in _FP8 and q.shape[-1] % 16:
         out.append(f"the fp8 path needs head_dim % 16 == 0, got {q.shape[-1]}")
+    cu = a.get("cu_seqlens_q")
+    batch = cu.numel() - 1 if isinstance(cu, torch.Tensor) else q.shape[0]
+    for n in ("q_descale", "k_descale", "v_descale"):  # flash_api.cpp: CHECK_SHAPE(x, batch_size, num_heads_k)
+        t = a.get(n)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            out.append(f"{n} must be a float32 tensor (read through data_ptr<float>), got {getattr(t, 'dtype', t)!r}")
+        elif tuple(t.shape) != (batch, kc.shape[-2]):
+            out.append(f"{n} must have shape (batch_size, num_heads_k) = {(batch, kc.shape[-2])}, got {tuple(t.shape)}")
+        elif t.device != q.device:
+            out.append(f"{n} must be on q's device")
     if strict and q.dtype not in _HALF + _FP8:
         out.append(f"FA3 supports fp16/bf16/fp8 q, got {q.dtype}")
     return out
@@ -209,6 +221,13 @@ def _trtllm(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool
             out.append(f"sinks must be float32, got {s.dtype}")
         if s.numel() != a["query"].shape[-2]:
             out.append(f"sinks must hold one value per query head ({a['query'].shape[-2]}), got {s.numel()}")
+    for n in ("bmm1_scale", "bmm2_scale"):  # "bmm1_scale tensor must have dtype torch.float32" (decode.py)
+        t = a.get(n)
+        if isinstance(t, torch.Tensor):
+            if t.dtype != torch.float32:
+                out.append(f"{n} tensor must have dtype torch.float32, got {t.dtype}")
+        elif not isinstance(t, (float, int)) or isinstance(t, bool):
+            out.append(f"{n} must be a float or a float32 tensor, got {type(t).__name__}")
     q, kc = a["query"], pair[0]
     if q.dtype != kc.dtype:
         out.append(f"query ({q.dtype}) and the cache ({kc.dtype}) must share a dtype (fp8 KV: cast the query)")
@@ -261,7 +280,13 @@ def _fi_plan(kind: str) -> Check:
 
 
 def _fi_run(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """flashinfer wrapper ``run``: ``q_scale``/``k_scale``/``v_scale`` are ``Optional[float]`` (the decode
+    wrapper's annotation, flashinfer/decode.py; the prefill wrapper's also allows a tensor)."""
     out = _last_dim_contiguous(a, "q")
+    for n in ("q_scale", "k_scale", "v_scale"):
+        t = a.get(n)
+        if t is not None and (not isinstance(t, (float, int)) or isinstance(t, bool)):
+            out.append(f"{n} must be a float (Optional[float]), got {type(t).__name__}")
     if owner.get("kv_layout") == "NHD" and isinstance(a.get("paged_kv_cache"), tuple):
         for t in a["paged_kv_cache"]:
             if t.dim() != 4:

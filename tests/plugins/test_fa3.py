@@ -38,13 +38,16 @@ UPSTREAM = {"flash_attn_3": "3.0.0b1"}
 @C.emulates("sgl_kernel.flash_attn.flash_attn_with_kvcache", "sgl-kernel", "0.3.21")
 def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
                                     softmax_scale, causal, window_size=(-1, -1), softcap=0.0, sinks=None,
-                                    num_splits=0, **unexpected):
+                                    num_splits=0, q_descale=None, k_descale=None, v_descale=None, **unexpected):
     """EMULATOR of FA3's ``flash_attn_with_kvcache`` (the GPU kernel cannot run here), in float64.
 
     Reads exactly what FA3 documents: request ``b``'s key ``j`` (``j <
     cache_seqlens[b]``) is ``k_cache[page_table[b, j // page_size], j %
     page_size]`` with ``page_size = k_cache.shape[1]``; its queries are rows
-    ``cu_seqlens_q[b] … cu_seqlens_q[b+1]-1`` of ``q``.
+    ``cu_seqlens_q[b] … cu_seqlens_q[b+1]-1`` of ``q``. fp8: ``q_descale``/``k_descale``/``v_descale``
+    (float32 ``[batch, kv_heads]``, default 1) dequantize request ``b``'s query, keys and values per
+    KV head: the kernel folds ``q_descale * k_descale`` into the softmax scale and the soft-cap
+    threshold (so the cap applies to the dequantized logits) and multiplies the output by ``v_descale``.
     """
     assert not unexpected, f"unexpected kernel arguments {sorted(unexpected)}"
     assert cache_seqlens.dtype == torch.int32 and page_table.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
@@ -61,11 +64,18 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
         assert math.ceil(sk / ps) <= page_table.shape[1], "page_table too narrow"
         j = torch.arange(sk)
         pages = page_table[b, j // ps].long()
-        K, V = k_cache[pages, j % ps], v_cache[pages, j % ps]
+        K, V = k_cache[pages, j % ps].double(), v_cache[pages, j % ps].double()
+        qb = q[q0:q1].double()
+        if k_descale is not None:  # per KV head of request b (query head h reads KV head h // group)
+            group = H_ // K.shape[1]
+            qb = qb * q_descale[b].double().repeat_interleave(group)[None, :, None]
+            K = K * k_descale[b].double()[None, :, None]
+            V = V * v_descale[b].double()[None, :, None]
         left, right = window_size
-        out[q0:q1] = H.attend64(q[q0:q1], K, V, scale=softmax_scale, causal=causal, left=left, right=right,
+        out[q0:q1] = H.attend64(qb, K, V, scale=softmax_scale, causal=causal, left=left, right=right,
                                 softcap=softcap, sinks=sinks)
-    return out.to(q.dtype)
+    # FA3's fp8 path writes bfloat16 (the backend converts to the model dtype)
+    return out.to(torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype)
 
 
 def build(p, *, deterministic=False, provider="sgl-kernel", host=None):
@@ -316,3 +326,116 @@ def test_forward_guards():
     g.init_cuda_graph_state(4, 8)
     with pytest.raises(NotSupportedError, match="custom draft mask"):
         g.init_forward_metadata_capture_cuda_graph(t.batch)
+
+
+# -- (7) fp8 KV: the cache's scales reach FA3 as descale factors (mocked: no GPU) -------------------
+FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale): neither 1, and different, so a swap or a drop shows
+
+
+def _recorded_fp8_calls(p, provider="sgl-kernel"):
+    calls = []
+
+    def recording_kernel(**kw):
+        calls.append(kw)
+        return emulate_flash_attn_with_kvcache(**kw)
+
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(90, **SGL), dtype="bfloat16",
+                       kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
+                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
+                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    out = run(p, FA3Backend(ctx, kernel=recording_kernel, provider=provider, check_pages=True))
+    return out, calls
+
+
+@pytest.mark.parametrize("case", [
+    dict(mode=ForwardMode.EXTEND),
+    dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)),
+    dict(mode=ForwardMode.TARGET_VERIFY, ext=(3, 3, 3), custom_mask=True),  # tree rows: batch = draft tokens
+    dict(mode=ForwardMode.EXTEND, window=5, cap=4.0),
+], ids=["extend", "decode", "verify_tree", "window_softcap"])
+def test_fp8_kv_passes_the_cache_scales_as_fa3_descales_mocked_no_gpu(case):
+    """Mocked kernel (no GPU): an fp8 cache with scales (0.04, 2.5) reaches FA3 as float32 ``[batch,
+    kv_heads]`` descales (k 0.04, v 2.5, q 1: the query is quantized unscaled), softmax_scale stays the
+    layer's, q is e4m3; the emulated kernel applying them matches the float64 reference."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES,
+                       **case)
+    out, calls = _recorded_fp8_calls(p)
+    assert calls
+    for kw in calls:
+        rows = kw["cu_seqlens_q"].numel() - 1
+        assert kw["q"].dtype == torch.float8_e4m3fn and kw["softmax_scale"] == p.layer.scaling
+        for name, want in (("q_descale", 1.0), ("k_descale", FP8_SCALES[0]), ("v_descale", FP8_SCALES[1])):
+            t = kw[name]
+            assert t.dtype == torch.float32 and tuple(t.shape) == (rows, p.layer.num_kv_heads), (name, t.shape)
+            assert torch.all(t == torch.tensor(want, dtype=torch.float32)), (name, t)
+    H.assert_close(out, p.expected, torch.bfloat16)
+
+
+def test_fp8_kv_with_the_scales_ignored_misses_the_reference_mocked_no_gpu():
+    """The check above can fail: the same call with k/v descales dropped (scale 1) is far from the reference."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES)
+
+    def dropping(**kw):
+        kw.pop("k_descale"), kw.pop("v_descale"), kw.pop("q_descale")
+        return emulate_flash_attn_with_kvcache(**kw)
+
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(90, **SGL), dtype="bfloat16",
+                       kv_cache_dtype="float8_e4m3fn", num_heads=4, num_kv_heads=2, head_dim=64,
+                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    out = run(p, FA3Backend(ctx, kernel=dropping, provider="sgl-kernel"))
+    with pytest.raises(AssertionError):
+        H.assert_close(out, p.expected, torch.bfloat16)
+
+
+def test_fp8_descales_follow_a_changed_scale_in_the_same_storage_mocked_no_gpu():
+    """A scale set after the first forward is written into the tensor FA3 already reads (a captured
+    CUDA graph keeps its pointer), never a new one."""
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES)
+    _, calls = _recorded_fp8_calls(p)
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(90, **SGL), dtype="bfloat16",
+                       kv_cache_dtype="float8_e4m3fn", num_heads=4, num_kv_heads=2, head_dim=64,
+                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    b = FA3Backend(ctx, kernel=lambda **kw: None, provider="sgl-kernel")
+    first = b.descale_arguments(0, 3, 2)
+    p.cache.set_kv_scales(0, 0.5, 0.25)
+    second = b.descale_arguments(0, 3, 2)
+    assert first["k_descale"].data_ptr() == second["k_descale"].data_ptr()
+    assert float(second["k_descale"][0, 0]) == 0.5 and float(second["v_descale"][2, 1]) == 0.25
+
+
+def test_a_16_bit_cache_passes_no_descales_mocked_no_gpu():
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64)
+    calls = []
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(90, **SGL), dtype="bfloat16",
+                       num_heads=4, num_kv_heads=2, head_dim=64, page_size=p.page_size, kv_cache=p.cache,
+                       max_context_len=p.cache.max_context_len)
+    run(p, FA3Backend(ctx, kernel=lambda **kw: calls.append(kw) or emulate_flash_attn_with_kvcache(**kw),
+                      provider="sgl-kernel"))
+    assert calls and not any(n in kw for kw in calls for n in ("q_descale", "k_descale", "v_descale"))
+    assert all(kw["q"].dtype == torch.bfloat16 for kw in calls)
+
+
+@pytest.mark.parametrize("sm, kv, backend, refused", [
+    (80, "fp8_e4m3", "fa3", True),
+    (89, "float8_e4m3fn", "fa3", True),
+    (90, "fp8_e4m3", "fa3", False),
+    (80, "auto", "fa3", False),  # auto = the model dtype
+    (80, "bfloat16", "fa3", False),
+    (80, "fp8_e4m3", "torch_native", False),  # not fa3's business
+])
+def test_check_config_refuses_fp8_kv_off_hopper(sm, kv, backend, refused):
+    from attnplug_fa3 import attnplug_check_config
+
+    cfg = AttentionConfig(attention_backend=backend, dtype="bfloat16", kv_cache_dtype=kv)
+    problems = attnplug_check_config(config=cfg, host=H.cuda_host(sm, **SGL))
+    assert bool(problems) is refused, problems
+    if refused:
+        assert f"SM{sm}" in problems[0] and "SM90" in problems[0] and "float8_e4m3fn" in problems[0]
+
+
+def test_check_config_refuses_fp8_kv_for_the_fa3_half_of_a_split_pair():
+    from attnplug_fa3 import attnplug_check_config
+
+    cfg = AttentionConfig(prefill_attention_backend="torch_native", decode_attention_backend="fa3",
+                          dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    assert attnplug_check_config(config=cfg, host=H.cuda_host(86, **SGL))

@@ -68,6 +68,14 @@ def _visible(qo_len, kv_len, causal, window_left, mask=None):
     return vis
 
 
+def _scaled(plan, q_scale, k_scale):
+    """``run``'s fp8 calibration scales as FlashInfer applies them: ``sm_scale *= q_scale``, ``sm_scale *=
+    k_scale`` (so the soft-cap sees dequantized logits); ``v_scale`` multiplies the output."""
+    for s in (q_scale, k_scale):
+        assert s is None or isinstance(s, float), f"scales are Optional[float], got {type(s).__name__}"
+    return {**plan, "scale": plan["scale"] * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)}
+
+
 class _EmuBase:
     def __init__(self, use_cuda_graph=False, bufs=None):
         self.use_cuda_graph = use_cuda_graph
@@ -126,15 +134,15 @@ class EmuDecodeWrapper(_EmuBase):
                       scale=sm_scale if sm_scale is not None else head_dim ** -0.5, heads=(num_qo_heads, num_kv_heads))
 
     @C.emulates("flashinfer.BatchDecodeWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
-    def run(self, q, paged_kv_cache, **kw):
-        p = self.p
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, **kw):
+        p = _scaled(self.p, q_scale, k_scale)
         assert paged_kv_cache[0].shape[1] == p["ps"]
         assert q.shape[0] == p["bs"] and q.shape[1] == p["heads"][0]
         out = torch.zeros(q.shape, dtype=torch.float64)
         for i in range(p["bs"]):
             K, V = self._paged_rows(paged_kv_cache, i)
             out[i:i + 1] = _attend(q[i:i + 1], K, V, _visible(1, K.shape[0], True, p["window"]), p["scale"], p["cap"])
-        return out.to(q.dtype)
+        return (out * (1.0 if v_scale is None else v_scale)).to(q.dtype)
 
 
 class EmuPagedPrefillWrapper(_EmuBase):
@@ -164,8 +172,8 @@ class EmuPagedPrefillWrapper(_EmuBase):
                       scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
     @C.emulates("flashinfer.BatchPrefillWithPagedKVCacheWrapper.run", "flashinfer-python", "0.5.0")
-    def run(self, q, paged_kv_cache, **kw):
-        p = self.p
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, **kw):
+        p = _scaled(self.p, q_scale, k_scale)
         out = torch.zeros(q.shape, dtype=torch.float64)
         moff = 0
         for i in range(p["bs"]):
@@ -180,7 +188,7 @@ class EmuPagedPrefillWrapper(_EmuBase):
             out[q0:q1] = _attend(q[q0:q1], K, V, vis, p["scale"], p["cap"])
         if p["mask"] is not None:
             assert moff == p["mask"].numel(), "custom mask length != sum(qo_len * kv_len)"
-        return out.to(q.dtype)
+        return (out * (1.0 if v_scale is None else v_scale)).to(q.dtype)
 
 
 @pytest.fixture
@@ -207,7 +215,8 @@ def _build(pb, fake, deterministic=False):
 
 
 def _check(pb, out):
-    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
+    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
+                              *pb.cache.kv_scales(0))
     torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=3e-3)
 
 
@@ -491,3 +500,72 @@ def test_diffusion_lm_forces_flashinfer_with_cuda_graphs():
     pinned = trace(cfg.replace(attention_backend="torch_native"), host=H.host("cuda", LIB, **SM90), registry=reg)
     assert pinned.pair == ("torch_native", "torch_native")
     assert "CUDA-graph capture is not claimed" in str(pinned.error) and "flashinfer" in str(pinned.error)
+
+
+# -- fp8 KV: the cache's scales reach run(k_scale=, v_scale=) (mocked: no GPU) -------------------------
+FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale)
+
+
+def _build_fp8(pb, kv="float8_e4m3fn"):
+    from attnplug_flashinfer.backend import FlashInferBackend
+
+    c = pb.cache
+    ctx = BuildContext(AttentionConfig(), H.host("cuda", LIB, **SM90), dtype="float16", kv_cache_dtype=kv,
+                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
+                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
+    return FlashInferBackend(ctx)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
+def test_fp8_kv_passes_the_cache_scales_to_run_mocked_no_gpu(fake_flashinfer, monkeypatch, case, kv_dtype):
+    """Mocked wrappers (no GPU): an fp8 cache with scales (0.04, 2.5) calls ``run(q, cache, k_scale=0.04,
+    v_scale=2.5)`` (floats; ``plan(sm_scale=)`` stays the layer's), and the emulated wrappers applying them
+    as FlashInfer does match the float64 reference."""
+    rec = C.Recorder()
+    monkeypatch.setattr(fake_flashinfer, "BatchDecodeWithPagedKVCacheWrapper",
+                        rec.wrap_class("flashinfer.BatchDecodeWithPagedKVCacheWrapper", EmuDecodeWrapper))
+    monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
+                        rec.wrap_class("flashinfer.BatchPrefillWithPagedKVCacheWrapper", EmuPagedPrefillWrapper))
+    mode, prefix, ext = CASES[case]
+    pb = H.make_problem(mode, prefix, ext, page_size=16, tree_mask=True, sliding_window=6, logit_cap=3.0,
+                        kv_dtype=kv_dtype, kv_scales=FP8_SCALES, seed=5)
+    be = _build_fp8(pb, str(kv_dtype).replace("torch.", ""))
+    be.init_forward_metadata(pb.batch)
+    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    runs = [c for c in rec.calls if c.qualname.endswith(".run")]
+    plans = [c for c in rec.calls if c.qualname.endswith(".plan")]
+    assert runs and plans
+    for c in runs:
+        assert c.kwargs["k_scale"] == FP8_SCALES[0] and c.kwargs["v_scale"] == FP8_SCALES[1]
+        assert type(c.kwargs["k_scale"]) is float and "q_scale" not in c.kwargs
+        assert c.args[0].dtype == torch.float16 and c.args[1][0].dtype == kv_dtype
+    assert all(c.kwargs["sm_scale"] == pb.layer.scaling and c.kwargs["kv_data_type"] == kv_dtype for c in plans)
+    _check(pb, out)
+
+
+def test_fp8_kv_with_the_v_scale_ignored_misses_the_reference_mocked_no_gpu(fake_flashinfer, monkeypatch):
+    """The check above can fail: the same forward with ``v_scale`` dropped is far from the reference."""
+    real = EmuDecodeWrapper.run
+
+    def run_without_v_scale(self, q, cache, *args, **kw):
+        kw.pop("v_scale", None)
+        return real(self, q, cache, *args, **kw)
+
+    monkeypatch.setattr(EmuDecodeWrapper, "run", run_without_v_scale)
+    mode, prefix, ext = CASES["decode"]
+    pb = H.make_problem(mode, prefix, ext, page_size=16, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES)
+    be = _build_fp8(pb)
+    be.init_forward_metadata(pb.batch)
+    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
+    with pytest.raises(AssertionError):
+        _check(pb, out)
+
+
+def test_a_16_bit_cache_passes_no_scales(fake_flashinfer):
+    from attnplug_flashinfer.backend import FlashInferBackend
+
+    mode, prefix, ext = CASES["decode"]
+    pb = H.make_problem(mode, prefix, ext, page_size=16)
+    assert _build(pb, fake_flashinfer).scale_arguments(0) == {}
+    assert isinstance(_build(pb, fake_flashinfer), FlashInferBackend)

@@ -270,3 +270,78 @@ def test_unclaimed_features_are_refused():
         b = build(t)
         with pytest.raises(NotSupportedError, match="target_verify is not claimed"):  # the base, per forward
             b.init_forward_metadata(t.batch)
+
+
+# -- (7) fp8 KV: the cache's scales folded into the bmm scales (mocked: no GPU) -----------------------
+FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale)
+
+
+def _fp8_build(p, kernels, host=None):
+    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype="bfloat16",
+                       kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
+                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
+                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    return TrtllmMHABackend(ctx, kernels=kernels, workspace_bytes=1024)
+
+
+@pytest.mark.parametrize("case", [
+    dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)),
+    dict(mode=ForwardMode.EXTEND, window=5),
+    dict(mode=ForwardMode.EXTEND, sinks=True, num_kv_heads=1),
+], ids=["decode", "extend_window", "extend_sinks_mqa"])
+def test_fp8_kv_folds_the_scales_into_bmm1_and_bmm2_mocked_no_gpu(case):
+    """Mocked kernels (no GPU): with an fp8 cache of scales (0.04, 2.5), bmm1_scale = 1 (q) x 0.04 x
+    softmax scale and bmm2_scale = 2.5 (flashinfer's trtllm-gen fused form), the query is e4m3, and the
+    emulated kernels applying them match the float64 reference."""
+    p = _problem(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES, **case)
+    calls = []
+
+    def rec(fn):
+        return lambda **kw: calls.append(kw) or fn(**kw)
+
+    out = run(p, backend=_fp8_build(p, (rec(emulate_decode), rec(emulate_context))))
+    assert calls
+    for kw in calls:
+        assert kw["bmm1_scale"] == pytest.approx(FP8_SCALES[0] * p.layer.scaling, rel=1e-12)
+        assert kw["bmm2_scale"] == FP8_SCALES[1]
+        assert kw["query"].dtype == torch.float8_e4m3fn and kw["out_dtype"] == torch.bfloat16
+    H.assert_close(out, p.expected, torch.bfloat16)
+
+
+def test_fp8_kv_with_bmm2_left_at_one_misses_the_reference_mocked_no_gpu():
+    """The check above can fail: a V scale dropped from bmm2 (SGLang's bmm2_scale=1.0) is caught."""
+    p = _problem(mode=ForwardMode.DECODE, ext=(1, 1, 1), dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                 kv_scales=FP8_SCALES)
+    out = run(p, backend=_fp8_build(p, (lambda **kw: emulate_decode(**{**kw, "bmm2_scale": 1.0}), emulate_context)))
+    with pytest.raises(AssertionError):
+        H.assert_close(out, p.expected, torch.bfloat16)
+
+
+def test_bmm_scales_of_a_16_bit_cache_are_the_softmax_scale_and_one():
+    from attnplug_trtllm_mha.backend import bmm_scales
+
+    assert bmm_scales(0.125, 1.0, 1.0) == (0.125, 1.0)
+    assert bmm_scales(0.125, 0.04, 2.5) == (pytest.approx(0.005), 2.5)
+    assert bmm_scales(0.125, 0.04, 2.5, q_scale=2.0) == (pytest.approx(0.01), 2.5)
+    p = _problem(mode=ForwardMode.DECODE, ext=(1, 1, 1))
+    calls = []
+    run(p, backend=TrtllmMHABackend(build(p).ctx, kernels=(lambda **kw: calls.append(kw) or emulate_decode(**kw),
+                                                           emulate_context), workspace_bytes=1024))
+    assert calls[0]["bmm1_scale"] == p.layer.scaling and calls[0]["bmm2_scale"] == 1.0
+    assert calls[0]["query"].dtype == p.q.dtype
+
+
+@pytest.mark.parametrize("sm, kv, refused", [
+    (90, "fp8_e4m3", True), (120, "float8_e4m3fn", True), (100, "fp8_e4m3", False), (103, "fp8_e4m3", False),
+    (90, "auto", False),
+])
+def test_check_config_refuses_fp8_kv_off_the_sm100_family(sm, kv, refused):
+    from attnplug_trtllm_mha import attnplug_check_config
+
+    cfg = AttentionConfig(attention_backend="trtllm_mha", dtype="bfloat16", kv_cache_dtype=kv)
+    problems = attnplug_check_config(config=cfg, host=H.cuda_host(sm, **FI))
+    assert bool(problems) is refused, problems
+    if refused:
+        assert f"SM{sm}" in problems[0] and "SM100/103" in problems[0]
+    other = cfg.replace(attention_backend="torch_native")
+    assert attnplug_check_config(config=other, host=H.cuda_host(sm, **FI)) is None

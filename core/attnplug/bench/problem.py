@@ -54,10 +54,20 @@ class PagedProblem:
         pages = [(s + ps - 1) // ps for s in self.seq]
         num_pages = sum(pages) + 8
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.cache = PagedKVCache(1, num_pages, p.kv_heads, p.head_dim, page_size=ps, dtype=p.dtype,
+        self.cache = PagedKVCache(1, num_pages, p.kv_heads, p.head_dim, page_size=ps, dtype=p.cache_dtype,
                                   device=self.device, max_requests=p.batch, max_context_len=max(self.seq))
-        for buf in (self.cache.k_buffers[0], self.cache.v_buffers[0]):
-            buf.normal_(generator=gen)  # in place: no float32 temporary of a multi-GiB cache
+        if self.cache.quantized:  # fp8: N(0, 1) values quantized as the cache stores them, a chunk at a time
+            step = 1 << 15
+            for s0 in range(0, self.cache.num_slots, step):
+                idx = torch.arange(s0, min(s0 + step, self.cache.num_slots), device=self.device)
+                shape = (idx.numel(), p.kv_heads, p.head_dim)
+                self.cache.set_kv(0, idx, torch.randn(*shape, generator=gen, device=self.device),
+                                  torch.randn(*shape, generator=gen, device=self.device), checked=False)
+        else:
+            for buf in (self.cache.k_buffers[0], self.cache.v_buffers[0]):
+                buf.normal_(generator=gen)  # in place: no float32 temporary of a multi-GiB cache
+        #: the cache in other KV layouts, for backends that do not read ``nhd`` (``cache_for``)
+        self._layouts: dict[str, PagedKVCache] = {self.cache.layout.name: self.cache}
         alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
         for r, (s, n) in enumerate(zip(self.seq, pages)):
             self.cache.assign_pages(r, s, alloc.alloc(n))
@@ -79,12 +89,35 @@ class PagedProblem:
         self.q, self.k, self.v = randn(t, p.heads, p.head_dim), randn(t, p.kv_heads, p.head_dim), \
             randn(t, p.kv_heads, p.head_dim)
 
-    def context(self, name: str, host: Any) -> BuildContext:
+    def cache_for(self, layout: Any) -> PagedKVCache:
+        """The problem's cache in ``layout`` (a ``KVLayout``): the same slots, pages and values, copied once."""
+        if layout.name not in self._layouts:
+            base = self.cache
+            other = PagedKVCache(1, base.num_pages, base.num_kv_heads, base.head_dim, page_size=base.page_size,
+                                 dtype=base.dtype, device=base.device, max_requests=base.max_requests,
+                                 max_context_len=base.max_context_len, layout=layout)
+            other.req_to_token.copy_(base.req_to_token)
+            step = 1 << 15
+            for s0 in range(0, base.num_slots, step):
+                idx = torch.arange(s0, min(s0 + step, base.num_slots), device=base.device)
+                other.set_kv(0, idx, *base.read_kv(0, idx), checked=False, stored=True)
+            self._layouts[layout.name] = other
+        return self._layouts[layout.name]
+
+    def context(self, name: str, host: Any, registry: Any = None) -> BuildContext:
+        """The build context of backend ``name``: its cache in the first KV layout it reads (``nhd`` when it
+        reads that: the loop and the floor share it)."""
         p = self.p
+        cache = self.cache
+        if registry is not None:
+            caps = registry.get(registry.canonical(name, host)).capabilities
+            if not caps.reads_layout(cache.layout.name):
+                cache = self.cache_for(registry.kv_layout(caps.kv_layouts[0]))  # type: ignore[index]
         return BuildContext(
             config=AttentionConfig(attention_backend=name), host=host, device=str(self.device), dtype=p.dtype,
-            num_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.head_dim, page_size=p.page_size,
-            kv_cache=self.cache, max_batch_size=p.batch, max_context_len=max(self.seq), layers=(self.layer,),
+            kv_cache_dtype=p.cache_dtype, num_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.head_dim,
+            page_size=p.page_size, kv_cache=cache, max_batch_size=p.batch, max_context_len=max(self.seq),
+            layers=(self.layer,),
         )
 
     def sync(self) -> None:
@@ -118,6 +151,8 @@ class PagedProblem:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         cache, batch, layer = self.cache, self.batch, self.layer
         k_cache, v_cache = cache.get_kv(0)
+        k_scale, v_scale = cache.kv_scales(0)
+        fp8 = cache.quantized
         table = cache.req_to_token
         gqa = layer.num_heads != layer.num_kv_heads
         q, k, v = self.q, self.k, self.v
@@ -132,6 +167,8 @@ class PagedProblem:
                 tokens = table[r, :s]
                 kr = k_cache[tokens].movedim(0, 1).unsqueeze(0)  # [1, Hkv, s, D]
                 vr = v_cache[tokens].movedim(0, 1).unsqueeze(0)
+                if fp8:  # what such a loop does with an fp8 cache: dequantize what it gathered
+                    kr, vr = kr.to(q.dtype) * k_scale, vr.to(q.dtype) * v_scale
                 qr = q[start:start + e].movedim(0, 1).unsqueeze(0)  # [1, H, e, D]
                 o = sdpa(qr, kr, vr, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
                 out[start:start + e] = o[0].movedim(0, 1)
@@ -159,8 +196,12 @@ class PagedProblem:
         per_k, per_v = [], []
         for r, s in enumerate(self.seq):
             tokens = self.cache.req_to_token[r, :s]
-            per_k.append(kc[tokens].movedim(0, 1).contiguous())  # [Hkv, s, D]
-            per_v.append(vc[tokens].movedim(0, 1).contiguous())
+            kr, vr = kc[tokens], vc[tokens]
+            if self.cache.quantized:  # the floor is the model dtype's: fp8 values dequantized, once, here
+                kr, vr = self.cache.dequantize(0, kr, vr)
+                kr, vr = kr.to(self.dtype), vr.to(self.dtype)
+            per_k.append(kr.movedim(0, 1).contiguous())  # [Hkv, s, D]
+            per_v.append(vr.movedim(0, 1).contiguous())
         B = len(self.seq)
         if self.p.mode == "decode":
             K, V = torch.stack(per_k), torch.stack(per_v)  # [B, Hkv, L, D]

@@ -131,7 +131,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
     from .timing import cache_flusher, read_bandwidth
 
     spec, device = prep.spec, prep.device
-    bw = read_bandwidth(device, spec.bandwidth_mib)
+    bw = read_bandwidth(device, spec.bandwidth_mib, clock=spec.clock)
     flush = cache_flusher(device, spec.warm)
     problems = list(spec.problems())
     results, skipped = [], []
@@ -154,7 +154,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         "bandwidth": bw,
         "settings": {"repeats": spec.repeats, "warmup": spec.warmup, "seed": spec.seed,
                      "caches": "warm" if spec.warm or device.type != "cpu" else "flushed before every timed call",
-                     "max_kv_gib": spec.max_kv_gib},
+                     "max_kv_gib": spec.max_kv_gib, "clock": spec.clock},
         "goals": {m: {"max_ratio_to_floor": g, "faster_than_loop": f} for m, (g, f) in GOALS.items()},
         "backends": prep.backends,
         "notes": prep.notes,
@@ -183,7 +183,7 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     from ..errors import AttnplugError
     from ..registry import default_registry
     from .problem import PagedProblem
-    from .timing import interleaved_median_ms, median_ms
+    from .timing import CLOCKS, interleaved_median_ms, median_ms
 
     spec = prep.spec
     prob = PagedProblem(p, str(prep.device), spec.seed)
@@ -193,7 +193,7 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     calls, built, diffs, row_notes = {}, {}, {}, []
     for name in prep.backends:
         try:
-            ctx = prob.context(name, reg.host)
+            ctx = prob.context(name, reg.host, reg)
             _, backend = reg.build(name, ctx)
             reasons = backend.not_supported_reasons(prob.layer, ctx)
             if reasons:
@@ -213,7 +213,8 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     calls[LOOP] = loop
     calls[FLOOR] = floor
     best: dict[str, float] = {}
-    ms = interleaved_median_ms(calls, spec.repeats, spec.warmup, prob.sync, flush, best)
+    clock = CLOCKS[spec.clock]
+    ms = interleaved_median_ms(calls, spec.repeats, spec.warmup, prob.sync, flush, best, clock)
     kv = p.kv_bytes()
     target, need_loop = GOALS[p.mode]
     rows = []
@@ -238,10 +239,11 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
         from ..paged import PagedBackend
 
         for name, backend in built.items():
-            meta = median_ms(lambda: backend.init_forward_metadata(prob.batch), spec.repeats, spec.warmup, prob.sync)
+            meta = median_ms(lambda: backend.init_forward_metadata(prob.batch), spec.repeats, spec.warmup, prob.sync,
+                             clock)
             mapped = getattr(type(backend), "new_kv_source", "args") == "cache"
             checks = median_ms(lambda: prob.cache.check_batch(prob.batch, new_tokens_mapped=mapped), spec.repeats,
-                               spec.warmup, prob.sync)
+                               spec.warmup, prob.sync, clock)
             validation.append({"backend": name, "init_forward_metadata_ms": meta, "bounds_checks_ms": checks,
                                "checks_in_init_forward_metadata": isinstance(backend, PagedBackend),
                                "forward_ms": ms[name], "checks_over_forward": checks / ms[name]})

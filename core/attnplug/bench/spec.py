@@ -58,6 +58,12 @@ class Problem:
     page_size: int
     new_tokens: int = 512
     draft: int = 4
+    #: the KV-cache dtype (``None``: the model dtype); an fp8 cache stores 1 byte per value
+    kv_dtype: str | None = None
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     def requests(self) -> list[tuple[int, int]]:
         """``(cached prefix, new tokens)`` per request."""
@@ -72,14 +78,16 @@ class Problem:
 
     def kv_bytes(self) -> int:
         """Bytes of K and V every request reads (its whole sequence), summed over the batch."""
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtype, 4)
+        size = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}.get(
+            self.cache_dtype, 4)
         tokens = sum(p + e for p, e in self.requests())
         return tokens * self.kv_heads * 2 * self.head_dim * size
 
     def label(self) -> str:
         extra = {"extend": f" +{self.new_tokens} new", "verify": f" +{self.draft} draft",
                  "mixed": f" (decode + {self.new_tokens}-token chunks)"}.get(self.mode, "")
-        return (f"{self.mode} {self.dtype} batch {self.batch} context {self.context}{extra} "
+        kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
+        return (f"{self.mode} {self.dtype}{kv} batch {self.batch} context {self.context}{extra} "
                 f"heads {self.heads}/{self.kv_heads} kv head_dim {self.head_dim} page {self.page_size}")
 
     def to_dict(self) -> dict[str, object]:
@@ -107,13 +115,37 @@ class Spec:
     max_kv_gib: float
     bandwidth_mib: int
     threads: int | None = None
+    #: "wall" (time.perf_counter) or "cpu" (the calling thread's CPU time: one-thread runs on a
+    #: shared machine, where a call that loses its core to another job would count the wait)
+    clock: str = "wall"
+    #: KV-cache dtypes to sweep (``None``: the model dtype, what ``--kv-cache-dtype auto`` means)
+    kv_dtypes: tuple[str | None, ...] = (None,)
 
     def problems(self) -> Iterator[Problem]:
-        for mode, dtype in itertools.product(self.modes, self.dtypes):
+        for mode, dtype, kvd in itertools.product(self.modes, self.dtypes, self.kv_dtypes):
             batches = self.batches or (DEFAULT_BATCH[mode],)
             for b, ctx, d, kv, ps in itertools.product(batches, self.contexts, self.head_dims, self.kv_heads,
                                                         self.page_sizes):
-                yield Problem(mode, dtype, b, ctx, self.heads, kv, d, ps, self.new_tokens, self.draft)
+                yield Problem(mode, dtype, b, ctx, self.heads, kv, d, ps, self.new_tokens, self.draft,
+                              None if kvd == dtype else kvd)
+
+
+def kv_dtype_list(text: str) -> tuple[str | None, ...]:
+    """``"auto,fp8_e4m3"`` -> ``(None, "float8_e4m3fn")``: KV-cache dtypes, ``auto`` = the model dtype."""
+    from ..dtypes import kv_dtype_name
+
+    out: list[str | None] = []
+    for item in name_list("--kv-cache-dtype", text):
+        try:
+            name = kv_dtype_name(item)
+        except ValueError:
+            name = "?"
+        if name not in (None, "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            raise BenchUsageError(f"--kv-cache-dtype {item!r} is not a KV-cache dtype bench runs (auto, fp8_e4m3, "
+                                  f"fp8_e5m2, float32, float16, bfloat16)")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
 
 
 def int_list(flag: str, text: str, *, minimum: int = 1) -> tuple[int, ...]:

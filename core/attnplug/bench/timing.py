@@ -9,24 +9,35 @@ from typing import Any, Callable
 import torch
 
 
-def median_ms(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``repeats`` calls after ``warmup`` calls."""
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    # CPU time of the calling thread: with one torch thread every op runs on it, so time spent
+    # waiting for a core taken by other jobs is not counted (memory stalls still are)
+    "cpu": time.thread_time,
+}
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None] = lambda: None,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time (``clock``: wall by default) of ``fn()`` in milliseconds over ``repeats`` calls
+    after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times) * 1e3
 
 
 def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, warmup: int,
                           sync: Callable[[], None] = lambda: None,
                           flush: Callable[[], None] = lambda: None,
-                          best: dict[str, float] | None = None) -> dict[str, float]:
+                          best: dict[str, float] | None = None,
+                          clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median ms per call of each entry, timed round-robin (one call of each per round), so a
     change in machine load during the run hits every entry alike. ``flush`` runs (untimed)
     before every timed call, so no entry finds the previous one's data in cache. ``best``, when
@@ -40,10 +51,10 @@ def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, war
         for label, fn in calls.items():
             flush()
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync()
-            times[label].append(time.perf_counter() - t0)
+            times[label].append(clock() - t0)
     if best is not None:
         best.update({k: min(v) * 1e3 for k, v in times.items()})
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -72,7 +83,7 @@ def cache_flusher(device: torch.device, warm: bool = False) -> Callable[[], None
     return flush
 
 
-def read_bandwidth(device: torch.device, mib: int, repeats: int = 5) -> dict[str, Any]:
+def read_bandwidth(device: torch.device, mib: int, repeats: int = 5, clock: str = "wall") -> dict[str, Any]:
     """This machine's read bandwidth: ``torch.sum`` over a float32 tensor of ``mib`` MiB (at least
     4x the last-level cache on a CPU), best of ``repeats`` calls after one warm-up (the best call is
     the one least disturbed; a sum reads every byte once and writes nothing)."""
@@ -88,14 +99,15 @@ def read_bandwidth(device: torch.device, mib: int, repeats: int = 5) -> dict[str
     buf.sum()
     sync()
     best = float("inf")
+    tick = CLOCKS[clock]
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = tick()
         buf.sum()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, tick() - t0)
     del buf
     return {
         "bytes_per_s": nbytes / best,
         "method": f"torch.sum over a {nbytes >> 20} MiB float32 tensor on {device}, best of {repeats} calls, "
-                  f"{torch.get_num_threads()} torch threads",
+                  f"{torch.get_num_threads()} torch threads" + (", thread CPU time" if clock == "cpu" else ""),
     }

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..bench.spec import DEFAULT_MAX_KV_GIB, MODES, BenchUsageError, Spec, dtype_list, int_list, name_list
+from ..bench.spec import (DEFAULT_MAX_KV_GIB, MODES, BenchUsageError, Spec, dtype_list, int_list, kv_dtype_list,
+                          name_list)
 
 #: defaults; ``--quick`` replaces those the user did not give with the QUICK ones
-DEFAULTS = dict(backend="torch_native", mode="decode", dtype="float32", batch=None, context="1024", heads="32",
+DEFAULTS = dict(backend="torch_native", mode="decode", dtype="float32", kv_cache_dtype="auto", batch=None, context="1024", heads="32",
                 kv_heads="8", head_dim="128", page_size="16", new_tokens="512", draft="4", repeats="10",
                 warmup="2", bandwidth_mib="512", threads=None)
 QUICK = dict(mode=",".join(MODES), batch="2", context="32,128", heads="8", kv_heads="2", head_dim="32",
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--page-size", metavar="N[,N…]", help="KV-cache page size (default: 16)")
     a("--dtype", metavar="DTYPE[,DTYPE…]", help="model and KV-cache dtype: float32, float16, bfloat16 "
       "(default: float32)")
+    a("--kv-cache-dtype", metavar="DTYPE[,DTYPE…]", help="KV-cache dtype: auto (the model dtype; default), "
+      "fp8_e4m3, fp8_e5m2 (rows side by side: e.g. auto,fp8_e4m3); the floor stays in the model dtype")
     a("--new-tokens", metavar="N", help="new tokens per prefill request in extend and mixed (default: 512)")
     a("--draft", metavar="N", help="draft tokens per request in verify (default: 4)")
     a("--repeats", metavar="N", help="timed calls per row; the median is reported (default: 10)")
@@ -44,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device", default="cpu", help="torch device (default: cpu)")
     a("--threads", metavar="N", help="torch CPU threads for the run (default: torch's own choice; --quick: 1)")
     a("--seed", default="0", metavar="N", help="page scatter and data seed (default: 0)")
+    a("--clock", choices=("wall", "cpu"), default="wall",
+      help="what a call's time is: wall (default) or cpu, the CPU time of the timing thread; cpu needs "
+      "--threads 1 and a CPU device, and leaves out the time a call waits for a core taken by other jobs "
+      "(a shared machine)")
     a("--warm", action="store_true", help="do not flush the CPU caches before each timed call (default: flush, "
       "as in a real forward where the other layers ran in between)")
     a("--max-kv-gib", metavar="GIB", help=f"skip problems whose K/V exceed this (default: {DEFAULT_MAX_KV_GIB:g})")
@@ -84,6 +91,7 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         backends=backends,
         modes=name_list("--mode", value["mode"], MODES),
         dtypes=dtype_list(value["dtype"]),
+        kv_dtypes=kv_dtype_list(value["kv_cache_dtype"]),
         batches=int_list("--batch", value["batch"]) if value["batch"] is not None else None,
         contexts=int_list("--context", value["context"]),
         heads=heads[0],
@@ -100,7 +108,20 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         max_kv_gib=max_kv,
         bandwidth_mib=_one("--bandwidth-mib", value["bandwidth_mib"]),
         threads=_one("--threads", value["threads"]) if value["threads"] is not None else None,
+        clock=_clock(args, device, value["threads"]),
     )
+
+
+def _clock(args: argparse.Namespace, device: str, threads: object) -> str:
+    """``--clock``: ``cpu`` times the calling thread only, so every op must run on it."""
+    clock = getattr(args, "clock", None) or "wall"
+    if clock == "cpu":
+        if device != "cpu":
+            raise BenchUsageError(f"--clock cpu: times CPU work only, but --device is {device!r}")
+        if str(threads).strip() != "1":
+            raise BenchUsageError(f"--clock cpu needs --threads 1 (got {threads!r}): the CPU time of other "
+                                  "threads would not be counted")
+    return clock
 
 
 def check_output_path(flag: str, path: str | None) -> None:

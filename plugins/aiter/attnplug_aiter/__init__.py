@@ -25,8 +25,10 @@ SUPPORTED_GFX = ("gfx942", "gfx950")
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),
-    # fp8 KV is not claimed: aiter's fp8 paths take e4m3fnuz on gfx942 plus descale tensors,
-    # which attnplug's PagedKVCache (float8_e4m3fn, no scales) does not carry.
+    # fp8 KV is not claimed: on gfx942 aiter's fp8 is float8_e4m3fnuz, another encoding than the
+    # cache's float8_e4m3fn (bias 8 vs 7); on gfx950 the encodings agree, but the fp8 paths that
+    # take the scales (paged_attention_ragged k_scale/v_scale, mha_batch_prefill_func descales
+    # from v0.1.10) are unverified for bf16 queries over an fp8 cache. See README.
     kv_cache_dtypes=("float16", "bfloat16"),
     # paged_attention_ragged dispatches head sizes 64 and 128 only.
     head_dims=(64, 128),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug.dtypes import kv_dtype_name
 from attnplug.probes import installed_library
 
 NAME = "fa3"
@@ -37,6 +38,8 @@ MIN_SGL_KERNEL_SINKS = "0.3.4.post1"
 SGL_KERNEL_SMS = (80, 86, 87, 89, 90)
 #: The upstream flash-attn-3 (hopper/) build: H100/H800-class GPUs.
 FLASH_ATTN_3_SMS = (90,)
+#: FA3's fp8 path (e4m3 q/K/V with descale factors) is built for Hopper only.
+FP8_KV_SMS = (90,)
 
 #: FA3 rounds the head dim up to an instantiated one (64, 96, 128, 192, 256); it must be a multiple of 8,
 #: and of 16 on the fp8 path (``FP8_HEAD_DIM_MULTIPLE``, refused per layer by the kernel module).
@@ -45,7 +48,8 @@ FP8_HEAD_DIM_MULTIPLE = 16
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),
-    # fp8 KV: the query is cast to e4m3 as well (FA3's fp8 path; Hopper only, see not_supported_reasons)
+    # fp8 KV: the query is quantized to e4m3 as well (FA3's fp8 path) and the cache's per-tensor
+    # scales go in as k_descale/v_descale; Hopper only (attnplug_check_config, backend_reasons)
     kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
     head_dims=HEAD_DIMS,
     v_head_dim_differs=False,
@@ -119,6 +123,24 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             description="FlashAttention-3 flash_attn_with_kvcache over a page table (sgl-kernel or flash-attn-3)",
         )
     )
+
+
+def fp8_kv_problems(config: Any, host: Any) -> list[str]:
+    """Why a configuration using fa3 cannot keep an fp8 KV cache on ``host`` (FA3's fp8 path is SM90 only)."""
+    if NAME not in config.attention_backends() or host.platform != "cuda":
+        return []
+    kv = kv_dtype_name(config.kv_cache_dtype, config.dtype)
+    sm = host.sm()
+    if kv is None or not kv.startswith("float8") or sm is None or sm in FP8_KV_SMS:
+        return []
+    return [f"kv_cache_dtype={kv} with attention backend {NAME!r}: FA3's fp8 path runs on Hopper "
+            f"(SM{'/'.join(map(str, FP8_KV_SMS))}) only; this GPU is SM{sm}. Use kv_cache_dtype=auto, or a "
+            f"backend with fp8 KV here (e.g. flashinfer)"]
+
+
+@hookimpl
+def attnplug_check_config(config, host):  # type: ignore[no-untyped-def]
+    return fp8_kv_problems(config, host) or None
 
 
 def gpt_oss_on_hopper(host: Any, config: Any) -> dict[str, Any]:

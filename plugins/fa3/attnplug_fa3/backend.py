@@ -23,6 +23,7 @@ from attnplug import PagedBackend
 from attnplug.errors import BackendUnavailableError, NotSupportedError
 from attnplug import ForwardMode
 
+from attnplug.kvcache import quantize
 from attnplug.probes import installed_library, version_key
 
 from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL
@@ -35,6 +36,14 @@ Kernel = Callable[..., Any]
 LIBRARY_CALLS = ("sgl_kernel.flash_attn.flash_attn_with_kvcache",)
 #: sgl-kernel's FA3 checks ``sinks.scalar_type() == BFloat16`` ("sinks must have dtype bfloat16").
 SINKS_DTYPE = torch.bfloat16
+#: fp8 KV: FA3's fp8 path takes q in the cache's format too. The query is quantized with scale 1 (as
+#: the cache quantizes: round, saturated to the format's range), so its descale factor is 1.
+Q_SCALE = 1.0
+#: FA3's descale factors are float32 ``[batch, num_kv_heads]`` tensors (hopper/flash_api.cpp:
+#: ``CHECK_SHAPE(k_descale, batch_size, num_heads_k)``, read through ``data_ptr<float>()`` with both
+#: strides, so a broadcast view of one value serves). ``batch`` is the query batch: the rows of
+#: ``cu_seqlens_q`` (one per request, or one per draft token on the tree path).
+DESCALE_DTYPE = torch.float32
 
 
 def load_kernel() -> tuple[str, Kernel]:
@@ -83,6 +92,9 @@ class FA3Backend(PagedBackend):
         #: validate that req_to_token is page-aligned every forward (a host sync; for debugging and tests)
         self.check_pages = check_pages
         self._graph: dict[str, torch.Tensor] | None = None
+        #: per layer: the ``(k_scale, v_scale)`` last seen and a float32 ``[3]`` device tensor holding
+        #: ``(Q_SCALE, k_scale, v_scale)`` (made once per layer and scale pair, never per forward)
+        self._descales: dict[int, tuple[tuple[float, float], torch.Tensor]] = {}
 
     # -- description -----------------------------------------------------
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
@@ -141,6 +153,26 @@ class FA3Backend(PagedBackend):
                                            "(its row count and width vary); run it eagerly"])
         self.graph_metadata(batch, self._graph)
 
+    # -- fp8 KV ---------------------------------------------------------------
+    def descale_arguments(self, layer_id: int, batch_rows: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+        """``q_descale``/``k_descale``/``v_descale`` for an fp8 cache: the layer's per-tensor scales
+        (``PagedKVCache.kv_scales``) broadcast to FA3's ``[batch, num_kv_heads]`` float32 form.
+
+        FA3 multiplies the softmax scale (and the soft-cap threshold) by ``q_descale * k_descale``
+        and the output by ``v_descale`` in the kernel, so ``softmax_scale`` stays the layer's own."""
+        scales = self.cache.kv_scales(layer_id)
+        memo = self._descales.get(layer_id)
+        if memo is None or memo[0] != scales:
+            # filled in place by device kernels (no host copy, legal under CUDA-graph capture); a
+            # changed scale is written into the same storage, which a captured graph keeps reading
+            t = memo[1] if memo is not None else torch.empty(3, dtype=DESCALE_DTYPE, device=self.cache.device)
+            for i, value in enumerate((Q_SCALE, *scales)):
+                t[i].fill_(value)
+            memo = self._descales[layer_id] = (scales, t)
+        t = memo[1]
+        shape = (batch_rows, num_kv_heads)
+        return {name: t[i].view(1, 1).expand(shape) for i, name in enumerate(("q_descale", "k_descale", "v_descale"))}
+
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: FA3Metadata) -> torch.Tensor:
@@ -156,8 +188,11 @@ class FA3Backend(PagedBackend):
             max_q, causal, window = meta.max_seqlen_q, True, window_size(layer.sliding_window)
         k_cache = kb.view(-1, ps, Hkv, D)
         v_cache = vb.view(-1, ps, Hkv, Dv)
-        qk = q.to(kb.dtype) if kb.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q
         extra: dict[str, Any] = {}
+        qk = q
+        if self.cache.quantized:  # fp8 KV: q in the cache's format (unscaled), the scales as descales
+            qk = quantize(q, Q_SCALE, kb.dtype)
+            extra.update(self.descale_arguments(layer.layer_id, cu_q.numel() - 1, Hkv))
         if layer.sinks is not None:
             extra["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
         out = self.kernel(

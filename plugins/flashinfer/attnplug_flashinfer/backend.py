@@ -6,7 +6,8 @@ of attnplug's per-layer slot buffers):
 
 * decode: ``BatchDecodeWithPagedKVCacheWrapper.plan(kv_indptr, kv_indices,
   kv_last_page_len, H, Hkv, D, page_size, window_left=, logits_soft_cap=,
-  q_data_type=, kv_data_type=, sm_scale=)`` then ``run(q, (k, v))``;
+  q_data_type=, kv_data_type=, sm_scale=)`` then ``run(q, (k, v))`` (an fp8 cache adds
+  ``k_scale=``/``v_scale=``, the layer's scales);
 * extend / draft-extend / mixed: ``BatchPrefillWithPagedKVCacheWrapper.plan(
   qo_indptr, …, causal=True)`` over prefix + new tokens, then ``run``;
 * target-verify: the same wrapper planned with ``custom_mask`` (prefix
@@ -173,7 +174,17 @@ class FlashInferBackend(PagedBackend):
         already holds this forward's K/V (``new_kv_source = "cache"``)."""
         kind = "decode" if plans.layout.kind == "decode" else "prefill"
         wrapper = self._wrapper(plans, layer, kind, q.dtype)
-        return wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id))
+        return wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id), **self.scale_arguments(layer.layer_id))
+
+    def scale_arguments(self, layer_id: int) -> dict[str, float]:
+        """``run(k_scale=, v_scale=)`` for an fp8 cache: the layer's per-tensor scales as Python floats
+        (``Optional[float]`` in both wrappers' ``run`` since 0.5.0). FlashInfer multiplies the softmax
+        scale by ``k_scale`` and the output by ``v_scale``, so ``plan(sm_scale=)`` stays the layer's
+        own; the query stays fp16/bf16 (no ``q_scale``). A 16-bit cache passes nothing."""
+        if not self.cache.quantized:
+            return {}
+        k_scale, v_scale = self.cache.kv_scales(layer_id)
+        return {"k_scale": float(k_scale), "v_scale": float(v_scale)}
 
     # -- CUDA graphs -----------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:

@@ -12,7 +12,12 @@ NAME = "torch_native"
 
 CAPABILITIES = Capabilities(
     dtypes=("float32", "float16", "bfloat16"),
-    kv_cache_dtypes=("float32", "float16", "bfloat16"),
+    # fp8 caches: each gathered block is dequantized (stored * the layer's scale) into the model
+    # dtype's arithmetic; never the whole cache
+    kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
+    # the nhd cache is indexed in place; any other layout is read through PagedKVCache.read_kv
+    # (only the slots a block needs), so torch_native can serve either half of any pair
+    kv_layouts=None,
     head_dims=None,
     v_head_dim_differs=True,
     page_sizes=None,

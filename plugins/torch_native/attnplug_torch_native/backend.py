@@ -14,9 +14,13 @@ Compute dtype
 
 When the query and the cache share float32 or bfloat16, the kernels run in that
 dtype: matmuls take bf16 operands and accumulate in float32 (oneDNN on CPU, with
-AVX-512 BF16 where the CPU has it); scores and the softmax are float32. Gathered
-bf16 K/V are never upcast. Any other pairing (float16, or a cache dtype other than
-the model's) computes in float32, converting one bounded block at a time.
+AVX-512 BF16 where the CPU has it); the softmax computes in float32. Gathered
+bf16 K/V are never upcast. A bf16 matmul rounds its output, so a decode score
+``s`` would be off by up to ``|s| * 2^-8``: decode instead takes each query row's
+maximum ``m`` from a first bf16 matmul, then a second one (``baddbmm`` onto
+``-m``) rounds ``s - m`` once, after the float32 accumulation (see
+``_shifted_scores``). Any other pairing (float16, or a cache dtype other than the
+model's) computes in float32, converting one bounded block at a time.
 
 Garbage never reaches an output
 -------------------------------
@@ -34,14 +38,16 @@ Decode
 
 Requests are processed in blocks holding about ``decode_block_bytes`` of gathered
 K (default 4 MiB on CPU, so the block stays in cache between the gather and the
-matmuls that read it). Per block: one ``index_select`` gathers every
+matmuls that read it); a request whose keys alone exceed that (long contexts) is
+split into blocks of its KV heads, which attend independently. Per block: one ``index_select`` gathers every
 ``(request, kv_head, position)`` row of K into a head-major ``[requests * kv_heads,
 len, head_dim]`` workspace (each matrix contiguous, which the bf16 matmul and
 multi-request blocks need; a float32 one-request block gathers whole token rows
 instead, faster, and its matmul reads them strided), the new token's K is copied into its row from the arguments, padding rows are
 zeroed, one ``bmm`` scores the ``num_heads // num_kv_heads`` query heads of every
-group at once, soft-cap and mask follow, the softmax (with a sink term in the
-denominator when the layer has sinks), then the same for V and one ``bmm``. The
+group at once (bf16: two, shifted by the row maximum), soft-cap and mask follow,
+the softmax (with a sink term in the denominator when the layer has sinks), then
+the same for V and one ``bmm``. The
 gather indices of every block are built once per forward and window and shared by
 every layer.
 
@@ -79,6 +85,38 @@ DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
 
 _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
+
+
+class _Rows:
+    """One layer's K (or V) as this backend reads it.
+
+    A cache in the ``nhd`` layout is indexed in place (``buf``, token-major); any other layout is
+    read through ``PagedKVCache.read_kv``, only for the slots a block needs (the fallback that
+    lets torch_native serve a half of a pair whose other half owns the layout). An fp8 cache's
+    rows are dequantized as they are gathered: stored * ``scale``.
+    """
+
+    __slots__ = ("cache", "layer_id", "which", "buf", "dtype", "scale", "heads", "dim")
+
+    def __init__(self, cache: Any, layer_id: int, which: int) -> None:
+        self.cache, self.layer_id, self.which = cache, layer_id, which
+        self.buf = cache.get_kv(layer_id)[which] if cache.layout.name == "nhd" else None
+        self.dtype = cache.dtype
+        self.scale = cache.kv_scales(layer_id)[which] if cache.quantized else None
+        self.heads = cache.num_kv_heads
+        self.dim = cache.head_dim if which == 0 else cache.v_head_dim
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, index: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows ``index`` of the ``[-1, width]`` view a token-major buffer would have (``width`` =
+        heads * dim: token rows; = dim: (token, head) rows), read through the cache's layout."""
+        slots = index if width == self.heads * self.dim else torch.div(index, self.heads, rounding_mode="floor")
+        rows = self.cache.read_kv(self.layer_id, slots)[self.which]  # [n, heads, dim]
+        if width == self.heads * self.dim:
+            return rows.reshape(index.numel(), width)
+        return rows[torch.arange(index.numel(), device=index.device), index % self.heads]
 
 
 def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
@@ -120,11 +158,12 @@ class Workspace:
 
 
 class _Block(NamedTuple):
-    """One decode block: requests ``b0 … b1-1`` padded to ``length`` keys.
+    """One decode block: KV heads ``h0 … h1-1`` of requests ``b0 … b1-1``, padded to ``length`` keys.
 
-    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``: the block's
-    workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
-    (``head_major=True``: ``[requests, Hkv, length, dim]``, each matrix contiguous).
+    Rows index the cache viewed ``[slots, Hkv * dim]`` (``head_major=False``, all heads: the
+    block's workspace is ``[length, requests, Hkv, dim]``) or ``[slots * Hkv, dim]``
+    (``head_major=True``: ``[requests, h1 - h0, length, dim]``, each matrix contiguous). A block
+    holds fewer than all KV heads only when one request's keys alone exceed the block size.
     """
 
     b0: int
@@ -136,6 +175,8 @@ class _Block(NamedTuple):
     pad_rows: torch.Tensor | None  # workspace rows past a request's keys (zeroed after the gather)
     hidden: torch.Tensor | None  # [(b1-b0), 1, 1, length] bool: True where the key is padding
     empty: list[int]  # block-local requests with no key at all (output zeros)
+    h0: int  # first KV head
+    h1: int  # one past the last KV head
 
 
 class ForwardMeta:
@@ -182,9 +223,18 @@ class ForwardMeta:
             cached = [p - s0 for p, s0 in zip(self.prefix, start)]
             total = [c + 1 for c in cached]
         blocks: list[_Block] = []
+        Hkv = self._cache.num_kv_heads
         b0 = 0
         while b0 < B:
             b1, length = b0 + 1, max(total[b0], 1)
+            if block_bytes is not None and length * row_bytes > block_bytes and Hkv > 1:
+                # one request's keys alone overflow the block (long context): split its KV heads,
+                # which attend independently, so each block's K stays in cache
+                hs = max(1, block_bytes * Hkv // (length * row_bytes))
+                for h0 in range(0, Hkv, hs):
+                    blocks.append(self._block(b0, b1, length, start, cached, total, cross, True, h0, min(Hkv, h0 + hs)))
+                b0 = b1
+                continue
             if block_bytes is not None:
                 while b1 < B and (b1 - b0 + 1) * max(length, total[b1]) * row_bytes <= block_bytes:
                     length = max(length, total[b1])
@@ -194,12 +244,13 @@ class ForwardMeta:
                 length = max(max(total[b0:b1]), 1)
             # token-major rows only for a one-request block: a strided batched matmul over several
             # requests' rows falls off the BLAS fast path (measured 4x slower at 8 x 128 keys)
-            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major or b1 - b0 > 1))
+            blocks.append(self._block(b0, b1, length, start, cached, total, cross, head_major or b1 - b0 > 1,
+                                      0, Hkv))
             b0 = b1
         return blocks
 
     def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
-               cross: bool, head_major: bool) -> _Block:
+               cross: bool, head_major: bool, h0: int, h1: int) -> _Block:
         cache = self._cache
         dev, Hkv, r2t = cache.device, cache.num_kv_heads, cache.req_to_token
         n = b1 - b0
@@ -216,14 +267,15 @@ class ForwardMeta:
         pad = pos[None, :] >= nt[:, None]  # [n, length]
         any_pad = any(t < length for t in total[b0:b1])
         new_rows = pad_rows = hidden = None
-        if head_major:  # workspace [n, Hkv, length] rows of dim
-            heads = torch.arange(Hkv, device=dev)
+        if head_major:  # workspace [n, h1 - h0, length] rows of dim
+            hh = h1 - h0
+            heads = torch.arange(h0, h1, device=dev)
             index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
-            flat = torch.arange(n * Hkv * length, device=dev).view(n, Hkv, length)
+            flat = torch.arange(n * hh * length, device=dev).view(n, hh, length)
             if not cross:
-                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, Hkv, 1)).reshape(-1)
+                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, hh, 1)).reshape(-1)
             if any_pad:
-                pad_rows = flat[pad[:, None, :].expand(n, Hkv, length)].reshape(-1)
+                pad_rows = flat[pad[:, None, :].expand(n, hh, length)].reshape(-1)
         else:  # workspace [length, n] rows of Hkv * dim
             index = slots.t().reshape(-1)
             flat = torch.arange(length * n, device=dev).view(length, n)
@@ -234,7 +286,7 @@ class ForwardMeta:
         if any_pad:
             hidden = pad.view(n, 1, 1, length)
         empty = [i for i, t in enumerate(total[b0:b1]) if t == 0]
-        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty)
+        return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty, h0, h1)
 
 
 # ---------------------------------------------------------------------------
@@ -268,7 +320,16 @@ class TorchNativeBackend(PagedBackend):
     # -- helpers -----------------------------------------------------------
     def _compute_dtype(self, q: torch.Tensor) -> torch.dtype:
         cd = self.cache.dtype
+        if self.cache.quantized:  # fp8 blocks are dequantized into the model dtype's arithmetic
+            return q.dtype if q.dtype in _NATIVE else _F32
         return cd if q.dtype == cd and cd in _NATIVE else _F32
+
+    def _stored(self, layer: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """The new K/V as the cache stores them: an fp8 cache quantizes (the reference reads new
+        tokens as stored, whether or not they are saved); any other cache gives them unchanged."""
+        if k is None or not self.cache.quantized:
+            return k, v
+        return self.cache.dequantize(layer.layer_id, *self.cache.quantize(layer.layer_id, k, v))
 
     @staticmethod
     def _sinks(layer: Any, device: torch.device) -> torch.Tensor | None:
@@ -278,16 +339,26 @@ class TorchNativeBackend(PagedBackend):
             layer.num_kv_heads, layer.gqa_group_size
         )
 
-    def _gather(self, name: str, src: torch.Tensor, index: torch.Tensor, width: int, cd: torch.dtype) -> torch.Tensor:
-        """Rows ``index`` of ``src`` viewed ``[-1, width]``, in ``cd``, in a reused workspace."""
-        src2 = src.view(-1, width) if src.is_contiguous() else src.reshape(-1, width)
+    def _gather(self, name: str, src: _Rows, index: torch.Tensor, width: int, cd: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` of ``src`` viewed ``[-1, width]``, in ``cd`` (dequantized for fp8), in a reused
+        workspace."""
         n = index.numel()
-        raw = self.workspace.get(name, (n, width), src.dtype)
-        torch.index_select(src2, 0, index, out=raw)
-        if src.dtype == cd:
+        if src.buf is not None:
+            buf = src.buf
+            src2 = buf.view(-1, width) if buf.is_contiguous() else buf.reshape(-1, width)
+            raw = self.workspace.get(name, (n, width), src.dtype)
+            torch.index_select(src2, 0, index, out=raw)
+        else:
+            raw = src.read(index, width)
+        if src.dtype == cd and src.scale is None:
             return raw
         out = self.workspace.get(name + "." + str(cd), (n, width), cd)
-        out.copy_(raw)
+        if src.scale is None:
+            out.copy_(raw)
+        elif cd == _F32:
+            out.copy_(raw).mul_(src.scale)
+        else:  # one rounding of stored * scale into the model dtype
+            out.copy_(raw.to(_F32).mul_(src.scale))
         return out
 
     def _note_chunk(self, nbytes: int) -> None:
@@ -299,7 +370,8 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
+        k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
         # bf16 matmuls want each (request, kv_head) matrix contiguous: gather rows of one head;
         # float32 ones take a strided matrix, and whole-token rows gather faster (one-request blocks)
@@ -317,57 +389,90 @@ class TorchNativeBackend(PagedBackend):
         if cd == _F32:
             qs = qs * scale
         for blk in blocks:
-            n = blk.b1 - blk.b0
-            rows, L = n * Hkv, blk.length
+            n, hh = blk.b1 - blk.b0, blk.h1 - blk.h0
+            rows, L = n * hh, blk.length
             self.check_workspace(rows * L * (D + Dv) * (kb.element_size() + (0 if kb.dtype == cd else 4)),
                                  f"decode block of {n} request(s) x {L} keys")
-            r0 = blk.b0 * Hkv
+            r0 = blk.b0 * Hkv + blk.h0
             K = self._block_rows("dec.k", kb, blk, k, D, Hkv, cd)
             # scores, probabilities and outputs go to reused workspaces too (no allocation per block)
-            S = self.workspace.get("dec.s", (rows, G, L), _F32)
             Km = self._matrices(K, blk, rows, L, D).transpose(1, 2)
-            if cd == _F32:
-                torch.bmm(qs[r0:r0 + rows], Km, out=S)  # [rows, G, L]
-            else:
-                # float32 scores from bf16 operands: this block's K (bounded by decode_block_bytes) is
-                # widened once here; a bf16-rounded score would be off by |s| * 2^-9 before exp()
-                torch.bmm(qs[r0:r0 + rows].to(_F32), Km.to(_F32), out=S)
-            if cd != _F32:
-                S.mul_(scale)
-            if cap:
-                S.div_(cap).tanh_().mul_(cap)
-            if blk.hidden is not None:
-                S.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
             den = None
-            if sinks is None:
-                P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
+            if cd == _F32:
+                S = torch.bmm(qs[r0:r0 + rows], Km, out=self.workspace.get("dec.s", (rows, G, L), _F32))
             else:
-                sk = sinks.unsqueeze(0).expand(n, Hkv, G).reshape(rows, G, 1)
-                m = torch.maximum(S.amax(dim=2, keepdim=True), sk)
-                P = S.sub_(m).exp_()
-                den = P.sum(dim=2, keepdim=True) + torch.exp(sk - m)
+                Sb, m = self._shifted_scores(qs[r0:r0 + rows], Km, blk, n, hh, G)
+                if not cap and sinks is None:
+                    # softmax needs no absolute score: scale and normalise s - m in bf16 (softmax
+                    # computes in float32 inside); rounding (s - m) * scale adds one more error of
+                    # the same order as the probabilities' own rounding to bf16
+                    Sb.mul_(scale)
+                    if blk.hidden is not None:
+                        Sb.view(n, hh, G, L).masked_fill_(blk.hidden, -math.inf)
+                    P = torch.softmax(Sb, dim=2, out=self.workspace.get("dec.p16", (rows, G, L), cd))
+                    S = None
+                else:  # soft-cap and sinks need the absolute score: s = (s - m) + m in float32
+                    S = self.workspace.get("dec.s", (rows, G, L), _F32).copy_(Sb).add_(m).mul_(scale)
+            if S is not None:
+                if cap:
+                    S.div_(cap).tanh_().mul_(cap)
+                if blk.hidden is not None:
+                    S.view(n, hh, G, L).masked_fill_(blk.hidden, -math.inf)
+                if sinks is None:
+                    P = torch.softmax(S, dim=2, out=self.workspace.get("dec.p", (rows, G, L), _F32))
+                else:
+                    sk = sinks[blk.h0:blk.h1].unsqueeze(0).expand(n, hh, G).reshape(rows, G, 1)
+                    mx = torch.maximum(S.amax(dim=2, keepdim=True), sk)
+                    P = S.sub_(mx).exp_()
+                    den = P.sum(dim=2, keepdim=True) + torch.exp(sk - mx)
+                if cd != _F32:
+                    P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
             V = self._block_rows("dec.v", vb, blk, v, Dv, Hkv, cd)
-            if cd != _F32:
-                P = self.workspace.get("dec.p16", (rows, G, L), cd).copy_(P)
-            ob = out[blk.b0:blk.b1]
+            ob = out[blk.b0:blk.b1, blk.h0 * G:blk.h1 * G]  # contiguous: all heads, or one request
             direct = den is None and cd == out.dtype  # the matmul writes the output rows itself
             O = torch.bmm(P, self._matrices(V, blk, rows, L, Dv),
                           out=ob.view(rows, G, Dv) if direct else self.workspace.get("dec.o", (rows, G, Dv), cd))
             if den is not None:
                 O = O.to(_F32).div_(den)
             if not direct:
-                ob.copy_(O.view(n, H, Dv))
+                ob.copy_(O.view(n, hh * G, Dv))
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
 
-    def _block_rows(self, name: str, buf: torch.Tensor, blk: _Block, new: Any, dim: int, Hkv: int,
+    def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
+                        G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s - m, m)``: unscaled scores ``s = q @ Km`` of bf16 operands, shifted by each query
+        row's maximum ``m``, from bf16 matmuls only (K is never widened to float32).
+
+        A bf16 matmul accumulates in float32 but rounds its output to bf16, which puts an error of
+        up to ``|s| * 2^-8`` on a score ``s``: at ``scaling=1.0`` that is visible after ``exp()``.
+        So a first bf16 matmul finds each query row's largest score ``m``; a second one,
+        ``baddbmm`` onto ``-m``, subtracts ``m`` inside the float32 accumulation and rounds
+        ``s - m`` once. Softmax ignores the shift, and the scores that carry the weight (near the
+        row's maximum) now have an error of ``|s - m| * 2^-8``, the same order as rounding the
+        probabilities to bf16 for the value matmul. Both matmuls read the block's K from cache.
+        Returns the bf16 ``[rows, G, L]`` workspace holding ``s - m``, and ``m`` (``[rows, G, 1]``).
+        """
+        rows, L = q.shape[0], Km.shape[2]
+        Sb = self.workspace.get("dec.sb", (rows, G, L), q.dtype)
+        torch.bmm(q, Km, out=Sb)
+        if blk.hidden is not None:  # padding keys (zeroed, score 0) must not pick the shift
+            Sb.view(n, Hkv, G, L).masked_fill_(blk.hidden, -math.inf)
+        m = Sb.amax(dim=2, keepdim=True)
+        if blk.hidden is not None:  # a request without keys: any finite shift will do
+            m.masked_fill_(torch.isinf(m), 0)
+        Sb.copy_(torch.neg(m).expand(rows, G, L))
+        Sb.baddbmm_(q, Km)  # s - m: float32 accumulation onto -m, one rounding
+        return Sb, m
+
+    def _block_rows(self, name: str, buf: _Rows, blk: _Block, new: Any, dim: int, Hkv: int,
                     cd: torch.dtype) -> torch.Tensor:
         """The block's K (or V) rows in ``cd``: gathered, the new token from the arguments, padding zeroed."""
         width = dim if blk.head_major else Hkv * dim
         X = self._gather(name, buf, blk.index, width, cd)
         if blk.new_rows is not None:
-            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1].reshape(-1, width).to(cd))
+            X.index_copy_(0, blk.new_rows, new[blk.b0:blk.b1, blk.h0:blk.h1].reshape(-1, width).to(cd))
         if blk.pad_rows is not None:
             X.index_fill_(0, blk.pad_rows, 0)  # select, never multiply garbage by 0
         return X
@@ -384,7 +489,8 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
         out = self.empty_output(q, layer)
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
+        k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
         cross = layer.is_cross_attention
         window = None if cross else layer.sliding_window
@@ -432,14 +538,14 @@ class TorchNativeBackend(PagedBackend):
                 out[t0 + a0:t0 + a1] = o.transpose(0, 1)
         return out
 
-    def _assemble(self, name: str, buf: torch.Tensor, slots: torch.Tensor, new: torch.Tensor | None, Hkv: int,
+    def _assemble(self, name: str, buf: _Rows, slots: torch.Tensor, new: torch.Tensor | None, Hkv: int,
                   dim: int, cd: torch.dtype) -> torch.Tensor:
         """One request's keys (or values): owned cached rows, then the new ones; ``[Hkv, n, dim]`` in ``cd``."""
         c = slots.numel()
         n = c + (0 if new is None else new.shape[0])
         tok = self.workspace.get(name + ".tok", (n, Hkv, dim), cd)
-        if c and buf.dtype == cd:  # gather straight into the token-major workspace
-            torch.index_select(buf.view(-1, Hkv * dim), 0, slots, out=tok[:c].view(c, Hkv * dim))
+        if c and buf.buf is not None and buf.dtype == cd and buf.scale is None:  # straight into the workspace
+            torch.index_select(buf.buf.view(-1, Hkv * dim), 0, slots, out=tok[:c].view(c, Hkv * dim))
         elif c:
             tok[:c] = self._gather(name + ".raw", buf, slots, Hkv * dim, cd).view(c, Hkv, dim)
         if new is not None:

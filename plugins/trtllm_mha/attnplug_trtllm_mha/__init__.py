@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug.dtypes import kv_dtype_name
 
 NAME = "trtllm_mha"
 LIBRARY = "flashinfer-python"
@@ -32,7 +33,8 @@ DEFAULT_PAGE_SIZE = 64
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),
-    # fp8 KV: the query is cast to e4m3 (trtllm-gen's fp8 path), bmm scales 1.0
+    # fp8 KV: the query is quantized to e4m3 (trtllm-gen's fp8 path) and the cache's per-tensor
+    # scales are folded into the fused bmm scales (backend.bmm_scales); SM100 family only
     kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
     head_dims=(64, 128, 256),
     v_head_dim_differs=False,
@@ -63,6 +65,24 @@ def probe(host: Any) -> list[str]:
         where = f"SM{sm}" if sm is not None else "a GPU of unknown compute capability"
         reasons.append(f"needs a Blackwell GPU of SM{'/'.join(map(str, SMS))} (trtllm-gen kernels); this host is {where}")
     return reasons
+
+
+def fp8_kv_problems(config: Any, host: Any) -> list[str]:
+    """Why a configuration using trtllm_mha cannot keep an fp8 KV cache on ``host``: trtllm-gen's fp8
+    kernels ship for the SM100 family only (the same cubins as its 16-bit ones)."""
+    if NAME not in config.attention_backends() or host.platform != "cuda":
+        return []
+    kv = kv_dtype_name(config.kv_cache_dtype, config.dtype)
+    sm = host.sm()
+    if kv is None or not kv.startswith("float8") or sm is None or sm in SMS:
+        return []
+    return [f"kv_cache_dtype={kv} with attention backend {NAME!r}: trtllm-gen's fp8 KV kernels run on "
+            f"SM{'/'.join(map(str, SMS))} (Blackwell datacenter GPUs) only; this GPU is SM{sm}"]
+
+
+@hookimpl
+def attnplug_check_config(config, host):  # type: ignore[no-untyped-def]
+    return fp8_kv_problems(config, host) or None
 
 
 @hookimpl

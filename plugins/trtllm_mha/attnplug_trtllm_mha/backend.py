@@ -21,6 +21,7 @@ import torch
 from attnplug import PagedBackend
 from attnplug.capabilities import support_reasons
 from attnplug.errors import BackendUnavailableError, NotSupportedError
+from attnplug.kvcache import quantize
 
 from . import CAPABILITIES, LIBRARY, NAME
 from .metadata import TrtllmMetadata, build_metadata, hnd_view, window_left
@@ -31,7 +32,19 @@ LIBRARY_CALLS = ("flashinfer.decode.trtllm_batch_decode_with_kv_cache",
                  "flashinfer.prefill.trtllm_batch_context_with_kv_cache")
 #: trtllm-gen reads sinks as float32, one per query head.
 SINKS_DTYPE = torch.float32
-_FP8 = (torch.float8_e4m3fn,)
+#: fp8 KV: trtllm-gen reads e4m3 queries over an e4m3 cache; the query is quantized with scale 1 (as
+#: the cache quantizes: round, saturated), so ``q_scale`` is 1 in the fused bmm scales.
+Q_SCALE = 1.0
+
+
+def bmm_scales(scaling: float, k_scale: float, v_scale: float, q_scale: float = Q_SCALE) -> tuple[float, float]:
+    """``(bmm1_scale, bmm2_scale)``: the fused scales trtllm-gen applies to Q·Kᵀ and to P·V.
+
+    bmm1 = q_scale × k_scale × softmax scale (the dequantization of both operands folded into the
+    logits' scale), bmm2 = v_scale — the form flashinfer's own wrappers pass on their trtllm-gen
+    path (``sm_scale *= q_scale; sm_scale *= k_scale`` then ``bmm1_scale=sm_scale``; bmm2 from
+    ``v_scale``). A 16-bit cache has scales 1, leaving the softmax scale and 1."""
+    return q_scale * k_scale * scaling, v_scale
 
 
 def load_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -100,10 +113,11 @@ class TrtllmMHABackend(PagedBackend):
         """Every mode (decode picks the decode entry point): the new K/V are in the cache already."""
         kb, vb = self.cache.get_kv(layer.layer_id)
         kv_cache = (hnd_view(kb, self.page_size), hnd_view(vb, self.page_size))
-        query = q.to(kb.dtype) if kb.dtype in _FP8 else q
+        query = quantize(q, Q_SCALE, kb.dtype) if self.cache.quantized else q
+        bmm1, bmm2 = bmm_scales(float(layer.scaling), *self.cache.kv_scales(layer.layer_id))
         common: dict[str, Any] = dict(
             query=query, kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens, bmm1_scale=float(layer.scaling), bmm2_scale=1.0,
+            seq_lens=meta.seq_lens, bmm1_scale=bmm1, bmm2_scale=bmm2,
             window_left=window_left(layer.sliding_window), out_dtype=q.dtype,
         )
         if layer.sinks is not None:

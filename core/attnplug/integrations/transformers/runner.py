@@ -32,6 +32,7 @@ from attnplug import (
     AttentionConfig, AttnplugError, BuildContext, ForwardBatch, ForwardMode, NotSupportedError, PagedKVCache,
     backend_name_for_mode, config_from_args, default_registry,
 )
+from attnplug.dtypes import dtype_name, kv_dtype_name
 from attnplug.resolution import resolve
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
@@ -86,6 +87,13 @@ class TransformersRunner:
         hf_config = model.config
         archs = getattr(hf_config, "architectures", None) or [type(model).__name__]
         self.arch = arch or archs[0]
+        if config.page_size is None:  # resolution checks the page size the cache will have
+            config = config.replace(page_size=page_size)
+        elif config.page_size != page_size:
+            raise AttnplugError(f"config.page_size={config.page_size} but TransformersRunner(page_size={page_size}); "
+                                f"give one page size")
+        if config.dtype is None:
+            config = config.replace(dtype=dtype_name(next(model.parameters()).dtype))
         self.resolution = resolve(config, arch=self.arch, registry=self.registry)
         self.config: AttentionConfig = self.resolution.config
         self.layers = layer_specs(model)
@@ -98,14 +106,18 @@ class TransformersRunner:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         num_pages = num_pages or max_requests * -(-max_context_len // page_size)
+        # one cache serves both halves: in the layout and KV dtype resolution chose for the pair
+        kv_dtype = kv_dtype_name(self.config.kv_cache_dtype, self.dtype)
         self.kv_cache = PagedKVCache(
             num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=self.dtype,
+            head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
             device=self.device, max_requests=max_requests, max_context_len=max_context_len,
+            layout=self.registry.kv_layout(self.config.kv_layout or "nhd"),
         )
         self.cache = AttnplugCache(self.kv_cache, [s.sliding_window is not None for s in self.layers], max_requests)
         self.ctx = BuildContext(
             config=self.config, host=self.registry.host, device=str(self.device), dtype=self.dtype,
+            kv_cache_dtype=kv_dtype,
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             v_head_dim=first.v_head_dim, page_size=page_size, kv_cache=self.kv_cache,
             max_batch_size=max_requests, max_context_len=max_context_len, layers=self.layers,

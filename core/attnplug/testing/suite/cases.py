@@ -600,14 +600,15 @@ EXTRA_LAYOUTS_FOR_ANY: tuple[str, ...] = (HND,)
 
 def gen_kv_layout(caps: Capabilities) -> list[Case]:
     """Every mode family in each KV layout the backend reads besides its first (each core layout for
-    a backend reading any), at its first claimed dtype: the layout is a claim like any other."""
+    a backend reading any), at fp32 and bf16 where claimed: the layout is a claim like any other."""
     layouts = list(EXTRA_LAYOUTS_FOR_ANY) if caps.kv_layouts is None else list(caps.kv_layouts[1:])
-    dt = refusal_model_dtype(caps)
+    dtypes = [d for d in ("float32", "bfloat16") if d in caps.dtypes] or [caps.dtypes[0]]
     out = []
     for layout in layouts:
-        for name in ("decode", "extend_prefix", "mixed", "extend_prefix_midpage"):
-            base = _case("kv_layout", scenario(name), dt, 16, layout)
-            out.append(fit_case(base, caps, layout))
+        for dt in dtypes:
+            for name in ("decode", "extend_prefix", "mixed", "extend_prefix_midpage"):
+                base = _case("kv_layout", scenario(name), dt, 16, layout)
+                out.append(fit_case(base, caps, layout))
     return out
 
 
