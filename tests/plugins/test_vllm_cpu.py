@@ -102,15 +102,20 @@ def test_available_on_this_host_and_the_default_on_cpu():
 
 
 @needs_ops
-def test_a_split_pair_with_torch_native_shares_no_layout_and_is_refused_in_words():
+def test_a_split_pair_shares_the_vllm_cpu_layout_or_is_refused_naming_both_layouts():
+    """torch_native reads any layout, so (prefill torch_native, decode vllm_cpu) shares vllm_cpu's;
+    template_sdpa reads nhd only, so pairing it with vllm_cpu is refused with both halves' layouts."""
     from attnplug.errors import ConfigError
     from attnplug.resolution import resolve
 
-    cfg = AttentionConfig(prefill_attention_backend="torch_native", decode_attention_backend="vllm_cpu")
+    res = resolve(AttentionConfig(prefill_attention_backend="torch_native", decode_attention_backend="vllm_cpu"),
+                  registry=_real, host=_real.host)
+    assert res.pair == ("torch_native", "vllm_cpu") and res.config.kv_layout == "vllm_cpu"
+    cfg = AttentionConfig(prefill_attention_backend="template_sdpa", decode_attention_backend="vllm_cpu")
     with pytest.raises(ConfigError) as err:
         resolve(cfg, registry=_real, host=_real.host)
     msg = str(err.value)
-    assert "torch_native reads nhd" in msg and "vllm_cpu reads vllm_cpu" in msg, msg
+    assert "template_sdpa reads nhd" in msg and "vllm_cpu reads vllm_cpu" in msg, msg
 
 
 # -- the layout -----------------------------------------------------------------------------------
