@@ -606,8 +606,12 @@ def cases_for(family: str, caps: Capabilities) -> list[Case]:
         return gen_refusal(caps)
     if family == "kv_layout":
         return gen_kv_layout(caps)
-    layout = caps.kv_layouts[0] if caps.kv_layouts else NHD
-    return [fit_case(c, caps, layout) for c in GENERATORS[family]()]
+    return [fit_case(c, caps, first_layout(caps)) for c in GENERATORS[family]()]
+
+
+def first_layout(caps: Capabilities) -> str:
+    """The KV layout a backend's cases run in: the first it declares (``nhd`` for one reading any)."""
+    return caps.kv_layouts[0] if caps.kv_layouts else NHD
 
 
 def fit_case(case: Case, caps: Capabilities, layout: str) -> Case:

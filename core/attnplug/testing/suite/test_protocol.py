@@ -16,7 +16,7 @@ from ...errors import MetadataNotInitializedError, ShapeError
 from ...registry import default_registry
 from . import harness as H
 from ._common import capabilities, fail
-from .cases import Case, claimed_shape, scenario
+from .cases import Case, claimed_shape, first_layout, scenario
 
 
 def _small_problem(name: str, sc: str = "decode") -> H.Problem:
@@ -24,7 +24,7 @@ def _small_problem(name: str, sc: str = "decode") -> H.Problem:
     dtype = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     ps = 16 if caps.page_sizes is None or 16 in caps.page_sizes else caps.page_sizes[0]
     case = Case("protocol", f"{name}-{sc}", scenario(sc, ps), dtype=dtype, page_size=ps, numeric=False,
-                shape=claimed_shape(caps))
+                shape=claimed_shape(caps), kv_layout=first_layout(caps))
     return H.make_problem(case, H.device_for(caps))
 
 

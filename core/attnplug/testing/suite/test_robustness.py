@@ -33,8 +33,8 @@ from ...errors import AttnplugError, NotSupportedError, ShapeError
 from ...registry import default_registry
 from . import harness as H
 from ._common import capabilities, fail
-from .cases import (DEFAULT_SHAPE, REJECTIONS, Case, Features, Shape, claimed_shape, refusal_model_dtype,
-                    scenario)
+from .cases import (DEFAULT_SHAPE, REJECTIONS, Case, Features, Shape, claimed_shape, first_layout,
+                    refusal_model_dtype, scenario)
 
 
 def _claimed_case(name: str, case: Case, **kw: Any) -> Case:
@@ -43,6 +43,7 @@ def _claimed_case(name: str, case: Case, **kw: Any) -> Case:
     ps = 16 if caps.page_sizes is None or 16 in caps.page_sizes else caps.page_sizes[0]
     sc = scenario(case.scenario.name, ps)
     kw.setdefault("shape", claimed_shape(caps))
+    kw.setdefault("kv_layout", first_layout(caps))
     return dataclasses.replace(case, dtype=refusal_model_dtype(caps), page_size=ps, scenario=sc, **kw)
 
 
@@ -266,7 +267,23 @@ def test_refusal(attnplug_case: Any) -> None:
     if what not in ("v_head_dim_differs", "mqa", "gqa"):
         shape = claimed_shape(caps)
     base = _claimed_case(name, Case("refusal", what, scenario(sc)), shape=shape)
-    problem = H.make_problem(dataclasses.replace(base, features=feats), device)
+    try:
+        problem = H.make_problem(dataclasses.replace(base, features=feats), device)
+    except ValueError as exc:  # the backend's own KV layout cannot hold such a layer's cache at all
+        if "cannot hold this cache" not in str(exc):
+            raise
+        if not re.search(pattern, str(exc)):
+            fail(f"{name}: its KV layout {base.kv_layout!r} refused a cache for unclaimed {what} without naming "
+                 f"it: {exc}")
+        # in a layout that can hold it, the registry must refuse to build the backend, naming it too
+        problem = H.make_problem(dataclasses.replace(base, features=feats, kv_layout="nhd"), device)
+        try:
+            default_registry().build(name, problem.context(name))
+        except NotSupportedError as exc2:
+            if not re.search(pattern, str(exc2)):
+                fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc2}")
+            return
+        fail(f"{name}: built over a cache for a layer using unclaimed {what}")
     try:
         backend = H.build_backend(name, problem, check_support=False)
     except NotSupportedError as exc:  # refused at build (the context lists the layer): the best place
