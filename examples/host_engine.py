@@ -19,7 +19,9 @@ resolved = resolve(config, arch="LlamaForCausalLM", registry=registry)
 print("resolved pair:", resolved.pair)  # `attnplug resolve` explains it pass by pass
 
 layer = LayerSpec(layer_id=0, num_heads=8, num_kv_heads=2, head_dim=64)
-cache = PagedKVCache(num_layers=1, num_pages=64, num_kv_heads=2, head_dim=64, page_size=16)
+# one cache serves both halves, in the KV layout resolution chose for the pair (`attnplug list` shows layouts)
+cache = PagedKVCache(num_layers=1, num_pages=64, num_kv_heads=2, head_dim=64, page_size=16,
+                     layout=registry.kv_layout(resolved.config.kv_layout))
 ctx = BuildContext(config=resolved.config, host=registry.host, kv_cache=cache, page_size=16,
                    num_heads=8, num_kv_heads=2, head_dim=64)
 backend = registry.build_pair(ctx)  # one backend, or a HybridBackend when the halves differ

@@ -29,7 +29,7 @@ def test_readme_shows_the_host_engine_example_verbatim_and_it_runs():
     example = (ROOT / "examples" / "host_engine.py").read_text(encoding="utf-8")
     assert example in README
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "host_engine.py"),
-                           "--decode-attention-backend", "torch"], capture_output=True, text=True, timeout=120)
+                           "--attention-backend", "torch"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "resolved pair: ('torch_native', 'torch_native')" in proc.stdout  # the alias resolved
     assert "decode: out (2, 8, 64) served by torch_native" in proc.stdout

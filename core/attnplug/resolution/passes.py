@@ -15,15 +15,16 @@ platform default comes from the priorities plugins declare per host.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from ..capabilities import support_reasons
+from ..capabilities import layer_reasons, support_reasons
 from ..config import AttentionConfig
 from ..dtypes import kv_dtype_name
 from ..errors import PluginError
 from ..hookspecs import RegisterArchOverride, RegisterResolutionRule
 from ..host import HostInfo
 from ..isolation import call_plugin, echo_output
+from ..layer import LayerSpec
 from ..modes import ForwardMode
 from ..selector import half_for_mode
 
@@ -177,8 +178,10 @@ def speculative_enabled(config: AttentionConfig) -> bool:
     return config.speculative_draft_attention_backend is not None or bool(config.extra.get("speculative_algorithm"))
 
 
-def support_problems(registry: "Registry", name: str, config: AttentionConfig, half: str) -> list[str]:
-    """Why backend ``name`` cannot serve ``half`` of ``config`` (capabilities only); empty when it can."""
+def support_problems(registry: "Registry", name: str, config: AttentionConfig, half: str,
+                     layers: Sequence[LayerSpec] = ()) -> list[str]:
+    """Why backend ``name`` cannot serve ``half`` of ``config`` (capabilities only; and the model's
+    attention ``layers`` when the host gives them); empty when it can."""
     caps = registry.get(name).capabilities
     reasons = support_reasons(
         caps, dtype=config.dtype, kv_cache_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
@@ -189,13 +192,20 @@ def support_problems(registry: "Registry", name: str, config: AttentionConfig, h
         for mode in (ForwardMode.TARGET_VERIFY,):
             if half_for_mode(mode, config.speculative_attention_mode) == half:
                 reasons.extend(support_reasons(caps, mode=mode))
+    for layer in layers:
+        for reason in layer_reasons(caps, layer):
+            text = f"layer {layer.layer_id}: {reason}"
+            if not any(r.endswith(reason) for r in reasons):  # one line per reason, naming its first layer
+                reasons.append(text)
     return reasons
 
 
-def serve_problems(registry: "Registry", host: HostInfo, name: str, config: AttentionConfig, half: str) -> list[str]:
-    """Availability on ``host`` plus support for ``half`` of ``config``; empty when ``name`` serves it."""
+def serve_problems(registry: "Registry", host: HostInfo, name: str, config: AttentionConfig, half: str,
+                   layers: Sequence[LayerSpec] = ()) -> list[str]:
+    """Availability on ``host`` plus support for ``half`` of ``config`` (and ``layers``); empty when ``name``
+    serves it."""
     avail = registry.availability(name, host)
-    return list(avail.reasons) + support_problems(registry, name, config, half)
+    return list(avail.reasons) + support_problems(registry, name, config, half, layers)
 
 
 def ranked(registry: "Registry", host: HostInfo) -> list[tuple[str, int]]:
@@ -209,11 +219,11 @@ def ranked(registry: "Registry", host: HostInfo) -> list[tuple[str, int]]:
 
 
 def best_for(registry: "Registry", host: HostInfo, config: AttentionConfig, half: str,
-             exclude: Iterable[str] = ()) -> str | None:
+             exclude: Iterable[str] = (), layers: Sequence[LayerSpec] = ()) -> str | None:
     """The highest-priority backend that is available on ``host`` and supports ``half`` of ``config``."""
     skip = set(exclude)
     for name, _ in ranked(registry, host):
-        if name not in skip and not serve_problems(registry, host, name, config, half):
+        if name not in skip and not serve_problems(registry, host, name, config, half, layers):
             return name
     return None
 
@@ -248,6 +258,8 @@ class State:
     pinned_halves: Mapping[str, str]
     overrides: tuple[ArchOverride, ...]
     rules: tuple[ResolutionRule, ...]
+    #: the model's attention layers, when the host gave them (``resolve(..., layers=)``)
+    layers: tuple[LayerSpec, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +323,7 @@ def run_default_fill(state: State) -> list[Declaration]:
     wanted: dict[str, str] = {}
     for half in HALVES:
         if pair[half] is None or pair[half] == AUTO:
-            best = best_for(state.registry, state.host, state.config, half)
+            best = best_for(state.registry, state.host, state.config, half, layers=state.layers)
             if best is not None:
                 wanted[half] = best
     if not wanted:
@@ -332,10 +344,10 @@ def run_compat_fallback(state: State) -> list[Declaration]:
         name = pair[half]
         if name is None or name == AUTO or half in state.pinned_halves:
             continue  # unfilled halves and the user's choices are for the checks
-        problems = serve_problems(state.registry, state.host, name, state.config, half)
+        problems = serve_problems(state.registry, state.host, name, state.config, half, state.layers)
         if not problems:
             continue
-        best = best_for(state.registry, state.host, state.config, half, exclude=(name,))
+        best = best_for(state.registry, state.host, state.config, half, exclude=(name,), layers=state.layers)
         if best is not None:
             wanted[half] = best
             why.append(f"{half} half {name!r} cannot serve here ({'; '.join(problems)}); next by priority: {best}")
@@ -375,7 +387,7 @@ def run_kv_layout(state: State) -> list[Declaration]:
             continue
         other = pair["decode" if half == "prefill" else "prefill"]
         for name, _ in ranked(reg, state.host):
-            if name == pair[half] or serve_problems(reg, state.host, name, cfg, half):
+            if name == pair[half] or serve_problems(reg, state.host, name, cfg, half, state.layers):
                 continue
             both = shared_layouts(reg, *((name, other) if half == "prefill" else (other, name)))
             if both:

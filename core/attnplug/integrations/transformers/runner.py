@@ -33,7 +33,7 @@ from attnplug import (
     backend_name_for_mode, config_from_args, default_registry,
 )
 from attnplug.dtypes import dtype_name, kv_dtype_name
-from attnplug.resolution import resolve
+from attnplug.resolution import resolve, trace
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
@@ -94,9 +94,13 @@ class TransformersRunner:
                                 f"give one page size")
         if config.dtype is None:
             config = config.replace(dtype=dtype_name(next(model.parameters()).dtype))
-        self.resolution = resolve(config, arch=self.arch, registry=self.registry)
-        self.config: AttentionConfig = self.resolution.config
         self.layers = layer_specs(model)
+        # the model's layers take part in the choice: a backend that does not claim one is not picked.
+        # When the halves you chose cannot serve them, the pair is resolved without them and refused
+        # below by _refuse_unsupported_layers, which names every layer and the half at fault.
+        chosen = trace(config, arch=self.arch, registry=self.registry, layers=self.layers)
+        self.resolution = chosen if chosen.ok else resolve(config, arch=self.arch, registry=self.registry)
+        self.config: AttentionConfig = self.resolution.config
         first = self.layers[0]
         odd = [s.layer_id for s in self.layers
                if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (first.num_kv_heads, first.head_dim, first.v_head_dim)]
