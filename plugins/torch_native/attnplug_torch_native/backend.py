@@ -353,12 +353,9 @@ class TorchNativeBackend(PagedBackend):
         if src.dtype == cd and src.scale is None:
             return raw
         out = self.workspace.get(name + "." + str(cd), (n, width), cd)
-        if src.scale is None:
-            out.copy_(raw)
-        elif cd == _F32:
-            out.copy_(raw).mul_(src.scale)
-        else:  # one rounding of stored * scale into the model dtype
-            out.copy_(raw.to(_F32).mul_(src.scale))
+        out.copy_(raw)  # fp8 values convert exactly into bf16 and float32
+        if src.scale is not None:
+            out.mul_(src.scale)  # one rounding of stored * scale, in the compute dtype
         return out
 
     def _note_chunk(self, nbytes: int) -> None:
