@@ -134,6 +134,9 @@ class Shape:
 DEFAULT_SHAPE = Shape("gqa4", 8, 2, 64)
 #: the shape of the long cases: 4 KV heads x head dim 128, so one 4.1k-token request gathers 8 MiB of K
 LONG_SHAPE = Shape("long", 8, 4, 128)
+#: 32 query heads: a long extend's soft-capped / sink scores (float32, every head) overflow a 64 MiB
+#: score chunk, so its queries are processed in several chunks
+WIDE_SHAPE = Shape("wide", 32, 8, 64)
 HEAD_LAYOUTS: tuple[tuple[str, int, int], ...] = (("mha", 4, 4), ("gqa4", 8, 2), ("gqa8", 16, 2), ("mqa", 8, 1))
 HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 V_HEAD_DIMS: tuple[tuple[int, int], ...] = ((128, 64), (64, 128), (192, 128))
@@ -375,6 +378,10 @@ def gen_long() -> list[Case]:
     out.append(_case("long", scenario("mixed_long"), "float32", 16, shape=LONG_SHAPE))
     out.append(_case("long", scenario("decode_long"), "float32", 16, "sinks", shape=LONG_SHAPE,
                      features=Features(sinks=True)))
+    # window + sinks over a long extend at 32 heads: 700 queries x 1700 visible keys of float32 scores
+    # per head exceed a 64 MiB chunk, so a later chunk's first visible key sits past the window's edge
+    out.append(_case("long", scenario("extend_long"), "float32", 16, "window1000_sinks", shape=WIDE_SHAPE,
+                     features=Features(sliding_window=1000, sinks=True)))
     out.append(_case("long", scenario("decode_long"), "float32", 64, "no_save", shape=LONG_SHAPE,
                      save_kv_cache=False))
     return out
