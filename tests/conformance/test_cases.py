@@ -11,7 +11,8 @@ from attnplug.testing.tolerances import TOLERANCES, tolerance_for
 
 EVERYTHING = Capabilities(v_head_dim_differs=True, sliding_window=True, logit_softcap=True, sinks=True,
                           cross_attention=True, speculative_verify=True, draft_extend=True, deterministic=True,
-                          kv_cache_dtypes=("float32", "float16", "bfloat16"))
+                          kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
+                          kv_layouts=None)
 
 
 def _all_cases(caps: Capabilities) -> list[C.Case]:
@@ -48,11 +49,28 @@ def test_unclaimed_features_are_skipped_with_the_cores_reason() -> None:
         "forward mode draft_extend is not claimed",
         "deterministic (batch-invariant) output is not claimed",
         "dtype=float16 (supported: float32)",
-        "page_size=64 (supported: 16)",
         "head_dim=256 (supported: 64, 128)",
+        "kv_cache_dtype=float8_e4m3fn (supported: float32)",
     ):
         assert any(r and r.startswith("not claimed by mine: ") and expected in r for r in got), expected
     assert all(r is None or r.startswith(C.NOT_CLAIMED + " mine: ") for r in got)
+    # a page size is never a reason to skip: a case written for another one runs at a claimed one
+    assert not any(r and "page_size" in r for r in got)
+
+
+def test_cases_run_at_a_claimed_page_size_and_in_the_first_declared_layout() -> None:
+    caps = Capabilities(page_sizes=(32, 64), kv_layouts=("toy", "nhd"))
+    mode = C.cases_for("mode", caps)
+    assert {c.page_size for c in mode} == {32, 64}
+    moved = [c for c in mode if c.id.endswith("~ps32")]
+    assert moved and all(c.page_size == 32 for c in moved)  # 1 and 16 -> the smallest larger claimed one
+    assert all(c.kv_layout == "toy" for c in mode)
+    mid = [c for c in moved if c.scenario.name == "extend_prefix_midpage"]
+    assert mid and all(p % 32 for p in mid[0].scenario.prefix if p)  # the prefix still ends mid-page
+    layouts = C.cases_for("kv_layout", caps)
+    assert layouts and {c.kv_layout for c in layouts} == {"nhd"}  # the further declared layout
+    assert {c.kv_layout for c in C.cases_for("kv_layout", EVERYTHING)} == {"hnd"}  # reads any: the core's other
+    assert C.cases_for("kv_layout", Capabilities()) == []
 
 
 def test_every_skip_reason_is_the_cores_verdict() -> None:
