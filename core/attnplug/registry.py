@@ -55,7 +55,7 @@ from .errors import (
 )
 from .host import HostInfo, detect_host
 from .isolation import call_plugin, echo_output, output_note
-from .kvlayout import BUILTIN_LAYOUTS, KVLayout
+from .kvlayout import BUILTIN_LAYOUTS, KVLayout, builtin_layout
 from .stamps import stamp
 
 __all__ = [
@@ -451,7 +451,7 @@ class Registry:
     def kv_layout(self, name: str) -> KVLayout:
         """The ``KVLayout`` called ``name`` (the core's, or a plugin's, imported on first use)."""
         if name in BUILTIN_LAYOUTS:
-            return BUILTIN_LAYOUTS[name]()
+            return builtin_layout(name)
         if name in self._layouts:
             return self._layouts[name]
         if name in self.layout_conflicts:

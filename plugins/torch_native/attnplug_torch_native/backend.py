@@ -107,7 +107,7 @@ class _Rows:
         self.dim = cache.head_dim if which == 0 else cache.v_head_dim
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def read(self, index: torch.Tensor, width: int) -> torch.Tensor:
         """Rows ``index`` of the ``[-1, width]`` view a token-major buffer would have (``width`` =
@@ -508,7 +508,7 @@ class TorchNativeBackend(PagedBackend):
             if n == 0:  # empty encoder: nothing visible, the output is zero
                 out[t0:t0 + e].zero_()
                 continue
-            esz = torch.empty((), dtype=cd).element_size()
+            esz = cd.itemsize
             self.check_workspace(n * Hkv * (D + Dv) * (esz + kb.element_size()),
                                  f"keys and values of request {i} ({n} tokens)")
             K = self._assemble("ext.k", kb, r2t[row, lo:p] if not cross else r2t[row, :cached],
