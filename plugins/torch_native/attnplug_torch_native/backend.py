@@ -67,15 +67,17 @@ chunked by the same bound.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from attnplug import ForwardMode, PagedBackend
+from attnplug import BackendUnavailableError, ForwardMode, PagedBackend
 
-from . import CAPABILITIES, NAME
+from . import CAPABILITIES, NAME, fused
 
 #: Gathered K bytes per decode block on CPU: small enough to stay in cache between the gather
 #: and the matmuls reading it, large enough to keep the number of ops per layer low.
@@ -85,6 +87,8 @@ DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
 
 _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
+#: query (and unquantized cache) dtypes the fused decode kernel takes
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Rows:
@@ -120,8 +124,18 @@ class _Rows:
 
 
 def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
-    """Factory named by the descriptor: ``(effective_name, backend)``."""
-    return NAME, TorchNativeBackend(ctx)
+    """Factory named by the descriptor: ``(effective_name, backend)``.
+
+    ``$ATTNPLUG_TORCH_NATIVE_FUSED`` (``auto``, the default; ``on``; ``off``) sets the
+    ``fused_decode`` knob of backends built through the registry.
+    """
+    mode = fused.parse_mode(os.environ.get(fused.ENV), f"${fused.ENV}")
+    return NAME, TorchNativeBackend(ctx, fused_decode=mode)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dimension contiguous (what the fused kernel indexes), copied only if needed."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class Workspace:
@@ -199,7 +213,7 @@ class ForwardMeta:
         if self.mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
             self.custom_mask = batch.spec_custom_mask.to(device=cache.device, dtype=torch.bool)
         self._cache = cache
-        self._plans: dict[Any, list[_Block]] = {}
+        self._plans: dict[Any, Any] = {}
 
     def decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
                     head_major: bool) -> list[_Block]:
@@ -210,18 +224,32 @@ class ForwardMeta:
             plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes, head_major)
         return plan
 
+    def _spans(self, window: int | None, cross: bool) -> tuple[list[int], list[int], list[int]]:
+        """Per request: the first position read from the cache, the cached keys read, and the
+        keys in all (the new one included; cross-attention has none)."""
+        B = len(self.rows)
+        if cross:
+            cached = list(self.enc or [0] * B)
+            return [0] * B, cached, cached
+        start = [0 if window is None else max(0, p - window) for p in self.prefix]
+        cached = [p - s0 for p, s0 in zip(self.prefix, start)]
+        return start, cached, [c + 1 for c in cached]
+
+    def fused_plan(self, window: int | None, cross: bool) -> tuple[torch.Tensor, int]:
+        """The fused decode kernel's ``[B, 3]`` int64 plan (req_to_token row, first position,
+        cached keys) and the most keys of any request; built on the first layer, then shared."""
+        key = ("fused", window, cross)
+        plan = self._plans.get(key)
+        if plan is None:
+            start, cached, total = self._spans(window, cross)
+            table = torch.tensor([list(t) for t in zip(self.rows, start, cached)], dtype=torch.int64).reshape(-1, 3)
+            plan = self._plans[key] = (table, max(total, default=0))
+        return plan
+
     def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
                            head_major: bool) -> list[_Block]:
         B = len(self.rows)
-        # per request: first position read from the cache, cached keys, total keys (new one included)
-        if cross:
-            start = [0] * B
-            cached = list(self.enc or [0] * B)
-            total = cached
-        else:
-            start = [0 if window is None else max(0, p - window) for p in self.prefix]
-            cached = [p - s0 for p, s0 in zip(self.prefix, start)]
-            total = [c + 1 for c in cached]
+        start, cached, total = self._spans(window, cross)
         blocks: list[_Block] = []
         Hkv = self._cache.num_kv_heads
         b0 = 0
@@ -302,8 +330,23 @@ class TorchNativeBackend(PagedBackend):
     new_kv_source = "args"
 
     def __init__(self, ctx: Any, decode_block_bytes: int | None | str = "auto",
-                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES) -> None:
+                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES, fused_decode: str = "auto") -> None:
         super().__init__(ctx)
+        #: ``"auto"``: decode through the fused CPU kernel (``fused.py``) where it is built and the
+        #: layer fits it, else the eager path; ``"on"``: the same, but refuse to build without the
+        #: kernel; ``"off"``: eager only
+        self.fused_decode = fused.parse_mode(fused_decode, "fused_decode")
+        self._fused: Any = None
+        if self.fused_decode == "off":
+            #: why decode is not fused (``None`` when it is, for every layer that fits the kernel)
+            self.fused_reason: str | None = "fused_decode='off'"
+        elif self.device.type != "cpu":
+            self.fused_reason = f"the fused decode kernel runs on CPU only (this backend is on {self.device.type})"
+        else:
+            self._fused, self.fused_reason = fused.load()
+        if self.fused_decode == "on" and self._fused is None:
+            raise BackendUnavailableError(NAME, [f"fused_decode='on': {self.fused_reason}"],
+                                          "fused_decode='auto' falls back to the eager decode")
         if decode_block_bytes == "auto":
             decode_block_bytes = DEFAULT_DECODE_BLOCK_BYTES if self.device.type == "cpu" else None
         #: gathered K bytes per decode block (``None``: the whole batch in one block)
@@ -364,6 +407,10 @@ class TorchNativeBackend(PagedBackend):
 
     # -- decode: blocks of requests ------------------------------------------
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
+        if self._fused is not None:
+            out = self._decode_fused(q, k, v, layer, meta)
+            if out is not None:
+                return out
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
@@ -435,6 +482,81 @@ class TorchNativeBackend(PagedBackend):
                 ob.copy_(O.view(n, hh * G, Dv))
             if blk.empty:
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
+        return out
+
+    # -- decode: the fused CPU kernel -------------------------------------------
+    def fused_fits(self, q: torch.Tensor, layer: Any) -> str | None:
+        """``None`` when the fused kernel takes this layer's decode, else why the eager path runs."""
+        if self._fused is None:
+            return self.fused_reason
+        cache = self.cache
+        if cache.layout.name != "nhd":
+            return f"the fused kernel reads the nhd layout only (this cache: {cache.layout.name})"
+        if q.dtype not in _FUSED_DTYPES:
+            return f"query dtype {q.dtype} (the fused kernel takes float32, bfloat16, float16)"
+        if cache.dtype != q.dtype and not cache.quantized:
+            return f"a {cache.dtype} cache under a {q.dtype} model (the fused kernel reads the model dtype or fp8)"
+        if layer.head_dim % 16 or layer.v_head_dim % 16:
+            return f"head dims {layer.head_dim}/{layer.v_head_dim} (the fused kernel takes multiples of 16)"
+        return None
+
+    def _decode_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta) -> torch.Tensor | None:
+        """Decode through ``csrc/decode.cpp``: every visible row read once, in place. ``None``
+        when the layer does not fit the kernel or its scratch would exceed the workspace limit
+        (the eager path then chunks or refuses)."""
+        if self.fused_fits(q, layer) is not None:
+            return None
+        cache, lid = self.cache, layer.layer_id
+        H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
+        D, Dv = layer.head_dim, layer.v_head_dim
+        cross = layer.is_cross_attention
+        plan, most = meta.fused_plan(None if cross else layer.sliding_window, cross)
+        B = plan.shape[0]
+        threads = torch.get_num_threads()
+        # work items are (request, KV heads): all heads per request unless that leaves threads idle
+        per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
+        npad = -(-max(most, 1) // 16) * 16
+
+        def scratch(hc: int) -> int:
+            return 4 * threads * (hc * G * (npad + D + Dv + 2) + 17 * max(D, Dv))
+
+        if scratch(per_item) > self.max_workspace_bytes:
+            per_item = 1
+            if scratch(1) > self.max_workspace_bytes:
+                return None
+        kc, vc = cache.get_kv(lid)
+        q3 = _unit_stride(q.reshape(B, H, D))
+        out = self.empty_output(q, layer)
+        new_f32 = 0
+        kn = vn = None
+        if not cross:
+            if cache.quantized:  # the new token as the cache stores it, dequantized (float32)
+                k, v = self._stored(layer, k, v)
+                new_f32 = 1
+            else:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            kn, vn = _unit_stride(k.reshape(B, Hkv, D)), _unit_stride(v.reshape(B, Hkv, Dv))
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
+        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)
+        r2t = cache.req_to_token
+        args = fused.DecodeArgs(
+            q3.data_ptr(), q3.stride(0), q3.stride(1),
+            kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
+            0 if kn is None else kn.data_ptr(), 0 if kn is None else kn.stride(0), 0 if kn is None else kn.stride(1),
+            0 if vn is None else vn.data_ptr(), 0 if vn is None else vn.stride(0), 0 if vn is None else vn.stride(1),
+            r2t.data_ptr(), r2t.stride(0), plan.data_ptr(),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            0 if sinks is None else sinks.data_ptr(),
+            fused.dtype_code(q.dtype), fused.dtype_code(cache.dtype), new_f32,
+            B, Hkv, G, D, Dv, per_item, threads,
+            layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
+        )
+        rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
+        if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
+            raise RuntimeError(f"{NAME}: the fused decode kernel refused layer {lid} (code {rc}: "
+                               f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
         return out
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,

@@ -1,0 +1,405 @@
+// Fused paged decode for torch_native on CPU: gather + attention in one pass over the cache.
+//
+// Built at first use by attnplug_torch_native/fused.py (g++ -O3 -march=native -fopenmp, cached
+// per machine) and called through ctypes; nothing here includes a torch header. The semantics
+// are the eager decode's (backend.py): per request, the visible cached keys are positions
+// start .. start+ncached-1 read through req_to_token, then (self-attention) the new token from
+// the arguments; nothing else of the cache is read. Scores, softmax and the value sum are
+// float32 whatever the storage dtype (bf16 / fp16 / fp8 rows are widened in registers, one
+// 16-key block at a time, never the whole K/V); the output is rounded once to the query dtype.
+//
+// Work items are (request, range of KV heads); a thread walks its request's keys once for K and
+// once for V, reading each key's row for all the item's heads together (one contiguous run of
+// the nhd cache: page-scattered rows stay cheap), and prefetches the rows two keys ahead.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int W = 16;   // floats per vector
+constexpr int KB = 16;  // keys per block
+constexpr int PF = 2;   // prefetch distance, in keys
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint8_t vb __attribute__((vector_size(16)));
+typedef _Float16 vhf __attribute__((vector_size(32)));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf bits(vu u) { vf f; std::memcpy(&f, &u, sizeof f); return f; }
+
+// ---- storage types: load 16 values as float32, store one float32 ----------------------------
+struct F32 {
+  typedef float T;
+  static vf load(const T* p) { return loadf(p); }
+  static float one(const T* p) { return *p; }
+  static void put(T* p, float x) { *p = x; }
+};
+struct BF16 {
+  typedef uint16_t T;
+  static vf load(const T* p) { vh h; std::memcpy(&h, p, sizeof h); return bits(__builtin_convertvector(h, vu) << 16); }
+  static float one(const T* p) { uint32_t u = uint32_t(*p) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  static void put(T* p, float x) {  // round to nearest even; NaN stays NaN
+    uint32_t u; std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *p = uint16_t((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = uint16_t(u >> 16);
+  }
+};
+struct F16 {
+  typedef _Float16 T;
+  static vf load(const T* p) { vhf h; std::memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vf); }
+  static float one(const T* p) { return float(*p); }
+  static void put(T* p, float x) { *p = T(x); }
+};
+struct E5M2 {  // the top byte of an IEEE half
+  typedef uint8_t T;
+  static vf load(const T* p) {
+    vb b; std::memcpy(&b, p, sizeof b);
+    vh h = __builtin_convertvector(b, vh) << 8;
+    vhf f; std::memcpy(&f, &h, sizeof f);
+    return __builtin_convertvector(f, vf);
+  }
+};
+struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+  typedef uint8_t T;
+  static vf load(const T* p) {
+    vb b; std::memcpy(&b, p, sizeof b);
+    vu u = __builtin_convertvector(b, vu);
+    vu sign = (u & 0x80u) << 24, e = (u >> 3) & 0xfu, m = u & 0x7u;
+    vf normal = bits(sign | ((e + 120u) << 23) | (m << 20));
+    vf sub = __builtin_convertvector(__builtin_convertvector(m, vi), vf) * (1.0f / 512.0f);
+    sub = bits(bits_of(sub) | sign);
+    vf r = e == 0u ? sub : normal;
+    return (u & 0x7fu) == 0x7fu ? splat(NAN) : r;
+  }
+  static vu bits_of(vf f) { vu u; std::memcpy(&u, &f, sizeof u); return u; }
+};
+
+// ---- float32 helpers -----------------------------------------------------------------------
+inline float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// lane j of the result = the sum of a[j]'s lanes (a transpose-and-add tree: 15 adds, 30 shuffles)
+inline vf reduce16(const vf* a) {
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp(x) for x <= 0 (and NaN): Cephes' polynomial on the reduced argument, 2^n by exponent bits;
+// below -87 (e^-87 < 2^-125: nothing next to the row maximum's 1) it is 0, -inf included
+inline vf vexp(vf x) {
+  vf xc = x < splat(-87.0f) ? splat(-87.0f) : x;
+  vf t = xc * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  n = n > t ? n - 1.0f : n;  // floor
+  vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vu e = __builtin_convertvector(__builtin_convertvector(n, vi) + 127, vu) << 23;
+  vf res = p * bits(e);
+  res = x < splat(-87.0f) ? splat(0.0f) : res;
+  return x == x ? res : x;
+}
+
+// one thread's scratch, grown on demand and kept (OpenMP threads persist between calls)
+struct Scratch {
+  float* p = nullptr;
+  size_t n = 0;
+  float* get(size_t want) {
+    if (want > n) {
+      std::free(p);
+      n = want + want / 2;
+      p = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
+    }
+    return p;
+  }
+};
+thread_local Scratch tl_scores, tl_misc;
+
+}  // namespace
+
+extern "C" {
+
+// Field order and types are mirrored by fused.py's ctypes Structure: change both together.
+struct DecodeArgs {
+  const void* q; int64_t q_sb, q_sh;        // query [B, Hkv*G, D] (strides in elements)
+  const void* k; int64_t k_ss, k_sh;        // cache K [slots, Hkv, D]
+  const void* v; int64_t v_ss, v_sh;        // cache V [slots, Hkv, Dv]
+  const void* kn; int64_t kn_sb, kn_sh;     // the new token's K [B, Hkv, D] in the query dtype (null: none)
+  const void* vn; int64_t vn_sb, vn_sh;
+  const int64_t* r2t; int64_t r2t_s;        // req_to_token
+  const int64_t* plan;                      // [B, 3]: req_to_token row, first position, cached keys
+  void* o; int64_t o_sb, o_sh;              // output [B, Hkv*G, Dv]
+  const float* sinks;                       // [Hkv*G] or null
+  int32_t q_dtype, kv_dtype;                // 0 f32, 1 bf16, 2 f16; kv also 3 e4m3fn, 4 e5m2
+  int32_t new_f32;                          // 1: kn/vn are float32 (an fp8 cache's dequantized new token)
+  int32_t B, Hkv, G, D, Dv;
+  int32_t heads_per_item, nthreads;
+  float scale, cap, k_scale, v_scale;       // cap 0: none; k/v_scale multiply stored cache values
+};
+
+}  // extern "C"
+
+namespace {
+
+// Scores of one query row against KB keys' rows: lane j = q . row j (DC vectors per row; DC = 0:
+// the count is `chunks`, known only at run time).
+template <int DC>
+inline vf scores(const float* qr, const float* const* rp, int chunks) {
+  vf part[KB];
+  if constexpr (DC > 0) {
+    vf qv[DC];
+    for (int c = 0; c < DC; ++c) qv[c] = loadf(qr + c * W);
+    for (int j = 0; j < KB; ++j) {
+      vf s = qv[0] * loadf(rp[j]);
+      for (int c = 1; c < DC; ++c) s += qv[c] * loadf(rp[j] + c * W);
+      part[j] = s;
+    }
+  } else {
+    for (int j = 0; j < KB; ++j) {
+      vf s = vf{};
+      for (int c = 0; c < chunks; ++c) s += loadf(qr + c * W) * loadf(rp[j] + c * W);
+      part[j] = s;
+    }
+  }
+  return reduce16(part);
+}
+
+// acc[g][c] += sum over KB keys j of p[g][j] * row_j[c], for GN rows x CN vectors held in registers
+template <int GN, int CN>
+inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_stride, const float* const* rp, int col) {
+  vf t[GN][CN];
+  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) t[g][c] = loadf(acc + g * acc_stride + c * W);
+  for (int j = 0; j < KB; ++j) {
+    vf x[CN];
+    for (int c = 0; c < CN; ++c) x[c] = loadf(rp[j] + col + c * W);
+    for (int g = 0; g < GN; ++g) {
+      const vf pj = splat(p[g * p_stride + j]);
+      for (int c = 0; c < CN; ++c) t[g][c] += pj * x[c];
+    }
+  }
+  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
+}
+
+inline float hmax16(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v8 a = a0 > a1 ? a0 : a1;
+  v4 b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v4 b = b0 > b1 ? b0 : b1;
+  float m0 = b[0] > b[1] ? b[0] : b[1], m1 = b[2] > b[3] ? b[2] : b[3];
+  return m0 > m1 ? m0 : m1;
+}
+
+// Pointers to KB keys' rows of head h, as float32: rows of a float32 cache are read in place;
+// others are widened (stored * scale) into dst[j][dim]. Keys past the end point at zeros. Rows from
+// the cache use KV, the new token's row Q. Each row read prefetches the same head's row KB keys on.
+template <class Q, class KV>
+void block_rows(const float** out, float* dst, const float* zeros, const typename KV::T* cache, int64_t c_ss,
+                int64_t c_sh, const typename Q::T* nw, int64_t n_sh, const int64_t* slots, int64_t j0, int64_t nc,
+                int64_t n, int h, int dim, float scale, bool new_f32) {
+  const int chunks = dim / W;
+  const int64_t row_bytes = int64_t(dim) * int64_t(sizeof(typename KV::T));
+  for (int j = 0; j < KB; ++j) {
+    const int64_t key = j0 + j;
+    float* d = dst + int64_t(j) * dim;
+    if (key + KB < nc) {
+      const char* p = reinterpret_cast<const char*>(cache + slots[key + KB] * c_ss + h * c_sh);
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+    }
+    if (key >= n) {
+      out[j] = zeros;
+    } else if (key < nc) {
+      const typename KV::T* s = cache + slots[key] * c_ss + h * c_sh;
+      if constexpr (std::is_same<KV, F32>::value) {
+        if (scale == 1.0f) { out[j] = s; continue; }
+      }
+      if (scale == 1.0f) for (int c = 0; c < chunks; ++c) storef(d + c * W, KV::load(s + c * W));
+      else for (int c = 0; c < chunks; ++c) storef(d + c * W, KV::load(s + c * W) * scale);
+      out[j] = d;
+    } else if (new_f32) {
+      out[j] = reinterpret_cast<const float*>(nw) + h * n_sh;
+    } else {
+      const typename Q::T* s = nw + h * n_sh;
+      if constexpr (std::is_same<Q, F32>::value) { out[j] = s; continue; }
+      for (int c = 0; c < chunks; ++c) storef(d + c * W, Q::load(s + c * W));
+      out[j] = d;
+    }
+  }
+}
+
+template <class Q, class KV, int DC>
+void run(const DecodeArgs& a) {
+  typedef typename Q::T QT;
+  typedef typename KV::T KT;
+  const QT* q = static_cast<const QT*>(a.q);
+  const KT* K = static_cast<const KT*>(a.k);
+  const KT* V = static_cast<const KT*>(a.v);
+  // the new token's rows: typed QT, or float32 when new_f32 (block_rows casts them back)
+  const QT* KN = static_cast<const QT*>(a.kn);
+  const QT* VN = static_cast<const QT*>(a.vn);
+  QT* O = static_cast<QT*>(a.o);
+  const int G = a.G, D = a.D, Dv = a.Dv, HC = a.heads_per_item;
+  const int NH = (a.Hkv + HC - 1) / HC;
+  int64_t maxn = 1;
+  for (int b = 0; b < a.B; ++b) {
+    int64_t n = a.plan[3 * b + 2] + (KN ? 1 : 0);
+    if (n > maxn) maxn = n;
+  }
+  const int64_t npad_max = (maxn + KB - 1) / KB * KB;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
+  for (int64_t it = 0; it < int64_t(a.B) * NH; ++it) {
+    const int b = int(it / NH), h0 = int(it % NH) * HC, h1 = h0 + HC < a.Hkv ? h0 + HC : a.Hkv;
+    const int nh = h1 - h0, R = nh * G;  // the item's query rows: r = (h - h0) * G + g
+    const int64_t row = a.plan[3 * b], start = a.plan[3 * b + 1], nc = a.plan[3 * b + 2];
+    const int64_t n = nc + (KN ? 1 : 0);
+    QT* out = O + b * a.o_sb + int64_t(h0) * G * a.o_sh;
+    if (n == 0) {  // nothing visible (an empty encoder): zeros, sinks or not
+      for (int r = 0; r < R; ++r) for (int d = 0; d < Dv; ++d) Q::put(out + r * a.o_sh + d, 0.0f);
+      continue;
+    }
+    const int64_t npad = (n + KB - 1) / KB * KB;
+    const int dmax = D > Dv ? D : Dv;
+    float* sc = tl_scores.get(size_t(R) * npad_max);          // [R][npad] scores, then exp(s - m)
+    float* misc = tl_misc.get(size_t(R) * (D + Dv + 2) + size_t(KB + 1) * dmax);
+    float* qf = misc;                                        // [R][D] queries, scaled
+    float* acc = qf + size_t(R) * D;                         // [R][Dv]
+    float* mx = acc + size_t(R) * Dv;                        // [R]
+    float* den = mx + R;                                     // [R]
+    float* rows = den + R;                                   // [KB][dmax]: one head's widened rows
+    float* zeros = rows + size_t(KB) * dmax;                 // [dmax]
+    std::memset(zeros, 0, sizeof(float) * dmax);
+    const float* rp[KB];
+    for (int r = 0; r < R; ++r) {
+      const QT* qp = q + b * a.q_sb + int64_t(h0 * G + r) * a.q_sh;
+      for (int c = 0; c < D / W; ++c) storef(qf + r * D + c * W, Q::load(qp + c * W) * a.scale);
+      mx[r] = -INFINITY;
+    }
+    const int64_t* slots = a.r2t + row * a.r2t_s + start;
+    // kn_sb / vn_sb count elements of the new rows' own dtype (float32 when new_f32)
+    const int64_t esz = a.new_f32 ? int64_t(sizeof(float)) : int64_t(sizeof(QT));
+    const QT* kn = KN ? reinterpret_cast<const QT*>(reinterpret_cast<const char*>(KN) + b * a.kn_sb * esz) : nullptr;
+    const QT* vn = VN ? reinterpret_cast<const QT*>(reinterpret_cast<const char*>(VN) + b * a.vn_sb * esz) : nullptr;
+
+    // pass 1: scores, a block of KB keys and one head at a time
+    for (int64_t j0 = 0; j0 < n; j0 += KB) {
+      for (int h = h0; h < h1; ++h) {
+        block_rows<Q, KV>(rp, rows, zeros, K, a.k_ss, a.k_sh, kn, a.kn_sh, slots, j0, nc, n, h, D, a.k_scale, a.new_f32 != 0);
+        for (int g = 0; g < G; ++g) {
+          const int r = (h - h0) * G + g;
+          const float* qr = qf + r * D;
+          vf s = scores<DC>(qr, rp, D / W);
+          if (a.cap > 0.0f) for (int j = 0; j < KB; ++j) s[j] = a.cap * std::tanh(s[j] / a.cap);
+          if (j0 + KB > n) for (int j = int(n - j0); j < KB; ++j) s[j] = -INFINITY;
+          storef(sc + r * npad + j0, s);
+          float m = hmax16(s);
+          mx[r] = m > mx[r] ? m : mx[r];
+        }
+      }
+    }
+    // softmax numerators and denominators (a sink adds exp(sink - m) to the denominator only)
+    for (int r = 0; r < R; ++r) {
+      float m = mx[r];
+      const float sink = a.sinks ? a.sinks[h0 * G + r] : -INFINITY;
+      if (a.sinks && sink > m) m = sink;
+      if (std::isinf(m)) m = 0.0f;
+      float* s = sc + r * npad;
+      vf sum = vf{};
+      for (int64_t j = 0; j < npad; j += W) {
+        vf x = vexp(loadf(s + j) - m);
+        storef(s + j, x);
+        sum += x;
+      }
+      den[r] = hsum(sum) + (a.sinks ? std::exp(sink - m) : 0.0f);
+    }
+    // pass 2: the probability-weighted sum of V, register tiles of 4 rows x 4 vectors
+    std::memset(acc, 0, sizeof(float) * R * Dv);
+    for (int64_t j0 = 0; j0 < n; j0 += KB) {
+      for (int h = h0; h < h1; ++h) {
+        block_rows<Q, KV>(rp, rows, zeros, V, a.v_ss, a.v_sh, vn, a.vn_sh, slots, j0, nc, n, h, Dv, a.v_scale, a.new_f32 != 0);
+        const int hr = (h - h0) * G;
+        int g0 = 0;
+        for (; g0 + 4 <= G; g0 += 4) {
+          int c0 = 0;
+          for (; c0 + 4 <= Dv / W; c0 += 4) accumulate<4, 4>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+          for (; c0 < Dv / W; ++c0) accumulate<4, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+        }
+        for (; g0 < G; ++g0) {
+          int c0 = 0;
+          for (; c0 + 4 <= Dv / W; c0 += 4) accumulate<1, 4>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+          for (; c0 < Dv / W; ++c0) accumulate<1, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float inv = 1.0f / den[r];
+      for (int d = 0; d < Dv; ++d) Q::put(out + r * a.o_sh + d, acc[r * Dv + d] * inv);
+    }
+  }
+}
+
+template <class Q, class KV>
+void dispatch_dim(const DecodeArgs& a) {  // head dims 64 and 128 get unrolled score loops
+  if (a.D == 64) run<Q, KV, 4>(a);
+  else if (a.D == 128) run<Q, KV, 8>(a);
+  else run<Q, KV, 0>(a);
+}
+
+template <class Q>
+int dispatch_kv(const DecodeArgs& a) {
+  if (a.kv_dtype == a.q_dtype) { dispatch_dim<Q, Q>(a); return 0; }
+  if (a.kv_dtype == 3) { dispatch_dim<Q, E4M3>(a); return 0; }
+  if (a.kv_dtype == 4) { dispatch_dim<Q, E5M2>(a); return 0; }
+  return 2;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: done; 1: a shape this kernel does not take; 2: a dtype pairing it does not take
+int attnplug_fused_decode(const DecodeArgs* a) {
+  if (a->D % W || a->Dv % W || a->D <= 0 || a->Dv <= 0 || a->G <= 0 || a->heads_per_item <= 0) return 1;
+  switch (a->q_dtype) {
+    case 0: return dispatch_kv<F32>(*a);
+    case 1: return dispatch_kv<BF16>(*a);
+    case 2: return dispatch_kv<F16>(*a);
+    default: return 2;
+  }
+}
+
+// the struct size, checked against the ctypes mirror when the library is loaded
+int64_t attnplug_fused_decode_args_size(void) { return int64_t(sizeof(DecodeArgs)); }
+
+}  // extern "C"
