@@ -148,6 +148,8 @@ def load() -> tuple[Any, str | None]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the fused decode kernel is built for x86-64 Linux only (this is {platform.system()} " \
                      f"{platform.machine()})"
+    if not SOURCE.is_file():
+        return None, f"the fused decode kernel's source {SOURCE} is missing (an incomplete install of attnplug-torch-native)"
     cxx = compiler()
     if cxx is None:
         return None, ("no C++ compiler found ($CXX, g++ or c++ on PATH) to build the fused decode kernel; "
