@@ -84,6 +84,11 @@ from . import CAPABILITIES, NAME, fused
 DEFAULT_DECODE_BLOCK_BYTES = 4 << 20
 #: Bound on one extend query chunk's mask / float32 scores.
 DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
+#: In the extend modes, requests with at most this many new tokens go through the fused kernel
+#: (target-verify drafts, a mixed batch's decode requests); longer ones through SDPA.
+FUSED_MAX_QUERIES = 8
+#: Per-thread scratch the fused kernel aims under (it takes fewer KV heads per work item to fit).
+FUSED_SCRATCH_BYTES = 8 << 20
 
 _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
@@ -233,17 +238,30 @@ class ForwardMeta:
             return [0] * B, cached, cached
         start = [0 if window is None else max(0, p - window) for p in self.prefix]
         cached = [p - s0 for p, s0 in zip(self.prefix, start)]
-        return start, cached, [c + 1 for c in cached]
+        return start, cached, [c + e for c, e in zip(cached, self.ext)]
 
-    def fused_plan(self, window: int | None, cross: bool) -> tuple[torch.Tensor, int]:
-        """The fused decode kernel's ``[B, 3]`` int64 plan (req_to_token row, first position,
-        cached keys) and the most keys of any request; built on the first layer, then shared."""
+    def fused_requests(self) -> tuple[int, ...]:
+        """The requests the fused kernel takes in this forward: every one in decode; in the
+        extend modes those with 1 to ``FUSED_MAX_QUERIES`` new tokens (target-verify drafts,
+        decode requests of a mixed batch), whose queries are too few for a matmul to pay."""
+        if self.mode is ForwardMode.DECODE:
+            return tuple(range(len(self.rows)))
+        return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
+
+    def fused_plan(self, window: int | None, cross: bool) -> tuple[torch.Tensor, int, int]:
+        """The fused kernel's ``[n, 6]`` int64 plan of ``fused_requests()`` (req_to_token row,
+        first cached position read, cached keys read, first token, tokens, position of the first
+        token), the most keys and the most queries of any of them; built on the first layer,
+        then shared."""
         key = ("fused", window, cross)
         plan = self._plans.get(key)
         if plan is None:
             start, cached, total = self._spans(window, cross)
-            table = torch.tensor([list(t) for t in zip(self.rows, start, cached)], dtype=torch.int64).reshape(-1, 3)
-            plan = self._plans[key] = (table, max(total, default=0))
+            reqs = self.fused_requests()
+            table = torch.tensor([[self.rows[i], start[i], cached[i], self.q_off[i], self.ext[i], self.prefix[i]]
+                                  for i in reqs], dtype=torch.int64).reshape(-1, 6)
+            keys = [cached[i] + (0 if cross else self.ext[i]) for i in reqs]
+            plan = self._plans[key] = (table, max(keys, default=0), max((self.ext[i] for i in reqs), default=0))
         return plan
 
     def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
@@ -408,8 +426,8 @@ class TorchNativeBackend(PagedBackend):
     # -- decode: blocks of requests ------------------------------------------
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
         if self._fused is not None:
-            out = self._decode_fused(q, k, v, layer, meta)
-            if out is not None:
+            out = self.empty_output(q, layer)
+            if self._attend_fused(q, k, v, layer, meta, out):
                 return out
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
@@ -500,64 +518,74 @@ class TorchNativeBackend(PagedBackend):
             return f"head dims {layer.head_dim}/{layer.v_head_dim} (the fused kernel takes multiples of 16)"
         return None
 
-    def _decode_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta) -> torch.Tensor | None:
-        """Decode through ``csrc/decode.cpp``: every visible row read once, in place. ``None``
-        when the layer does not fit the kernel or its scratch would exceed the workspace limit
-        (the eager path then chunks or refuses)."""
+    def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
+                      out: torch.Tensor) -> bool:
+        """Attend ``meta.fused_requests()`` through ``csrc/decode.cpp`` into their rows of ``out``:
+        every visible row read once, in place. ``False`` (nothing written) when the layer does not
+        fit the kernel or its scratch would exceed the workspace limit (the eager path then
+        chunks or refuses)."""
         if self.fused_fits(q, layer) is not None:
-            return None
+            return False
         cache, lid = self.cache, layer.layer_id
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
-        plan, most = meta.fused_plan(None if cross else layer.sliding_window, cross)
+        plan, most_keys, most_q = meta.fused_plan(None if cross else layer.sliding_window, cross)
         B = plan.shape[0]
+        if B == 0:
+            return True
         threads = torch.get_num_threads()
         # work items are (request, KV heads): all heads per request unless that leaves threads idle
         per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
-        npad = -(-max(most, 1) // 16) * 16
+        npad = -(-max(most_keys, 1) // 16) * 16
 
-        def scratch(hc: int) -> int:
-            return 4 * threads * (hc * G * (npad + D + Dv + 2) + 17 * max(D, Dv))
+        def scratch(hc: int) -> int:  # per thread: scores, queries, sums; one block of rows
+            return 4 * threads * (hc * most_q * G * (npad + D + Dv + 2) + 17 * max(D, Dv))
 
+        while per_item > 1 and scratch(per_item) > min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES):
+            per_item = (per_item + 1) // 2
         if scratch(per_item) > self.max_workspace_bytes:
-            per_item = 1
-            if scratch(1) > self.max_workspace_bytes:
-                return None
+            return False
         kc, vc = cache.get_kv(lid)
-        q3 = _unit_stride(q.reshape(B, H, D))
-        out = self.empty_output(q, layer)
+        T = q.shape[0]
+        q3 = _unit_stride(q.reshape(T, H, D))
         new_f32 = 0
         kn = vn = None
         if not cross:
-            if cache.quantized:  # the new token as the cache stores it, dequantized (float32)
+            if cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
                 k, v = self._stored(layer, k, v)
                 new_f32 = 1
             else:
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            kn, vn = _unit_stride(k.reshape(B, Hkv, D)), _unit_stride(v.reshape(B, Hkv, Dv))
+            kn, vn = _unit_stride(k.reshape(T, Hkv, D)), _unit_stride(v.reshape(T, Hkv, Dv))
+        mask = None
+        if meta.custom_mask is not None and not cross:
+            mask = meta.custom_mask[list(meta.fused_requests())].contiguous()
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
         ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)
         r2t = cache.req_to_token
+        window = -1 if cross or layer.sliding_window is None else int(layer.sliding_window)
         args = fused.DecodeArgs(
             q3.data_ptr(), q3.stride(0), q3.stride(1),
             kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
             0 if kn is None else kn.data_ptr(), 0 if kn is None else kn.stride(0), 0 if kn is None else kn.stride(1),
             0 if vn is None else vn.data_ptr(), 0 if vn is None else vn.stride(0), 0 if vn is None else vn.stride(1),
             r2t.data_ptr(), r2t.stride(0), plan.data_ptr(),
+            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+            0 if mask is None else mask.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
             0 if sinks is None else sinks.data_ptr(),
             fused.dtype_code(q.dtype), fused.dtype_code(cache.dtype), new_f32,
-            B, Hkv, G, D, Dv, per_item, threads,
+            B, Hkv, G, D, Dv, window, per_item, threads,
             layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
         )
         rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
         if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
             raise RuntimeError(f"{NAME}: the fused decode kernel refused layer {lid} (code {rc}: "
                                f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
-        return out
+        return True
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -608,6 +636,9 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
         out = self.empty_output(q, layer)
+        done: frozenset[int] = frozenset()  # requests the fused kernel attended (few new tokens each)
+        if self._fused is not None and self._attend_fused(q, k, v, layer, meta, out):
+            done = frozenset(meta.fused_requests())
         kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
         k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
@@ -618,7 +649,7 @@ class TorchNativeBackend(PagedBackend):
         r2t = self.cache.req_to_token
         for i, row in enumerate(meta.rows):
             e = meta.ext[i]
-            if e == 0:
+            if e == 0 or i in done:
                 continue
             t0, p = meta.q_off[i], meta.prefix[i]
             if cross:

@@ -151,18 +151,22 @@ extern "C" {
 
 // Field order and types are mirrored by fused.py's ctypes Structure: change both together.
 struct DecodeArgs {
-  const void* q; int64_t q_sb, q_sh;        // query [B, Hkv*G, D] (strides in elements)
+  const void* q; int64_t q_st, q_sh;        // queries [T, Hkv*G, D] (strides in elements)
   const void* k; int64_t k_ss, k_sh;        // cache K [slots, Hkv, D]
   const void* v; int64_t v_ss, v_sh;        // cache V [slots, Hkv, Dv]
-  const void* kn; int64_t kn_sb, kn_sh;     // the new token's K [B, Hkv, D] in the query dtype (null: none)
-  const void* vn; int64_t vn_sb, vn_sh;
+  const void* kn; int64_t kn_st, kn_sh;     // this forward's new K [T, Hkv, D] (null: none, cross-attention)
+  const void* vn; int64_t vn_st, vn_sh;
   const int64_t* r2t; int64_t r2t_s;        // req_to_token
-  const int64_t* plan;                      // [B, 3]: req_to_token row, first position, cached keys
-  void* o; int64_t o_sb, o_sh;              // output [B, Hkv*G, Dv]
+  const int64_t* plan;                      // [B, 6] per request: req_to_token row, first cached position
+                                            // read, cached keys read, first token, tokens, position of
+                                            // the first token
+  const uint8_t* mask; int64_t m_sb, m_sq;  // target-verify [B, E, E] (1: query sees draft key), or null
+  void* o; int64_t o_st, o_sh;              // output [T, Hkv*G, Dv]
   const float* sinks;                       // [Hkv*G] or null
   int32_t q_dtype, kv_dtype;                // 0 f32, 1 bf16, 2 f16; kv also 3 e4m3fn, 4 e5m2
-  int32_t new_f32;                          // 1: kn/vn are float32 (an fp8 cache's dequantized new token)
+  int32_t new_f32;                          // 1: kn/vn are float32 (an fp8 cache's dequantized new tokens)
   int32_t B, Hkv, G, D, Dv;
+  int32_t window;                           // sliding window (-1: none): a query at position P sees keys >= P - window
   int32_t heads_per_item, nthreads;
   float scale, cap, k_scale, v_scale;       // cap 0: none; k/v_scale multiply stored cache values
 };
@@ -222,12 +226,14 @@ inline float hmax16(vf v) {
 }
 
 // Pointers to KB keys' rows of head h, as float32: rows of a float32 cache are read in place;
-// others are widened (stored * scale) into dst[j][dim]. Keys past the end point at zeros. Rows from
-// the cache use KV, the new token's row Q. Each row read prefetches the same head's row KB keys on.
+// others are widened (stored * scale) into dst[j][dim]. Keys past the end point at zeros. Keys
+// j < nc are cached (KV rows through slots), key nc + i is new token i (a Q row, or float32 when
+// new_f32, at byte address nw + (i * n_st + h * n_sh) * its size). Each cached row read prefetches
+// the same head's row KB keys on.
 template <class Q, class KV>
 void block_rows(const float** out, float* dst, const float* zeros, const typename KV::T* cache, int64_t c_ss,
-                int64_t c_sh, const typename Q::T* nw, int64_t n_sh, const int64_t* slots, int64_t j0, int64_t nc,
-                int64_t n, int h, int dim, float scale, bool new_f32) {
+                int64_t c_sh, const char* nw, int64_t n_st, int64_t n_sh, bool new_f32, const int64_t* slots,
+                int64_t j0, int64_t nc, int64_t n, int h, int dim, float scale) {
   const int chunks = dim / W;
   const int64_t row_bytes = int64_t(dim) * int64_t(sizeof(typename KV::T));
   for (int j = 0; j < KB; ++j) {
@@ -247,10 +253,10 @@ void block_rows(const float** out, float* dst, const float* zeros, const typenam
       if (scale == 1.0f) for (int c = 0; c < chunks; ++c) storef(d + c * W, KV::load(s + c * W));
       else for (int c = 0; c < chunks; ++c) storef(d + c * W, KV::load(s + c * W) * scale);
       out[j] = d;
-    } else if (new_f32) {
-      out[j] = reinterpret_cast<const float*>(nw) + h * n_sh;
     } else {
-      const typename Q::T* s = nw + h * n_sh;
+      const int64_t off = (key - nc) * n_st + h * n_sh;
+      if (new_f32) { out[j] = reinterpret_cast<const float*>(nw) + off; continue; }
+      const typename Q::T* s = reinterpret_cast<const typename Q::T*>(nw) + off;
       if constexpr (std::is_same<Q, F32>::value) { out[j] = s; continue; }
       for (int c = 0; c < chunks; ++c) storef(d + c * W, Q::load(s + c * W));
       out[j] = d;
@@ -265,34 +271,41 @@ void run(const DecodeArgs& a) {
   const QT* q = static_cast<const QT*>(a.q);
   const KT* K = static_cast<const KT*>(a.k);
   const KT* V = static_cast<const KT*>(a.v);
-  // the new token's rows: typed QT, or float32 when new_f32 (block_rows casts them back)
-  const QT* KN = static_cast<const QT*>(a.kn);
-  const QT* VN = static_cast<const QT*>(a.vn);
   QT* O = static_cast<QT*>(a.o);
   const int G = a.G, D = a.D, Dv = a.Dv, HC = a.heads_per_item;
   const int NH = (a.Hkv + HC - 1) / HC;
-  int64_t maxn = 1;
+  const bool has_new = a.kn != nullptr;
+  const int64_t new_size = a.new_f32 ? int64_t(sizeof(float)) : int64_t(sizeof(QT));
+  int64_t most_keys = 1, most_rows = 1;
   for (int b = 0; b < a.B; ++b) {
-    int64_t n = a.plan[3 * b + 2] + (KN ? 1 : 0);
-    if (n > maxn) maxn = n;
+    const int64_t* pl = a.plan + 6 * b;
+    const int64_t n = pl[2] + (has_new ? pl[4] : 0);
+    if (n > most_keys) most_keys = n;
+    if (pl[4] > most_rows) most_rows = pl[4];
   }
-  const int64_t npad_max = (maxn + KB - 1) / KB * KB;
+  const int64_t npad_max = (most_keys + KB - 1) / KB * KB;
+  const int dmax = D > Dv ? D : Dv;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
   for (int64_t it = 0; it < int64_t(a.B) * NH; ++it) {
     const int b = int(it / NH), h0 = int(it % NH) * HC, h1 = h0 + HC < a.Hkv ? h0 + HC : a.Hkv;
-    const int nh = h1 - h0, R = nh * G;  // the item's query rows: r = (h - h0) * G + g
-    const int64_t row = a.plan[3 * b], start = a.plan[3 * b + 1], nc = a.plan[3 * b + 2];
-    const int64_t n = nc + (KN ? 1 : 0);
-    QT* out = O + b * a.o_sb + int64_t(h0) * G * a.o_sh;
+    const int64_t* pl = a.plan + 6 * b;
+    const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], pos0 = pl[5];
+    const int nq = int(pl[4]);
+    const int nh = h1 - h0, RH = nq * G, R = nh * RH;  // rows r = (h - h0) * RH + query * G + g
+    const int64_t n = nc + (has_new ? nq : 0);
+    auto out_row = [&](int r) {
+      const int hh = r / RH, qi = (r % RH) / G, g = r % G;
+      return O + (t0 + qi) * a.o_st + int64_t((h0 + hh) * G + g) * a.o_sh;
+    };
+    if (nq == 0) continue;
     if (n == 0) {  // nothing visible (an empty encoder): zeros, sinks or not
-      for (int r = 0; r < R; ++r) for (int d = 0; d < Dv; ++d) Q::put(out + r * a.o_sh + d, 0.0f);
+      for (int r = 0; r < R; ++r) { QT* op = out_row(r); for (int d = 0; d < Dv; ++d) Q::put(op + d, 0.0f); }
       continue;
     }
     const int64_t npad = (n + KB - 1) / KB * KB;
-    const int dmax = D > Dv ? D : Dv;
-    float* sc = tl_scores.get(size_t(R) * npad_max);          // [R][npad] scores, then exp(s - m)
-    float* misc = tl_misc.get(size_t(R) * (D + Dv + 2) + size_t(KB + 1) * dmax);
+    float* sc = tl_scores.get(size_t(R) * npad_max);                    // [R][npad] scores, then exp(s - m)
+    float* misc = tl_misc.get(size_t(nh) * most_rows * G * (D + Dv + 2) + size_t(KB + 1) * dmax);
     float* qf = misc;                                        // [R][D] queries, scaled
     float* acc = qf + size_t(R) * D;                         // [R][Dv]
     float* mx = acc + size_t(R) * Dv;                        // [R]
@@ -302,36 +315,53 @@ void run(const DecodeArgs& a) {
     std::memset(zeros, 0, sizeof(float) * dmax);
     const float* rp[KB];
     for (int r = 0; r < R; ++r) {
-      const QT* qp = q + b * a.q_sb + int64_t(h0 * G + r) * a.q_sh;
+      const int hh = r / RH, qi = (r % RH) / G, g = r % G;
+      const QT* qp = q + (t0 + qi) * a.q_st + int64_t((h0 + hh) * G + g) * a.q_sh;
       for (int c = 0; c < D / W; ++c) storef(qf + r * D + c * W, Q::load(qp + c * W) * a.scale);
       mx[r] = -INFINITY;
     }
     const int64_t* slots = a.r2t + row * a.r2t_s + start;
-    // kn_sb / vn_sb count elements of the new rows' own dtype (float32 when new_f32)
-    const int64_t esz = a.new_f32 ? int64_t(sizeof(float)) : int64_t(sizeof(QT));
-    const QT* kn = KN ? reinterpret_cast<const QT*>(reinterpret_cast<const char*>(KN) + b * a.kn_sb * esz) : nullptr;
-    const QT* vn = VN ? reinterpret_cast<const QT*>(reinterpret_cast<const char*>(VN) + b * a.vn_sb * esz) : nullptr;
+    const char* kn = has_new ? static_cast<const char*>(a.kn) + t0 * a.kn_st * new_size : nullptr;
+    const char* vn = has_new ? static_cast<const char*>(a.vn) + t0 * a.vn_st * new_size : nullptr;
+    const uint8_t* mask = a.mask ? a.mask + b * a.m_sb : nullptr;
 
     // pass 1: scores, a block of KB keys and one head at a time
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
       for (int h = h0; h < h1; ++h) {
-        block_rows<Q, KV>(rp, rows, zeros, K, a.k_ss, a.k_sh, kn, a.kn_sh, slots, j0, nc, n, h, D, a.k_scale, a.new_f32 != 0);
-        for (int g = 0; g < G; ++g) {
-          const int r = (h - h0) * G + g;
-          const float* qr = qf + r * D;
-          vf s = scores<DC>(qr, rp, D / W);
-          if (a.cap > 0.0f) for (int j = 0; j < KB; ++j) s[j] = a.cap * std::tanh(s[j] / a.cap);
-          if (j0 + KB > n) for (int j = int(n - j0); j < KB; ++j) s[j] = -INFINITY;
-          storef(sc + r * npad + j0, s);
-          float m = hmax16(s);
-          mx[r] = m > mx[r] ? m : mx[r];
+        block_rows<Q, KV>(rp, rows, zeros, K, a.k_ss, a.k_sh, kn, a.kn_st, a.kn_sh, a.new_f32 != 0, slots, j0, nc,
+                          n, h, D, a.k_scale);
+        for (int qi = 0; qi < nq; ++qi) {
+          // keys a query cannot see in this block: past the end, a new token after it (causal) or
+          // hidden by the target-verify mask, a cached key before its window
+          const int64_t pos = pos0 + qi, lo = a.window >= 0 ? pos - a.window : INT64_MIN;
+          const bool partial = j0 + KB > nc || start + j0 < lo;
+          for (int g = 0; g < G; ++g) {
+            const int r = (h - h0) * RH + qi * G + g;
+            vf s = scores<DC>(qf + r * D, rp, D / W);
+            if (a.cap > 0.0f) for (int j = 0; j < KB; ++j) s[j] = a.cap * std::tanh(s[j] / a.cap);
+            if (partial) {
+              for (int j = 0; j < KB; ++j) {
+                const int64_t key = j0 + j;
+                bool seen;
+                if (key >= n) seen = false;
+                else if (key < nc) seen = start + key >= lo;
+                else seen = key - nc <= qi && pos0 + (key - nc) >= lo && (!mask || mask[qi * a.m_sq + (key - nc)]);
+                if (!seen) s[j] = -INFINITY;
+              }
+            }
+            storef(sc + r * npad + j0, s);
+            const float m = hmax16(s);
+            mx[r] = m > mx[r] ? m : mx[r];
+          }
         }
       }
     }
-    // softmax numerators and denominators (a sink adds exp(sink - m) to the denominator only)
+    // softmax numerators and denominators (a sink adds exp(sink - m) to the denominator only); a
+    // row that sees no key at all outputs zeros, sinks or not
     for (int r = 0; r < R; ++r) {
+      const bool none = mx[r] == -INFINITY;
       float m = mx[r];
-      const float sink = a.sinks ? a.sinks[h0 * G + r] : -INFINITY;
+      const float sink = a.sinks ? a.sinks[h0 * G + (r / RH) * G + r % G] : -INFINITY;
       if (a.sinks && sink > m) m = sink;
       if (std::isinf(m)) m = 0.0f;
       float* s = sc + r * npad;
@@ -341,21 +371,22 @@ void run(const DecodeArgs& a) {
         storef(s + j, x);
         sum += x;
       }
-      den[r] = hsum(sum) + (a.sinks ? std::exp(sink - m) : 0.0f);
+      den[r] = none ? 0.0f : hsum(sum) + (a.sinks ? std::exp(sink - m) : 0.0f);
     }
     // pass 2: the probability-weighted sum of V, register tiles of 4 rows x 4 vectors
     std::memset(acc, 0, sizeof(float) * R * Dv);
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
       for (int h = h0; h < h1; ++h) {
-        block_rows<Q, KV>(rp, rows, zeros, V, a.v_ss, a.v_sh, vn, a.vn_sh, slots, j0, nc, n, h, Dv, a.v_scale, a.new_f32 != 0);
-        const int hr = (h - h0) * G;
+        block_rows<Q, KV>(rp, rows, zeros, V, a.v_ss, a.v_sh, vn, a.vn_st, a.vn_sh, a.new_f32 != 0, slots, j0, nc,
+                          n, h, Dv, a.v_scale);
+        const int hr = (h - h0) * RH;
         int g0 = 0;
-        for (; g0 + 4 <= G; g0 += 4) {
+        for (; g0 + 4 <= RH; g0 += 4) {
           int c0 = 0;
           for (; c0 + 4 <= Dv / W; c0 += 4) accumulate<4, 4>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
           for (; c0 < Dv / W; ++c0) accumulate<4, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
         }
-        for (; g0 < G; ++g0) {
+        for (; g0 < RH; ++g0) {
           int c0 = 0;
           for (; c0 + 4 <= Dv / W; c0 += 4) accumulate<1, 4>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
           for (; c0 < Dv / W; ++c0) accumulate<1, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
@@ -363,8 +394,9 @@ void run(const DecodeArgs& a) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float inv = 1.0f / den[r];
-      for (int d = 0; d < Dv; ++d) Q::put(out + r * a.o_sh + d, acc[r * Dv + d] * inv);
+      const float inv = den[r] > 0.0f ? 1.0f / den[r] : 0.0f;
+      QT* op = out_row(r);
+      for (int d = 0; d < Dv; ++d) Q::put(op + d, acc[r * Dv + d] * inv);
     }
   }
 }
