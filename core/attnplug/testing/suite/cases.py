@@ -155,6 +155,10 @@ class Features:
 FEATURES: dict[str, Features] = {
     "window5": Features(sliding_window=5),
     "window16": Features(sliding_window=16),
+    # windows shorter than a verify/draft step's new tokens: the window hides earlier new tokens
+    # from later queries, not only cached keys (a kernel applying it to the cache alone fails)
+    "window2": Features(sliding_window=2),
+    "window0": Features(sliding_window=0),
     "softcap": Features(logit_cap=2.0),
     "sinks": Features(sinks=True),
     "window_sinks": Features(sliding_window=5, sinks=True),
