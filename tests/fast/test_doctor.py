@@ -212,3 +212,29 @@ def test_attnplug_doctor_exits_0_with_the_installed_plugins():
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "torch_native" in proc.stdout and "doctor: all checks passed" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_runtime_notes_of_a_built_backend_are_reported(monkeypatch, mode):
+    """torch_native says which decode path it took (``runtime_notes``); doctor prints it."""
+    from attnplug.registry import default_registry
+
+    monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", mode)
+    report = doctor_cmd.diagnose(default_registry(), only=["torch_native"])
+    (b,) = report["backends"]
+    assert b["status"] == "ok"
+    if mode == "off":
+        assert b["notes"] == ["decode not fused (eager gather + matmul): fused_decode='off'"]
+    else:
+        from attnplug_torch_native import fused
+
+        lib, why = fused.load()
+        expected = "through the fused CPU kernel" if lib is not None else f"decode not fused (eager gather + matmul): {why}"
+        assert len(b["notes"]) == 1 and expected in b["notes"][0]
+    assert f"  torch_native: {b['notes'][0]}" in doctor_cmd.render(report)
+
+
+def test_a_backend_without_runtime_notes_reports_none():
+    reg = make_registry((P.good_plugin(), "attnplug-simple"))
+    (b,) = doctor_cmd.diagnose(reg)["backends"]
+    assert b["notes"] == []

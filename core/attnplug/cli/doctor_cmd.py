@@ -56,6 +56,8 @@ class BackendReport:
     modes: list[ModeResult] = dataclasses.field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    #: the built backend's ``runtime_notes()`` (kernel paths chosen at run time), if it has them
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def max_error(self) -> float | None:
@@ -179,6 +181,9 @@ def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None
         except Exception as exc:  # a backend that cannot be built for a claimed case fails as a whole
             rep.error = f"build: {type(exc).__name__}: {exc}"
             return
+        notes = getattr(backend, "runtime_notes", None)
+        if callable(notes):
+            rep.notes.extend(n for n in notes() if n not in rep.notes)
         try:
             rep.modes.append(_check_case(label, case, backend, problem, H))
         except Exception as exc:  # a claimed case that raises is a failed claim
@@ -290,6 +295,8 @@ def render(report: dict[str, Any]) -> str:
     for b in report["backends"]:
         if not b["available"] and len("no: " + "; ".join(b["reasons"])) > cap:
             lines.append(f"  {b['name']} unavailable: " + "; ".join(b["reasons"]))
+        for note in b.get("notes", ()):
+            lines.append(f"  {b['name']}: {note}")
         if b["status"] == "failed":
             where = f" [{b['device']}, {b['dtype']}, page_size={b['page_size']}]" if b["device"] else ""
             if b["error"]:

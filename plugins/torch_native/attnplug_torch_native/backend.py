@@ -503,6 +503,12 @@ class TorchNativeBackend(PagedBackend):
         return out
 
     # -- decode: the fused CPU kernel -------------------------------------------
+    def runtime_notes(self) -> list[str]:
+        if self._fused is None:
+            return [f"decode not fused (eager gather + matmul): {self.fused_reason}"]
+        return [f"decode and extends of <= {FUSED_MAX_QUERIES} new tokens through the fused CPU kernel "
+                f"({self._fused._name}); layers it does not take run eager"]
+
     def fused_fits(self, q: torch.Tensor, layer: Any) -> str | None:
         """``None`` when the fused kernel takes this layer's decode, else why the eager path runs."""
         if self._fused is None:
