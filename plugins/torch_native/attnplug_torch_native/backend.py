@@ -248,6 +248,14 @@ class ForwardMeta:
             return tuple(range(len(self.rows)))
         return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
 
+    def fused_mask(self) -> torch.Tensor | None:
+        """The target-verify mask rows of ``fused_requests()`` (contiguous), built once per forward."""
+        if self.custom_mask is None:
+            return None
+        if "fused_mask" not in self._plans:
+            self._plans["fused_mask"] = self.custom_mask[list(self.fused_requests())].contiguous()
+        return self._plans["fused_mask"]
+
     def fused_plan(self, window: int | None, cross: bool) -> tuple[torch.Tensor, int, int]:
         """The fused kernel's ``[n, 6]`` int64 plan of ``fused_requests()`` (req_to_token row,
         first cached position read, cached keys read, first token, tokens, position of the first
@@ -564,9 +572,7 @@ class TorchNativeBackend(PagedBackend):
             else:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             kn, vn = _unit_stride(k.reshape(T, Hkv, D)), _unit_stride(v.reshape(T, Hkv, Dv))
-        mask = None
-        if meta.custom_mask is not None and not cross:
-            mask = meta.custom_mask[list(meta.fused_requests())].contiguous()
+        mask = None if cross else meta.fused_mask()
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()

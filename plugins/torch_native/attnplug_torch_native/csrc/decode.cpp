@@ -134,6 +134,7 @@ inline vf vexp(vf x) {
 struct Scratch {
   float* p = nullptr;
   size_t n = 0;
+  ~Scratch() { std::free(p); }
   float* get(size_t want) {
     if (want > n) {
       std::free(p);
