@@ -6,11 +6,18 @@ shows), runs one forward and compares the output with ``reference_attention``
 computed from the cache as it was before the forward, and the cache after the
 forward with ``expected_cache_after`` (exact: new K/V at ``out_cache_loc`` and
 nowhere else).
+
+Decode has two paths: the fused CPU kernel (``fused_decode="auto"``, the default, where the kernel
+is built and the layer fits it) and the eager block decode (``"off"``). Correctness cases run under
+both (``DECODE_PATHS``) and check which one ran (``check_decode_path``); cases about the eager
+decode's own machinery (blocks, KV-head splits, bf16 shifted scores, its workspace) pin ``"off"``.
+The fused kernel's own tests are in test_torch_native_fused.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import platform
 from typing import Any, Sequence
 
 import pytest
@@ -39,6 +46,24 @@ from attnplug_torch_native.backend import TorchNativeBackend, create
 
 HOST = HostInfo(platform="cpu")
 
+#: the fused decode kernel is built on x86-64 Linux only; elsewhere its cases are skipped
+KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused decode kernel is built on x86-64 Linux only")
+#: ``fused_decode`` values a decode correctness case runs under: the fused kernel and the eager decode
+FUSED_PATHS = [pytest.param("auto", id="fused", marks=needs_kernel), pytest.param("off", id="eager")]
+
+
+def decode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
+    """``(mode, fused_decode)`` pairs: DECODE under both paths, other modes once (the knob changes decode only)."""
+    out = []
+    for m in modes:
+        if m is ForwardMode.DECODE:
+            out += [pytest.param(m, "auto", id="DECODE-fused", marks=needs_kernel),
+                    pytest.param(m, "off", id="DECODE-eager")]
+        else:
+            out.append(pytest.param(m, "auto", id=m.name))
+    return out
+
 
 @dataclasses.dataclass
 class Setup:
@@ -65,6 +90,7 @@ def make_setup(
     decode_block_bytes: Any = "auto",
     extend_score_bytes: int = 64 << 20,
     via_registry: bool = False,
+    fused_decode: str = "auto",
 ) -> Setup:
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
@@ -87,7 +113,7 @@ def make_setup(
         assert name == "torch_native"
     else:
         backend = TorchNativeBackend(ctx, decode_block_bytes=decode_block_bytes,
-                                     extend_score_bytes=extend_score_bytes)
+                                     extend_score_bytes=extend_score_bytes, fused_decode=fused_decode)
     layers = [
         LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {})) for i in range(num_layers)
     ]
@@ -153,6 +179,19 @@ def run_and_check(
     exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc) if writes else (kc0, vc0)
     assert same_bits(kc1, exp_k) and same_bits(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
     return out
+
+
+def check_decode_path(s: Setup, fused_decode: str, layer: LayerSpec | None = None) -> None:
+    """After decode-only forwards: ``"auto"`` ran the fused kernel (the layer fits it and the eager
+    decode's workspace was never allocated); ``"off"`` ran the eager decode (its workspace exists)."""
+    layer = layer or s.layers[0]
+    if fused_decode == "auto":
+        probe = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=s.dtype)
+        assert s.backend.fused_fits(probe, layer) is None, s.backend.fused_fits(probe, layer)
+        assert s.backend.workspace.grows == 0, "the eager decode ran"
+    else:
+        assert s.backend.fused_reason == "fused_decode='off'"
+        assert s.backend.workspace.grows > 0, "the eager decode did not run"
 
 
 # ---------------------------------------------------------------------------
@@ -222,12 +261,14 @@ def test_extend_shaped_modes(mode):
     run_and_check(s, make_batch(s, mode, [0, 19, 33, 8], [6, 3, 1, 1]))
 
 
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa4", "mqa", "mha"])
-def test_decode(page_size, heads, kv_heads):
-    s = make_setup(page_size=page_size, heads=heads, kv_heads=kv_heads, seed=3)
+def test_decode(page_size, heads, kv_heads, fused_decode):
+    s = make_setup(page_size=page_size, heads=heads, kv_heads=kv_heads, seed=3, fused_decode=fused_decode)
     # ragged; one request decodes its very first token (no cached prefix); prefixes end mid-page
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
+    check_decode_path(s, fused_decode)
 
 
 @pytest.mark.parametrize("block", [1, 8200, 20000, None],
@@ -236,7 +277,7 @@ def test_decode_block_split(block):
     # decode processes blocks of requests (max_len 64, 2 KV heads x 16 dims x 4 B: 8192 B of K per
     # request); 8200 B gives one request per block, 20000 B blocks of 2, 2 and 1 requests, and 1 B
     # splits every request's KV heads into blocks of one head
-    s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block)
+    s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block, fused_decode="off")
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
 
 
@@ -248,7 +289,8 @@ def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
     # heads 0-2 and 3 while the short ones are grouped whole
     kw = {"plain": {}, "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
           "window_softcap": dict(sliding_window=50, logit_cap=3.0)}[layer_kind]
-    s = make_setup(page_size=16, heads=8, kv_heads=4, dtype=dtype, seed=13, layer_kw=kw, decode_block_bytes=12300)
+    s = make_setup(page_size=16, heads=8, kv_heads=4, dtype=dtype, seed=13, layer_kw=kw, decode_block_bytes=12300,
+                   fused_decode="off")
     batch = make_batch(s, ForwardMode.DECODE, [63, 2, 0, 58], [1] * 4)
     run_and_check(s, batch)
     meta = s.backend.build_metadata(batch)
@@ -264,20 +306,24 @@ def test_extend_head_layouts(heads, kv_heads):
     run_and_check(s, make_batch(s, ForwardMode.EXTEND, [0, 21], [6, 5]))
 
 
-def test_decode_new_slot_not_yet_in_req_to_token():
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+def test_decode_new_slot_not_yet_in_req_to_token(fused_decode):
     # The engine writes the new token to a slot req_to_token does not map yet: the new K/V
     # must come from the arguments (the kernel never reads the new token from the cache).
-    s = make_setup(page_size=1, seed=19)
+    s = make_setup(page_size=1, seed=19, fused_decode=fused_decode)
     req, prefix = [5, 2], [9, 30]
     place(s, req, prefix)
     loc = torch.tensor(s.alloc.alloc(2))
     batch = ForwardBatch.decode(req, [p + 1 for p in prefix], loc)
     run_and_check(s, batch)
+    check_decode_path(s, fused_decode)
 
 
-def test_decode_all_first_tokens():
-    s = make_setup(seed=4)
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+def test_decode_all_first_tokens(fused_decode):
+    s = make_setup(seed=4, fused_decode=fused_decode)
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 0, 0], [1, 1, 1]))
+    check_decode_path(s, fused_decode)
 
 
 @pytest.mark.parametrize("custom", [False, True], ids=["causal", "custom_mask"])
@@ -340,9 +386,11 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
-def test_layer_features(feature, mode):
-    s = make_setup(page_size=16, seed=7, layer_kw=FEATURES[feature], decode_block_bytes=1)
+@pytest.mark.parametrize("mode,fused_decode",
+                         decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]))
+def test_layer_features(feature, mode, fused_decode):
+    # eager decode: blocks of one KV head (decode_block_bytes=1)
+    s = make_setup(page_size=16, seed=7, layer_kw=FEATURES[feature], decode_block_bytes=1, fused_decode=fused_decode)
     if mode is ForwardMode.DECODE:
         batch = make_batch(s, mode, [0, 25, 12], [1, 1, 1])
     elif mode is ForwardMode.TARGET_VERIFY:
@@ -352,6 +400,8 @@ def test_layer_features(feature, mode):
     else:
         batch = make_batch(s, mode, [0, 13, 5], [9, 6, 1])
     run_and_check(s, batch)
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
 @pytest.mark.parametrize("score_bytes", [1, 4 * 8 * 40 * 3], ids=["one_query_chunks", "three_query_chunks"])
@@ -368,10 +418,11 @@ def test_extend_in_query_chunks(score_bytes, mode):
     run_and_check(s, batch)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 @pytest.mark.parametrize("with_kv", [False, True], ids=["kv_none", "kv_given"])
-def test_cross_attention(mode, with_kv):
-    s = make_setup(page_size=16, seed=8, layer_kw=dict(is_cross_attention=True, sliding_window=2))
+def test_cross_attention(mode, with_kv, fused_decode):
+    s = make_setup(page_size=16, seed=8, layer_kw=dict(is_cross_attention=True, sliding_window=2),
+                   fused_decode=fused_decode)
     enc = [13, 0, 20]  # one request without encoder tokens: its output is zero
     req = [6, 3, 1]
     seq = [14, 3, 25] if mode is ForwardMode.DECODE else [2, 3, 13]
@@ -386,19 +437,32 @@ def test_cross_attention(mode, with_kv):
     out = run_and_check(s, batch, with_kv=with_kv)  # also checks nothing was written
     row = 1 if mode is ForwardMode.DECODE else 2
     assert torch.count_nonzero(out[row]) == 0
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
+@pytest.mark.parametrize("dims", [(24, 8), (32, 16)], ids=["24_8", "32_16"])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_v_head_dim_differs(mode):
-    s = make_setup(head_dim=24, v_head_dim=8, seed=9, layer_kw=dict(sinks=torch.zeros(8)))
+def test_v_head_dim_differs(mode, dims):
+    # decode: dims 24/8 are not multiples of 16 (the eager decode runs under "auto"); 32/16 fused
+    D, Dv = dims
+    s = make_setup(head_dim=D, v_head_dim=Dv, seed=9, layer_kw=dict(sinks=torch.zeros(8)))
     run_and_check(s, make_batch(s, mode, [5, 31], [7, 1] if mode is ForwardMode.EXTEND else [1, 1]))
+    if mode is ForwardMode.DECODE and KERNEL_HOST:
+        probe = torch.zeros(1, 8, D)
+        if D % 16:
+            assert "head dims 24/8" in s.backend.fused_fits(probe, s.layers[0]) and s.backend.workspace.grows > 0
+        else:
+            check_decode_path(s, "auto")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_half_dtypes(dtype, mode):
-    s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)))
+@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_half_dtypes(dtype, mode, fused_decode):
+    s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)), fused_decode=fused_decode)
     run_and_check(s, make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1]))
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
 BF16_DECODE_LAYERS = {
@@ -409,23 +473,28 @@ BF16_DECODE_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("block", [1, None], ids=["one_request_blocks", "whole_batch_block"])
+@pytest.mark.parametrize("fused_decode,block", [
+    pytest.param("off", 1, id="eager_one_request_blocks"),
+    pytest.param("off", None, id="eager_whole_batch_block"),
+    pytest.param("auto", "auto", id="fused", marks=needs_kernel),
+])
 @pytest.mark.parametrize("layer_kind", sorted(BF16_DECODE_LAYERS))
-def test_bf16_decode_with_large_scores(layer_kind, block):
+def test_bf16_decode_with_large_scores(layer_kind, fused_decode, block):
     # keys sharing a large common part (as real keys do) and scaling 1.0: scores of hundreds whose
     # differences are a few units, where a bf16-rounded score (off by up to |s| * 2^-8) changes
-    # the softmax past the suite's tolerance; ragged lengths pad the blocks
+    # the softmax past the suite's tolerance; ragged lengths pad the eager decode's blocks
     s = make_setup(dtype=torch.bfloat16, head_dim=16, seed=31, layer_kw=BF16_DECODE_LAYERS[layer_kind],
-                   decode_block_bytes=block)
+                   decode_block_bytes=block, fused_decode=fused_decode)
     common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
     s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1]))
+    check_decode_path(s, fused_decode)
 
 
 def test_bf16_shifted_scores_round_s_minus_max_once():
     """``_shifted_scores`` (bf16 decode): the rounding error of each score is relative to its distance
     from the row maximum, not to the score itself; a plain bf16 matmul is far outside that bound."""
-    s = make_setup(dtype=torch.bfloat16)
+    s = make_setup(dtype=torch.bfloat16, fused_decode="off")
     g = torch.Generator().manual_seed(3)
     rows, G, L, D = 6, 4, 300, 128
     q = (3 * torch.randn(rows, G, D, generator=g)).to(torch.bfloat16)
@@ -446,6 +515,10 @@ def test_bf16_shifted_scores_round_s_minus_max_once():
 def test_fp32_model_with_bf16_kv_cache(mode):
     s = make_setup(dtype=torch.float32, kv_dtype=torch.bfloat16, seed=11)
     run_and_check(s, make_batch(s, mode, [6, 19], [5, 1] if mode is ForwardMode.EXTEND else [1, 1]))
+    if mode is ForwardMode.DECODE and KERNEL_HOST:  # the fused kernel reads the model dtype or fp8 only
+        why = s.backend.fused_fits(torch.zeros(1, 8, 16), s.layers[0])
+        assert why is not None and "torch.bfloat16 cache under a torch.float32 model" in why
+        assert s.backend.workspace.grows > 0
 
 
 # ---------------------------------------------------------------------------
@@ -453,16 +526,18 @@ def test_fp32_model_with_bf16_kv_cache(mode):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_save_kv_cache_false_writes_nothing(mode):
-    s = make_setup(seed=12)
+@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_save_kv_cache_false_writes_nothing(mode, fused_decode):
+    s = make_setup(seed=12, fused_decode=fused_decode)
     # save=False: the cache must stay bit-identical; the output still uses the new k/v
     run_and_check(s, make_batch(s, mode, [4, 17], [3, 1] if mode is ForwardMode.EXTEND else [1, 1]), save=False)
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_metadata_built_once_serves_every_layer(mode):
-    s = make_setup(num_layers=3, seed=13, decode_block_bytes=4096)
+@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_metadata_built_once_serves_every_layer(mode, fused_decode):
+    s = make_setup(num_layers=3, seed=13, decode_block_bytes=4096, fused_decode=fused_decode)
     s.layers[2] = LayerSpec(2, 8, 2, 16, sliding_window=4)  # a layer whose mask differs
     batch = make_batch(s, mode, [9, 30], [6, 1] if mode is ForwardMode.EXTEND else [1, 1])
     s.backend.init_forward_metadata(batch)
@@ -473,6 +548,9 @@ def test_metadata_built_once_serves_every_layer(mode):
     for layer in s.layers:  # a second pass over the layers allocates no workspace
         run_and_check(s, batch, layer, init=False)
     assert s.backend.workspace.grows == grows
+    if mode is ForwardMode.DECODE:
+        for layer in s.layers:
+            check_decode_path(s, fused_decode, layer)
 
 
 def test_forward_before_init_raises():
@@ -528,9 +606,9 @@ def test_layer_not_matching_the_cache_raises():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_repeated_forward_is_bit_identical(mode):
-    s = make_setup(seed=18)
+@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_repeated_forward_is_bit_identical(mode, fused_decode):
+    s = make_setup(seed=18, fused_decode=fused_decode)
     layer = s.layers[0]
     batch = make_batch(s, mode, [5, 21, 2], [4, 7, 1] if mode is ForwardMode.EXTEND else [1, 1, 1])
     q, k, v = qkv(s, layer, batch.num_tokens)
@@ -539,6 +617,8 @@ def test_repeated_forward_is_bit_identical(mode):
         s.backend.init_forward_metadata(batch)
         outs.append(s.backend.forward(q, k, v, layer, batch))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
 def test_deterministic_is_not_claimed():
@@ -603,31 +683,36 @@ def garbage_batch(s: Setup, mode: ForwardMode) -> ForwardBatch:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layer_kind", sorted(GARBAGE_LAYERS))
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode", GARBAGE_MODES, ids=lambda m: m.name)
-def test_garbage_in_unowned_slots_never_reaches_an_output(mode, page_size, layer_kind, dtype):
+@pytest.mark.parametrize("mode,fused_decode", decode_paths(GARBAGE_MODES))
+def test_garbage_in_unowned_slots_never_reaches_an_output(mode, fused_decode, page_size, layer_kind, dtype):
     s = make_setup(page_size=page_size, seed=31, dtype=dtype, layer_kw=GARBAGE_LAYERS[layer_kind],
-                   decode_block_bytes=4096)  # several padded decode blocks
+                   decode_block_bytes=4096, fused_decode=fused_decode)  # eager: several padded decode blocks
     batch = garbage_batch(s, mode)
     out = run_and_check(s, batch)  # equals the float64 reference (which reads owned slots only)
     assert bool(torch.isfinite(out).all())
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)
 
 
 @pytest.mark.parametrize("save", [True, False])
 def test_garbage_with_whole_batch_decode_block_and_no_save(save):
-    # one padded block for the whole batch (the default off CPU), with and without the KV write
-    s = make_setup(page_size=16, seed=32, dtype=torch.bfloat16, decode_block_bytes=None)
+    # eager: one padded block for the whole batch (the default off CPU), with and without the KV write
+    s = make_setup(page_size=16, seed=32, dtype=torch.bfloat16, decode_block_bytes=None, fused_decode="off")
     out = run_and_check(s, garbage_batch(s, ForwardMode.DECODE), save=save)
     assert bool(torch.isfinite(out).all())
 
 
-def test_garbage_cross_attention_decode_and_extend():
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+def test_garbage_cross_attention_decode_and_extend(fused_decode):
     for mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        s = make_setup(page_size=16, seed=33, layer_kw=dict(is_cross_attention=True))
+        s = make_setup(page_size=16, seed=33, layer_kw=dict(is_cross_attention=True), fused_decode=fused_decode)
         batch = garbage_batch(s, mode)
         enc = [min(3, p) for p in batch.extend_prefix_lens_cpu]
         batch.encoder_lens = torch.tensor(enc)
         out = run_and_check(s, batch, with_kv=False)
         assert bool(torch.isfinite(out).all())
+        if mode is ForwardMode.DECODE:
+            check_decode_path(s, fused_decode)
 
 
 # ---------------------------------------------------------------------------
@@ -670,7 +755,8 @@ def test_long_prefill_masks_and_scores_are_built_per_bounded_chunk(layer_kind):
 
 
 def test_unchunkable_workspace_over_the_limit_is_refused_before_allocating():
-    s = make_setup(page_size=16, seed=34)
+    # the eager paths (test_torch_native_fused.py has the fused kernel's own limit)
+    s = make_setup(page_size=16, seed=34, fused_decode="off")
     s.backend.max_workspace_bytes = 4096  # BuildContext.max_workspace_bytes, lowered for the test
     for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
         batch = make_batch(s, mode, [40, 3], [5, 1] if mode is ForwardMode.EXTEND else [1, 1],
@@ -697,15 +783,18 @@ from hypothesis import strategies as st  # noqa: E402
     lens=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5),
     block=st.sampled_from([1, 4096, None]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fused_decode=st.sampled_from(["auto", "off"] if KERNEL_HOST else ["off"]),
 )
 def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, page_size, window, sinks, lens,
-                                                                          block, dtype):
+                                                                          block, dtype, fused_decode):
+    # block: the eager decode's block size (the fused kernel has none)
     kw: dict[str, Any] = {}
     if window is not None:
         kw["sliding_window"] = window
     if sinks:
         kw["sinks"] = torch.linspace(-1.0, 1.5, 8)
-    s = make_setup(page_size=page_size, seed=len(lens), dtype=dtype, layer_kw=kw, decode_block_bytes=block)
+    s = make_setup(page_size=page_size, seed=len(lens), dtype=dtype, layer_kw=kw, decode_block_bytes=block,
+                   fused_decode=fused_decode)
     s.cache.req_to_token.fill_(-1)
     s.alloc = PageAllocator(s.cache.num_pages, shuffle=True, seed=sum(p for p, _ in lens))
     prefix = [p for p, _ in lens]
@@ -723,3 +812,5 @@ def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, p
     else:
         batch = ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode)
     run_and_check(s, batch)
+    if mode is ForwardMode.DECODE:
+        check_decode_path(s, fused_decode)

@@ -1,0 +1,660 @@
+"""torch_native's fused CPU decode kernel (``csrc/decode.cpp``, built by ``fused.py``) against the
+float64 reference, against the eager decode, and its build: failures stated as reasons, the cache key.
+
+Every case builds a paged cache on shuffled pages, fills every slot with noise (garbage tests: NaN
+and infinities wherever no request reads), runs one DECODE forward and compares the output with
+``reference_attention`` of the cache as it was before, and the cache after with
+``expected_cache_after`` (bit for bit). A case that means the fused kernel asserts it ran: the layer
+fits (``fused_fits`` is ``None``) and the eager decode's workspace was never allocated.
+
+The build tests run the real compiler (or a stand-in script that fails the way a compiler does) in a
+temporary ``$ATTNPLUG_CACHE_DIR``; ``fused.load``'s per-process cache is cleared before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import stat
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+from attnplug import (
+    AttentionConfig,
+    BackendUnavailableError,
+    BuildContext,
+    ForwardBatch,
+    HostInfo,
+    LayerSpec,
+    PageAllocator,
+    PagedKVCache,
+    ResourceLimitError,
+)
+from attnplug.dtypes import dtype_name
+from attnplug.registry import default_registry
+from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug.testing.tolerances import tolerance_for
+from attnplug_torch_native import fused
+from attnplug_torch_native.backend import TorchNativeBackend, create
+
+HOST = HostInfo(platform="cpu")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPE_IDS = {F32: "f32", BF16: "bf16", F16: "f16", E4M3: "e4m3", E5M2: "e5m2"}
+
+#: the kernel is built for x86-64 Linux only (``fused.load`` says so elsewhere); everything else here
+#: needs it, and on such a host a build failure is a test failure (it prints the reason)
+KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused decode kernel is built on x86-64 Linux only")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: Any) -> Any:
+    """torch's thread count (the kernel's OpenMP threads and its work split), restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------
+# problems
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Setup:
+    cache: PagedKVCache
+    backend: TorchNativeBackend
+    layer: LayerSpec
+    dtype: torch.dtype
+    gen: torch.Generator
+    alloc: PageAllocator
+    ctx: BuildContext
+
+
+def make(
+    *, dtype: torch.dtype = F32, kv_dtype: torch.dtype | None = None, kv_heads: int = 2, group: int = 4,
+    head_dim: int = 16, v_head_dim: int | None = None, page_size: int = 16, layout: str = "nhd",
+    scales: tuple[float, float] = (1.0, 1.0), fused_decode: str = "auto", layer_kw: dict[str, Any] | None = None,
+    seed: int = 0, max_workspace_bytes: int = 4 << 30,
+) -> Setup:
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    v_head_dim = v_head_dim or head_dim
+    heads = kv_heads * group
+    num_pages = max(6, 384 // page_size)
+    cache = PagedKVCache(1, num_pages, kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
+                         dtype=kv_dtype, max_requests=8, max_context_len=160, layout=layout)
+    if cache.quantized:
+        cache.set_kv_scales(0, *scales)
+    slots = torch.arange(cache.num_slots)
+    spread = 3.0 if cache.quantized else 1.0  # fp8 noise uses more of the format than |x| < 1
+    noise_k = (torch.randn(cache.num_slots, kv_heads, head_dim, generator=gen) * spread).to(kv_dtype)
+    noise_v = (torch.randn(cache.num_slots, kv_heads, v_head_dim, generator=gen) * spread).to(kv_dtype)
+    cache.set_kv(0, slots, noise_k, noise_v, stored=True)  # noise everywhere: reading a wrong slot shows
+    ctx = BuildContext(
+        config=AttentionConfig(attention_backend="torch_native"), host=HOST, dtype=str(dtype),
+        kv_cache_dtype=str(kv_dtype), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=160,
+        max_workspace_bytes=max_workspace_bytes,
+    )
+    backend = TorchNativeBackend(ctx, fused_decode=fused_decode)
+    layer = LayerSpec(0, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {}))
+    return Setup(cache, backend, layer, dtype, gen, PageAllocator(num_pages, shuffle=True, seed=seed + 1), ctx)
+
+
+def decode_batch(s: Setup, seq_lens: Sequence[int], *, req_ids: Sequence[int] | None = None,
+                 encoder_lens: Sequence[int] | None = None, extra: int = 0) -> ForwardBatch:
+    """A DECODE batch (``seq_lens`` count the new token) on scattered pages; ``extra`` positions past
+    each request's length are mapped too (to slots the request must not read)."""
+    req_ids = list(req_ids if req_ids is not None else [7 - i for i in range(len(seq_lens))])  # not 0..B-1
+    ps = s.cache.page_size
+    for i, (r, n) in enumerate(zip(req_ids, seq_lens)):
+        mapped = max(n, encoder_lens[i] if encoder_lens is not None else 0) + extra
+        s.cache.assign_pages(r, mapped, s.alloc.alloc(-(-mapped // ps)))
+    loc = torch.stack([s.cache.req_to_token[r, n - 1] for r, n in zip(req_ids, seq_lens)])
+    kw = {} if encoder_lens is None else {"encoder_lens": torch.tensor(list(encoder_lens))}
+    return ForwardBatch.decode(req_ids, list(seq_lens), loc, **kw)
+
+
+def inputs(s: Setup, tokens: int, *, with_kv: bool = True, q_gain: float = 1.0) -> tuple[Any, Any, Any]:
+    L, g = s.layer, s.gen
+    q = (torch.randn(tokens, L.num_heads, L.head_dim, generator=g) * q_gain).to(s.dtype)
+    if not with_kv:
+        return q, None, None
+    k = torch.randn(tokens, L.num_kv_heads, L.head_dim, generator=g).to(s.dtype)
+    v = torch.randn(tokens, L.num_kv_heads, L.v_head_dim, generator=g).to(s.dtype)
+    return q, k, v
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN garbage included)."""
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def tolerance(s: Setup) -> Any:
+    return tolerance_for(dtype_name(s.dtype), dtype_name(s.cache.dtype))
+
+
+def run_and_check(s: Setup, batch: ForwardBatch, *, with_kv: bool = True, save: bool = True, q_gain: float = 1.0,
+                  qkv: tuple[Any, Any, Any] | None = None) -> torch.Tensor:
+    """One forward: the output against the float64 reference, the cache against a write at out_cache_loc only."""
+    layer = s.layer
+    q, k, v = qkv or inputs(s, batch.num_tokens, with_kv=with_kv, q_gain=q_gain)
+    kc0, vc0 = s.cache.read_kv(0)  # stored values, token-major, whatever the layout
+    s.backend.init_forward_metadata(batch)
+    out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=save)
+    assert out.shape == (batch.num_tokens, layer.num_heads, layer.v_head_dim) and out.dtype == s.dtype
+    ks, vs = s.cache.kv_scales(0)
+    ref = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token, ks, vs)
+    tol = tolerance(s)
+    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
+    kc1, vc1 = s.cache.read_kv(0)
+    writes = save and k is not None and not layer.is_cross_attention
+    exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc, ks, vs) if writes else (kc0, vc0)
+    assert same_bits(kc1, exp_k) and same_bits(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
+    return out
+
+
+def assert_fused_ran(s: Setup) -> None:
+    """The layer fits the kernel and the eager decode never allocated its ``dec.*`` workspace."""
+    probe = torch.zeros(1, s.layer.num_heads, s.layer.head_dim, dtype=s.dtype)
+    assert s.backend.fused_reason is None, s.backend.fused_reason
+    assert s.backend.fused_fits(probe, s.layer) is None
+    assert s.backend.workspace.grows == 0 and s.backend.workspace.nbytes() == 0, "the eager decode ran"
+
+
+def assert_eager_ran(s: Setup, reason: str) -> None:
+    probe = torch.zeros(1, s.layer.num_heads, s.layer.head_dim, dtype=s.dtype)
+    why = s.backend.fused_fits(probe, s.layer)
+    assert why is not None and reason in why, why
+    assert s.backend.workspace.grows > 0, "the eager decode did not run"
+
+
+# lengths count the new token: 1 (only the new token), not multiples of 16, one above 3 * 16
+LENS = [1, 17, 53, 30]
+
+
+# ---------------------------------------------------------------------------
+# against the float64 reference
+# ---------------------------------------------------------------------------
+
+DIMS = [(16, 16), (48, 48), (64, 64), (128, 128), (256, 256), (64, 32), (32, 128), (48, 80)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"D{d[0]}_Dv{d[1]}")
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=DTYPE_IDS.get)
+def test_head_dims_and_dtypes(dtype, dims):
+    # D 64 and 128 take the kernel's unrolled score loops, the others its generic loop; Dv 32, 48
+    # and 80 leave value tiles narrower than four vectors
+    D, Dv = dims
+    s = make(dtype=dtype, head_dim=D, v_head_dim=Dv, seed=D + Dv)
+    run_and_check(s, decode_batch(s, LENS))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group,dtype", [(1, F32), (3, BF16), (4, F32), (8, BF16)], ids=["g1_f32", "g3_bf16",
+                                                                                        "g4_f32", "g8_bf16"])
+def test_gqa_groups_page_sizes_and_threads(group, dtype, page_size, threads):
+    # groups 1 and 3 are not multiples of the kernel's 4-row value tiles (remainder rows); one and
+    # two requests on 4 KV heads make the kernel split each request's heads over work items
+    s = make(dtype=dtype, kv_heads=4, group=group, head_dim=32, page_size=page_size, seed=group)
+    run_and_check(s, decode_batch(s, [49, 5], req_ids=[6, 1]))
+    run_and_check(s, decode_batch(s, [64], req_ids=[3]))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,group,nthreads", [(5, 3, 1), (3, 5, 2), (7, 1, 2)],
+                         ids=["items_2_2_1", "items_1_1_1_group5", "items_of_1"])
+def test_kv_heads_not_dividing_into_work_items(kv_heads, group, nthreads):
+    # one request: 5 KV heads on 1 thread go in items of 2, 2 and 1 heads (the last one short); a
+    # group of 5 is one 4-row value tile and a remainder row
+    old = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        s = make(dtype=BF16, kv_heads=kv_heads, group=group, head_dim=16, seed=kv_heads,
+                 layer_kw=dict(sinks=torch.linspace(-1.0, 2.0, kv_heads * group)))
+        run_and_check(s, decode_batch(s, [41]))
+        assert_fused_ran(s)
+    finally:
+        torch.set_num_threads(old)
+
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "window0": dict(sliding_window=0),  # only the new token
+    "window5": dict(sliding_window=5),  # smaller than every length but the first
+    "window40": dict(sliding_window=40),  # cuts only the longest request
+    "sinks": dict(sinks=torch.linspace(-2.0, 3.0, 8)),
+    "softcap": dict(scaling=1.0, logit_cap=5.0),  # with q x 4: scores of tens, the cap bites hard
+    "all": dict(scaling=1.0, sliding_window=7, logit_cap=4.0, sinks=torch.linspace(3.0, -1.0, 8)),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=DTYPE_IDS.get)
+def test_layer_features(dtype, feature):
+    s = make(dtype=dtype, head_dim=32, seed=11, layer_kw=FEATURES[feature])
+    gain = 4.0 if "logit_cap" in FEATURES[feature] else 1.0
+    out = run_and_check(s, decode_batch(s, LENS), q_gain=gain)
+    assert_fused_ran(s)
+    assert bool(torch.isfinite(out).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_kw", [{}, dict(sinks=torch.linspace(1.0, 4.0, 8), sliding_window=2)],
+                         ids=["plain", "sinks_and_window"])
+@pytest.mark.parametrize("with_kv", [False, True], ids=["kv_none", "kv_given"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_cross_attention_with_an_empty_encoder(dtype, with_kv, layer_kw):
+    # cross-attention reads the encoder's keys only (no new token, no window) and writes nothing;
+    # the request without encoder tokens gets zeros, sinks or not
+    s = make(dtype=dtype, head_dim=48, seed=12, layer_kw=dict(is_cross_attention=True, **layer_kw))
+    batch = decode_batch(s, [5, 3, 30, 2], encoder_lens=[13, 0, 55, 1])
+    out = run_and_check(s, batch, with_kv=with_kv)
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0]) > 0
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_kw", [{}, dict(sliding_window=9, logit_cap=30.0, sinks=torch.linspace(-1, 1, 8))],
+                         ids=["plain", "window_cap_sinks"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_fp8_cache_with_scales(fmt, dtype, layer_kw):
+    # stored values times non-unit scales (the reference reads stored * scale, and the new token as
+    # the cache stores it); head dims 64 and 48 take both score loops
+    D = 64 if layer_kw else 48
+    s = make(dtype=dtype, kv_dtype=fmt, head_dim=D, scales=(0.375, 1.75), seed=13, layer_kw=layer_kw)
+    run_and_check(s, decode_batch(s, LENS))
+    run_and_check(s, decode_batch(s, [9, 2], req_ids=[0, 1]), save=False)
+    assert_fused_ran(s)
+
+
+@needs_kernel
+def test_strided_q_k_v_from_one_projection():
+    # engines split q, k, v out of one projection: views whose head and token strides are not
+    # the packed ones
+    s = make(dtype=BF16, kv_heads=2, group=3, head_dim=32, seed=14)
+    batch = decode_batch(s, LENS)
+    L = s.layer
+    T, qw, kw = batch.num_tokens, L.num_heads * 32, L.num_kv_heads * 32
+    qkv = torch.randn(T, qw + 2 * kw + 16, generator=s.gen).to(BF16)  # 16 spare columns: padded rows
+    q = qkv[:, :qw].view(T, L.num_heads, 32)
+    k = qkv[:, qw:qw + kw].view(T, L.num_kv_heads, 32)
+    v = qkv[:, qw + kw:qw + 2 * kw].view(T, L.num_kv_heads, 32)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    run_and_check(s, batch, qkv=(q, k, v))
+    assert_fused_ran(s)
+
+
+# ---------------------------------------------------------------------------
+# garbage where no request reads never reaches an output
+# ---------------------------------------------------------------------------
+
+GARBAGE_LAYERS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window3": dict(sliding_window=3),
+    "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
+    "softcap": dict(logit_cap=1.5, scaling=1.0),
+    "cross": dict(is_cross_attention=True),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_kind", sorted(GARBAGE_LAYERS))
+@pytest.mark.parametrize("dtype,kv_dtype,page_size", [(F32, F32, 1), (BF16, BF16, 16), (F16, E4M3, 1),
+                                                      (BF16, E5M2, 16)],
+                         ids=["f32_page1", "bf16_page16", "f16_e4m3_page1", "bf16_e5m2_page16"])
+def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind):
+    s = make(dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, head_dim=32, seed=21, scales=(0.5, 2.0),
+             layer_kw=GARBAGE_LAYERS[layer_kind])
+    s.alloc._free.remove(0)  # page 0 (slot 0, where a padded read would land) goes to no request
+    cross = layer_kind == "cross"
+    # every request maps 20 positions past its length (to garbage slots); positions beyond those stay
+    # unassigned (-1); cross-attention requests read encoder tokens 0 .. enc-1 only
+    batch = decode_batch(s, [11, 1, 30, 8], encoder_lens=[11, 0, 3, 8] if cross else None, extra=20)
+    rows, seq = batch.req_pool_indices.tolist(), batch.seq_lens.tolist()
+    reads = [11, 0, 3, 8] if cross else [n - 1 for n in seq]  # the cached positions each request reads
+    owned = torch.cat([s.cache.req_to_token[r, :m] for r, m in zip(rows, reads)])
+    bad = torch.ones(s.cache.num_slots, dtype=torch.bool)
+    bad[owned] = False
+    assert bool(bad[0]), "slot 0 (where padding would read) must hold garbage"
+    if not cross:  # the new tokens' slots hold garbage too: their k/v come from the arguments
+        assert bool(bad[batch.out_cache_loc].all())
+    idx = bad.nonzero().squeeze(1)
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.arange(idx.numel()) % 3]
+    k_bad = vals[:, None, None].expand(-1, s.cache.num_kv_heads, s.cache.head_dim).to(kv_dtype)
+    v_bad = vals[:, None, None].expand(-1, s.cache.num_kv_heads, s.cache.v_head_dim).to(kv_dtype)
+    s.cache.set_kv(0, idx, k_bad, v_bad, stored=True)
+    out = run_and_check(s, batch, with_kv=not cross)
+    assert bool(torch.isfinite(out).all())
+    assert_fused_ran(s)
+
+
+# ---------------------------------------------------------------------------
+# fused against eager; repeated forwards
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF16, BF16), (F16, F16), (BF16, E4M3)],
+                         ids=["f32", "bf16", "f16", "bf16_e4m3"])
+def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads):
+    s = make(dtype=dtype, kv_dtype=kv_dtype, kv_heads=2, group=3, head_dim=64, seed=31, scales=(0.25, 1.5),
+             layer_kw=dict(sliding_window=40, sinks=torch.linspace(-1.0, 1.0, 6)))
+    eager = TorchNativeBackend(s.ctx, fused_decode="off")
+    batch = decode_batch(s, LENS)
+    q, k, v = inputs(s, batch.num_tokens)
+    outs = []
+    for _ in range(3):
+        s.backend.init_forward_metadata(batch)
+        outs.append(s.backend.forward(q, k, v, s.layer, batch, save_kv_cache=False))
+    assert all(same_bits(outs[0], o) for o in outs[1:]), "repeated fused forwards differ"
+    assert_fused_ran(s)
+    eager.init_forward_metadata(batch)
+    ref = eager.forward(q, k, v, s.layer, batch, save_kv_cache=False)
+    assert eager.workspace.grows > 0 and eager.fused_reason == "fused_decode='off'"
+    tol = tolerance(s)
+    torch.testing.assert_close(outs[0].double(), ref.double(), atol=tol.atol, rtol=tol.rtol)
+
+
+# ---------------------------------------------------------------------------
+# layers the kernel does not take: the eager decode runs, and says why
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["hnd_layout", "head_dim_40", "v_head_dim_24", "bf16_model_f32_cache"])
+def test_layers_the_kernel_does_not_take_run_eager(kind):
+    kw: dict[str, Any] = dict(seed=41, head_dim=32)
+    reason = {
+        "hnd_layout": "nhd layout only (this cache: hnd)",
+        "head_dim_40": "head dims 40/40",
+        "v_head_dim_24": "head dims 32/24",
+        "bf16_model_f32_cache": "a torch.float32 cache under a torch.bfloat16 model",
+    }[kind]
+    if kind == "hnd_layout":
+        kw["layout"] = "hnd"
+    elif kind == "head_dim_40":
+        kw["head_dim"] = 40
+    elif kind == "v_head_dim_24":
+        kw["v_head_dim"] = 24
+    else:
+        kw.update(dtype=BF16, kv_dtype=F32)
+    s = make(**kw)
+    assert s.backend.fused_reason is None  # the kernel is there; this layer does not fit it
+    run_and_check(s, decode_batch(s, LENS))
+    assert_eager_ran(s, reason)
+
+
+# ---------------------------------------------------------------------------
+# workspace limit
+# ---------------------------------------------------------------------------
+
+
+def fused_scratch_bytes(threads: int, heads_per_item: int, group: int, keys: int, D: int, Dv: int) -> int:
+    """The per-call scratch ``_decode_fused`` estimates (float32 scores of the item's query rows over
+    its keys padded to 16, queries, accumulators, one head's widened 16-key block), over all threads."""
+    npad = -(-keys // 16) * 16
+    return 4 * threads * (heads_per_item * group * (npad + D + Dv + 2) + 17 * max(D, Dv))
+
+
+@needs_kernel
+def test_workspace_limit_below_the_kernel_scratch_falls_back_to_an_eager_decode_that_fits():
+    # first tokens only (1 key each) with wide heads: the kernel's scratch (16 padded scores, a
+    # 16-row block) is far above the eager decode's ([1 key, D + Dv] per block), which computes
+    limit = 8192
+    assert fused_scratch_bytes(1, 1, 8, 1, 256, 256) > limit
+    s = make(dtype=F32, kv_heads=1, group=8, head_dim=256, seed=51, max_workspace_bytes=limit)
+    s.backend.decode_block_bytes = 1  # one KV head of one request per eager block
+    run_and_check(s, decode_batch(s, [1, 1]))
+    # the layer fits the kernel: the workspace limit alone made it decline, and the eager decode ran
+    assert s.backend.fused_fits(torch.zeros(1, 8, 256), s.layer) is None
+    assert s.backend.workspace.grows > 0
+
+
+@needs_kernel
+def test_workspace_limit_below_both_paths_is_refused_naming_the_limit():
+    s = make(dtype=F32, seed=52, max_workspace_bytes=2048)
+    assert fused_scratch_bytes(1, 1, 4, 53, 16, 16) > 2048
+    batch = decode_batch(s, LENS)
+    q, k, v = inputs(s, batch.num_tokens)
+    before = s.cache.read_kv(0)
+    s.backend.init_forward_metadata(batch)
+    with pytest.raises(ResourceLimitError, match="BuildContext.max_workspace_bytes"):
+        s.backend.forward(q, k, v, s.layer, batch)
+    assert all(same_bits(a, b) for a, b in zip(before, s.cache.read_kv(0))), "a refused forward wrote"
+
+
+@needs_kernel
+def test_workspace_limit_between_one_head_and_all_heads_runs_fused_one_head_per_item():
+    # four requests on one thread: all KV heads per item would need more scratch than the limit,
+    # one head per item fits, so the kernel still runs (items of one head)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lo, hi = fused_scratch_bytes(1, 1, 2, 53, 32, 32), fused_scratch_bytes(1, 4, 2, 53, 32, 32)
+        s = make(dtype=BF16, kv_heads=4, group=2, head_dim=32, seed=53, max_workspace_bytes=(lo + hi) // 2)
+        run_and_check(s, decode_batch(s, LENS))
+        assert_fused_ran(s)
+    finally:
+        torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------
+# the knob: fused_decode and $ATTNPLUG_TORCH_NATIVE_FUSED
+# ---------------------------------------------------------------------------
+
+
+def test_bad_fused_decode_value_is_a_value_error_naming_the_knob():
+    s_ctx = make(fused_decode="off").ctx
+    with pytest.raises(ValueError, match=r"torch_native: fused_decode must be one of auto, on, off, got 'fast'"):
+        TorchNativeBackend(s_ctx, fused_decode="fast")
+
+
+def test_environment_variable_sets_the_knob_of_the_factory(monkeypatch):
+    ctx = make(fused_decode="off").ctx
+    monkeypatch.setenv(fused.ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"\$ATTNPLUG_TORCH_NATIVE_FUSED must be one of auto, on, off, "
+                                         r"got 'sometimes'"):
+        create(ctx)
+    monkeypatch.setenv(fused.ENV, " OFF ")
+    name, backend = create(ctx)
+    assert name == "torch_native" and backend.fused_decode == "off" and backend.fused_reason == "fused_decode='off'"
+    _, backend = default_registry().build("torch_native", ctx)  # the registry goes through the factory
+    assert backend.fused_decode == "off"
+    monkeypatch.delenv(fused.ENV)
+    assert create(ctx)[1].fused_decode == "auto"
+
+
+# ---------------------------------------------------------------------------
+# building and loading the kernel
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache directory and a cleared ``fused.load`` cache (cleared again afterwards,
+    so later tests load the real kernel again)."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(cache))
+    fused.load.cache_clear()
+    yield cache
+    fused.load.cache_clear()
+
+
+def script(tmp_path: Path, name: str, body: str) -> Path:
+    """An executable shell script standing in for a compiler."""
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def leftovers(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.glob("*.tmp.so")) if cache.exists() else []
+
+
+def test_no_compiler_is_a_reason_and_auto_runs_the_eager_decode(fresh_build, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    lib, why = fused.load()
+    assert lib is None and why is not None and "no C++ compiler found" in why
+    if KERNEL_HOST:
+        s = make(dtype=BF16, head_dim=32, seed=61)  # "auto"
+        assert s.backend._fused is None and s.backend.fused_reason == why
+        run_and_check(s, decode_batch(s, LENS))
+        assert_eager_ran(s, "no C++ compiler found")  # fused_fits answers the backend's reason
+
+
+def test_fused_decode_on_without_the_kernel_is_unavailable_naming_torch_native(fresh_build, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    ctx = make(fused_decode="off").ctx
+    with pytest.raises(BackendUnavailableError, match=r"'torch_native' is unavailable.*fused_decode='on': no C\+\+ "
+                                                      r"compiler found") as err:
+        TorchNativeBackend(ctx, fused_decode="on")
+    assert err.value.name == "torch_native"
+    monkeypatch.setenv(fused.ENV, "on")
+    with pytest.raises(BackendUnavailableError, match="no C\\+\\+ compiler found"):
+        create(ctx)
+
+
+def test_compile_failure_is_a_reason_with_the_compilers_last_lines(fresh_build, tmp_path, monkeypatch):
+    cxx = script(tmp_path, "badcxx", """\
+        [ "$1" = "--version" ] && { echo "badcxx 1.0"; exit 0; }
+        echo "decode.cpp: In function 'run':" >&2
+        echo "decode.cpp:12:3: error: expected ';' before '}'" >&2
+        exit 1
+    """)
+    monkeypatch.setenv("CXX", str(cxx))
+    lib, why = fused.load()
+    assert lib is None
+    assert why == ("badcxx failed to compile decode.cpp (exit 1): decode.cpp: In function 'run': | "
+                   "decode.cpp:12:3: error: expected ';' before '}'")
+    assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a failed build left files"
+    monkeypatch.setenv("CXX", "/bin/false")  # exits 1 and says nothing
+    fused.load.cache_clear()
+    lib, why = fused.load()
+    assert lib is None and why is not None and why.startswith("false failed to compile decode.cpp (exit 1)")
+    assert leftovers(fresh_build) == []
+
+
+def test_unwritable_cache_directory_is_a_reason(fresh_build, tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(script(tmp_path, "anycxx", 'echo "anycxx 1.0"\n')))  # found; never builds
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(blocker / "kernels"))
+    lib, why = fused.load()
+    assert lib is None and why is not None and why.startswith(f"cannot write the kernel cache directory {blocker}")
+
+
+def test_library_that_does_not_load_is_a_reason(fresh_build, tmp_path, monkeypatch):
+    cxx = script(tmp_path, "junkcxx", """\
+        [ "$1" = "--version" ] && { echo "junkcxx 1.0"; exit 0; }
+        while [ "$#" -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+        echo "this is not a shared object" > "$out"
+    """)
+    monkeypatch.setenv("CXX", str(cxx))
+    lib, why = fused.load()
+    assert lib is None and why is not None and why.startswith("cannot load the fused decode kernel ")
+    assert leftovers(fresh_build) == []
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not KERNEL_HOST, reason="needs g++ on x86-64 Linux")
+def test_struct_size_disagreeing_with_fused_py_is_a_reason(fresh_build, tmp_path, monkeypatch):
+    # a library exporting both entry points but another DecodeArgs: refused before any call
+    stub = tmp_path / "stub.cpp"
+    stub.write_text('extern "C" int attnplug_fused_decode(const void*) { return 0; }\n'
+                    'extern "C" long long attnplug_fused_decode_args_size(void) { return 8; }\n')
+    cxx = script(tmp_path, "stubcxx", f"""\
+        [ "$1" = "--version" ] && {{ echo "stubcxx 1.0"; exit 0; }}
+        while [ "$#" -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+        exec g++ -shared -fPIC "{stub}" -o "$out"
+    """)
+    monkeypatch.setenv("CXX", str(cxx))
+    lib, why = fused.load()
+    assert lib is None and why is not None
+    assert f"DecodeArgs is 8 bytes in the library, {fused.ctypes.sizeof(fused.DecodeArgs)} in fused.py" in why
+
+
+def test_missing_source_is_a_reason(fresh_build, tmp_path, monkeypatch):
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "csrc" / "decode.cpp")
+    lib, why = fused.load()
+    if KERNEL_HOST:
+        assert lib is None and why is not None and "source" in why and "is missing" in why
+
+
+def test_other_platforms_are_a_reason_simulated(fresh_build, monkeypatch):
+    # simulated: this test cannot run on an ARM host, so platform.machine() answers as one would
+    monkeypatch.setattr(fused.platform, "machine", lambda: "aarch64")
+    lib, why = fused.load()
+    assert lib is None and why is not None and "x86-64 Linux only" in why and "aarch64" in why
+
+
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert fused.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("ATTNPLUG_CACHE_DIR")
+    assert fused.cache_dir() == tmp_path / "xdg" / "attnplug"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert fused.cache_dir() == tmp_path / "home" / ".cache" / "attnplug"
+
+
+def test_library_name_hashes_source_bytes_compiler_version_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path))
+    cxx = script(tmp_path, "vcxx", 'echo "vcxx $VCXX_VERSION"\n')
+    monkeypatch.setenv("VCXX_VERSION", "1")
+    base = fused.library_path(str(cxx))
+    assert base.parent == tmp_path and base.name.startswith("torch_native_decode-") and base.suffix == ".so"
+    original = fused.SOURCE
+    copy = tmp_path / "copy" / "decode.cpp"
+    copy.parent.mkdir()
+    shutil.copyfile(original, copy)
+    monkeypatch.setattr(fused, "SOURCE", copy)
+    assert fused.library_path(str(cxx)) == base  # the bytes, not where they are
+    copy.write_bytes(copy.read_bytes() + b"\n// one more comment\n")
+    assert fused.library_path(str(cxx)) != base
+    shutil.copyfile(original, copy)
+    assert fused.library_path(str(cxx)) == base
+    monkeypatch.setenv("VCXX_VERSION", "2")  # another compiler version
+    assert fused.library_path(str(cxx)) != base
+    monkeypatch.setenv("VCXX_VERSION", "1")
+    monkeypatch.setattr(fused, "FLAGS", fused.FLAGS + ("-DEXTRA",))
+    assert fused.library_path(str(cxx)) != base
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build, tmp_path, monkeypatch):
+    # a real build (about 5 s): the changed source gets its own library, nothing temporary is left,
+    # a second load in a fresh process-cache reuses it, and a backend decodes through it
+    monkeypatch.delenv("CXX", raising=False)
+    copy = tmp_path / "src" / "decode.cpp"
+    copy.parent.mkdir()
+    copy.write_bytes(fused.SOURCE.read_bytes() + b"\n// a comment: another cache key\n")
+    monkeypatch.setattr(fused, "SOURCE", copy)
+    lib, why = fused.load()
+    assert why is None and lib is not None
+    built = fused.library_path(fused.compiler())  # type: ignore[arg-type]
+    assert [p.name for p in fresh_build.iterdir()] == [built.name] and leftovers(fresh_build) == []
+    stamp = os.stat(built).st_mtime_ns
+    fused.load.cache_clear()
+    again, why = fused.load()
+    assert why is None and again is not None and os.stat(built).st_mtime_ns == stamp  # loaded, not rebuilt
+    s = make(dtype=F16, head_dim=64, seed=71, layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8)))
+    assert s.backend._fused is again
+    run_and_check(s, decode_batch(s, LENS))
+    assert_fused_ran(s)
