@@ -7,11 +7,12 @@ computed from the cache as it was before the forward, and the cache after the
 forward with ``expected_cache_after`` (exact: new K/V at ``out_cache_loc`` and
 nowhere else).
 
-Decode has two paths: the fused CPU kernel (``fused_decode="auto"``, the default, where the kernel
-is built and the layer fits it) and the eager block decode (``"off"``). Correctness cases run under
-both (``DECODE_PATHS``) and check which one ran (``check_decode_path``); cases about the eager
-decode's own machinery (blocks, KV-head splits, bf16 shifted scores, its workspace) pin ``"off"``.
-The fused kernel's own tests are in test_torch_native_fused.py.
+Decode, and requests of at most ``FUSED_MAX_QUERIES`` new tokens in the extend modes, have two
+paths: the fused CPU kernel (``fused_decode="auto"``, the default, where the kernel is built and the
+layer fits it) and the eager decode / extend (``"off"``). Correctness cases run under both
+(``FUSED_PATHS``, ``mode_paths``) and check which one ran (``check_path``); cases about the eager
+paths' own machinery (decode blocks, KV-head splits, bf16 shifted scores, query chunks, workspace
+limits) pin ``"off"``. The fused kernel's own tests are in test_torch_native_fused.py.
 """
 
 from __future__ import annotations
@@ -42,27 +43,22 @@ from attnplug.dtypes import dtype_name
 from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import CAPABILITIES
-from attnplug_torch_native.backend import TorchNativeBackend, create
+from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend, create
 
 HOST = HostInfo(platform="cpu")
 
 #: the fused decode kernel is built on x86-64 Linux only; elsewhere its cases are skipped
 KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
 needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused decode kernel is built on x86-64 Linux only")
-#: ``fused_decode`` values a decode correctness case runs under: the fused kernel and the eager decode
+#: ``fused_decode`` values a correctness case runs under: the fused kernel and the eager paths
 FUSED_PATHS = [pytest.param("auto", id="fused", marks=needs_kernel), pytest.param("off", id="eager")]
 
 
-def decode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
-    """``(mode, fused_decode)`` pairs: DECODE under both paths, other modes once (the knob changes decode only)."""
-    out = []
-    for m in modes:
-        if m is ForwardMode.DECODE:
-            out += [pytest.param(m, "auto", id="DECODE-fused", marks=needs_kernel),
-                    pytest.param(m, "off", id="DECODE-eager")]
-        else:
-            out.append(pytest.param(m, "auto", id=m.name))
-    return out
+def mode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
+    """``(mode, fused_decode)`` pairs: every mode under both paths."""
+    return [pytest.param(m, f, id=f"{m.name}-{'fused' if f == 'auto' else 'eager'}",
+                         marks=[needs_kernel] if f == "auto" else [])
+            for m in modes for f in ("auto", "off")]
 
 
 @dataclasses.dataclass
@@ -181,17 +177,19 @@ def run_and_check(
     return out
 
 
-def check_decode_path(s: Setup, fused_decode: str, layer: LayerSpec | None = None) -> None:
-    """After decode-only forwards: ``"auto"`` ran the fused kernel (the layer fits it and the eager
-    decode's workspace was never allocated); ``"off"`` ran the eager decode (its workspace exists)."""
+def check_path(s: Setup, fused_decode: str, batch: ForwardBatch, layer: LayerSpec | None = None) -> None:
+    """After forwards of ``batch`` (and others like it): ``"auto"`` ran the fused kernel (the layer
+    fits it; when no request has more than ``FUSED_MAX_QUERIES`` new tokens, the eager paths'
+    workspace was never allocated); ``"off"`` ran the eager paths (their workspace exists)."""
     layer = layer or s.layers[0]
     if fused_decode == "auto":
         probe = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=s.dtype)
         assert s.backend.fused_fits(probe, layer) is None, s.backend.fused_fits(probe, layer)
-        assert s.backend.workspace.grows == 0, "the eager decode ran"
+        if batch.forward_mode is ForwardMode.DECODE or max(batch.extend_seq_lens_cpu) <= FUSED_MAX_QUERIES:
+            assert s.backend.workspace.grows == 0, "the eager paths ran for requests the kernel takes"
     else:
         assert s.backend.fused_reason == "fused_decode='off'"
-        assert s.backend.workspace.grows > 0, "the eager decode did not run"
+        assert s.backend.workspace.grows > 0, "the eager paths did not run"
 
 
 # ---------------------------------------------------------------------------
@@ -246,19 +244,25 @@ EXTEND_CASES = {
 }
 
 
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(EXTEND_CASES))
-def test_extend(page_size, case):
+def test_extend(page_size, case, fused_decode):
     prefix, ext = EXTEND_CASES[case]
-    s = make_setup(page_size=page_size, seed=1)
-    run_and_check(s, make_batch(s, ForwardMode.EXTEND, prefix, ext))
+    s = make_setup(page_size=page_size, seed=1, fused_decode=fused_decode)
+    batch = make_batch(s, ForwardMode.EXTEND, prefix, ext)
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2])
-def test_extend_shaped_modes(mode):
-    s = make_setup(page_size=16, seed=2)
+@pytest.mark.parametrize("mode,fused_decode",
+                         mode_paths([ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2]))
+def test_extend_shaped_modes(mode, fused_decode):
+    s = make_setup(page_size=16, seed=2, fused_decode=fused_decode)
     # MIXED: two extends and two decode-like requests (one new token on a prefix)
-    run_and_check(s, make_batch(s, mode, [0, 19, 33, 8], [6, 3, 1, 1]))
+    batch = make_batch(s, mode, [0, 19, 33, 8], [6, 3, 1, 1])
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("fused_decode", FUSED_PATHS)
@@ -267,8 +271,9 @@ def test_extend_shaped_modes(mode):
 def test_decode(page_size, heads, kv_heads, fused_decode):
     s = make_setup(page_size=page_size, heads=heads, kv_heads=kv_heads, seed=3, fused_decode=fused_decode)
     # ragged; one request decodes its very first token (no cached prefix); prefixes end mid-page
-    run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
-    check_decode_path(s, fused_decode)
+    batch = make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5)
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("block", [1, 8200, 20000, None],
@@ -300,10 +305,13 @@ def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
                                                         (3, 4, 3, 4)]
 
 
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])
-def test_extend_head_layouts(heads, kv_heads):
-    s = make_setup(page_size=16, heads=heads, kv_heads=kv_heads, seed=3)
-    run_and_check(s, make_batch(s, ForwardMode.EXTEND, [0, 21], [6, 5]))
+def test_extend_head_layouts(heads, kv_heads, fused_decode):
+    s = make_setup(page_size=16, heads=heads, kv_heads=kv_heads, seed=3, fused_decode=fused_decode)
+    batch = make_batch(s, ForwardMode.EXTEND, [0, 21], [6, 5])
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("fused_decode", FUSED_PATHS)
@@ -316,20 +324,22 @@ def test_decode_new_slot_not_yet_in_req_to_token(fused_decode):
     loc = torch.tensor(s.alloc.alloc(2))
     batch = ForwardBatch.decode(req, [p + 1 for p in prefix], loc)
     run_and_check(s, batch)
-    check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("fused_decode", FUSED_PATHS)
 def test_decode_all_first_tokens(fused_decode):
     s = make_setup(seed=4, fused_decode=fused_decode)
-    run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 0, 0], [1, 1, 1]))
-    check_decode_path(s, fused_decode)
+    batch = make_batch(s, ForwardMode.DECODE, [0, 0, 0], [1, 1, 1])
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
 @pytest.mark.parametrize("custom", [False, True], ids=["causal", "custom_mask"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_target_verify(custom, page_size):
-    s = make_setup(page_size=page_size, seed=5)
+def test_target_verify(custom, page_size, fused_decode):
+    s = make_setup(page_size=page_size, seed=5, fused_decode=fused_decode)
     d = 4
     mask = None
     if custom:  # a tree: every draft sees itself; some see earlier drafts, one sees a *later* one
@@ -339,6 +349,7 @@ def test_target_verify(custom, page_size):
     batch = make_batch(s, ForwardMode.TARGET_VERIFY, [9, 16, 30], [d] * 3, spec_num_draft_tokens=d,
                        spec_custom_mask=mask)
     run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
     if custom:  # the mask matters: the causal answer differs
         layer = s.layers[0]
         q, k, v = qkv(s, layer, batch.num_tokens)
@@ -350,14 +361,16 @@ def test_target_verify(custom, page_size):
         assert not torch.allclose(masked, plain)
 
 
-def test_target_verify_mask_row_hiding_everything_gives_zero():
-    s = make_setup(seed=6)
+@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+def test_target_verify_mask_row_hiding_everything_gives_zero(fused_decode):
+    s = make_setup(seed=6, fused_decode=fused_decode)
     d = 3
     mask = torch.ones(1, d, d, dtype=torch.bool)
     mask[0, 1, :] = False  # draft 1 sees no draft; with no prefix it sees nothing at all
     batch = make_batch(s, ForwardMode.TARGET_VERIFY, [0], [d], spec_num_draft_tokens=d, spec_custom_mask=mask)
     out = run_and_check(s, batch)
     assert torch.count_nonzero(out[1]) == 0
+    check_path(s, fused_decode, batch)
 
 
 def test_idle_returns_empty():
@@ -387,7 +400,7 @@ FEATURES = {
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("mode,fused_decode",
-                         decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]))
+                         mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]))
 def test_layer_features(feature, mode, fused_decode):
     # eager decode: blocks of one KV head (decode_block_bytes=1)
     s = make_setup(page_size=16, seed=7, layer_kw=FEATURES[feature], decode_block_bytes=1, fused_decode=fused_decode)
@@ -400,15 +413,15 @@ def test_layer_features(feature, mode, fused_decode):
     else:
         batch = make_batch(s, mode, [0, 13, 5], [9, 6, 1])
     run_and_check(s, batch)
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("score_bytes", [1, 4 * 8 * 40 * 3], ids=["one_query_chunks", "three_query_chunks"])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY])
 def test_extend_in_query_chunks(score_bytes, mode):
-    # long extends are processed in query chunks seeing only the keys they can (causal, window)
-    s = make_setup(page_size=16, seed=20, extend_score_bytes=score_bytes,
+    # long extends are processed in query chunks seeing only the keys they can (causal, window);
+    # the eager extend's chunking (5 drafts would go through the fused kernel)
+    s = make_setup(page_size=16, seed=20, extend_score_bytes=score_bytes, fused_decode="off",
                    layer_kw=dict(sliding_window=6, sinks=torch.linspace(-1.0, 1.0, 8)))
     if mode is ForwardMode.TARGET_VERIFY:
         mask = torch.rand(2, 5, 5, generator=s.gen) > 0.4
@@ -418,7 +431,7 @@ def test_extend_in_query_chunks(score_bytes, mode):
     run_and_check(s, batch)
 
 
-@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 @pytest.mark.parametrize("with_kv", [False, True], ids=["kv_none", "kv_given"])
 def test_cross_attention(mode, with_kv, fused_decode):
     s = make_setup(page_size=16, seed=8, layer_kw=dict(is_cross_attention=True, sliding_window=2),
@@ -437,8 +450,7 @@ def test_cross_attention(mode, with_kv, fused_decode):
     out = run_and_check(s, batch, with_kv=with_kv)  # also checks nothing was written
     row = 1 if mode is ForwardMode.DECODE else 2
     assert torch.count_nonzero(out[row]) == 0
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("dims", [(24, 8), (32, 16)], ids=["24_8", "32_16"])
@@ -447,22 +459,23 @@ def test_v_head_dim_differs(mode, dims):
     # decode: dims 24/8 are not multiples of 16 (the eager decode runs under "auto"); 32/16 fused
     D, Dv = dims
     s = make_setup(head_dim=D, v_head_dim=Dv, seed=9, layer_kw=dict(sinks=torch.zeros(8)))
-    run_and_check(s, make_batch(s, mode, [5, 31], [7, 1] if mode is ForwardMode.EXTEND else [1, 1]))
-    if mode is ForwardMode.DECODE and KERNEL_HOST:
+    batch = make_batch(s, mode, [5, 31], [7, 1] if mode is ForwardMode.EXTEND else [1, 1])
+    run_and_check(s, batch)
+    if KERNEL_HOST:
         probe = torch.zeros(1, 8, D)
         if D % 16:
             assert "head dims 24/8" in s.backend.fused_fits(probe, s.layers[0]) and s.backend.workspace.grows > 0
         else:
-            check_decode_path(s, "auto")
+            check_path(s, "auto", batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 def test_half_dtypes(dtype, mode, fused_decode):
     s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)), fused_decode=fused_decode)
-    run_and_check(s, make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1]))
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    batch = make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1])
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
 BF16_DECODE_LAYERS = {
@@ -487,8 +500,9 @@ def test_bf16_decode_with_large_scores(layer_kind, fused_decode, block):
                    decode_block_bytes=block, fused_decode=fused_decode)
     common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
     s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
-    run_and_check(s, make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1]))
-    check_decode_path(s, fused_decode)
+    batch = make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1])
+    run_and_check(s, batch)
+    check_path(s, fused_decode, batch)
 
 
 def test_bf16_shifted_scores_round_s_minus_max_once():
@@ -526,16 +540,16 @@ def test_fp32_model_with_bf16_kv_cache(mode):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 def test_save_kv_cache_false_writes_nothing(mode, fused_decode):
     s = make_setup(seed=12, fused_decode=fused_decode)
     # save=False: the cache must stay bit-identical; the output still uses the new k/v
-    run_and_check(s, make_batch(s, mode, [4, 17], [3, 1] if mode is ForwardMode.EXTEND else [1, 1]), save=False)
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    batch = make_batch(s, mode, [4, 17], [3, 1] if mode is ForwardMode.EXTEND else [1, 1])
+    run_and_check(s, batch, save=False)
+    check_path(s, fused_decode, batch)
 
 
-@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 def test_metadata_built_once_serves_every_layer(mode, fused_decode):
     s = make_setup(num_layers=3, seed=13, decode_block_bytes=4096, fused_decode=fused_decode)
     s.layers[2] = LayerSpec(2, 8, 2, 16, sliding_window=4)  # a layer whose mask differs
@@ -548,9 +562,8 @@ def test_metadata_built_once_serves_every_layer(mode, fused_decode):
     for layer in s.layers:  # a second pass over the layers allocates no workspace
         run_and_check(s, batch, layer, init=False)
     assert s.backend.workspace.grows == grows
-    if mode is ForwardMode.DECODE:
-        for layer in s.layers:
-            check_decode_path(s, fused_decode, layer)
+    for layer in s.layers:
+        check_path(s, fused_decode, batch, layer)
 
 
 def test_forward_before_init_raises():
@@ -606,7 +619,7 @@ def test_layer_not_matching_the_cache_raises():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,fused_decode", decode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 def test_repeated_forward_is_bit_identical(mode, fused_decode):
     s = make_setup(seed=18, fused_decode=fused_decode)
     layer = s.layers[0]
@@ -617,8 +630,7 @@ def test_repeated_forward_is_bit_identical(mode, fused_decode):
         s.backend.init_forward_metadata(batch)
         outs.append(s.backend.forward(q, k, v, layer, batch))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)
 
 
 def test_deterministic_is_not_claimed():
@@ -683,15 +695,14 @@ def garbage_batch(s: Setup, mode: ForwardMode) -> ForwardBatch:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layer_kind", sorted(GARBAGE_LAYERS))
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode,fused_decode", decode_paths(GARBAGE_MODES))
+@pytest.mark.parametrize("mode,fused_decode", mode_paths(GARBAGE_MODES))
 def test_garbage_in_unowned_slots_never_reaches_an_output(mode, fused_decode, page_size, layer_kind, dtype):
     s = make_setup(page_size=page_size, seed=31, dtype=dtype, layer_kw=GARBAGE_LAYERS[layer_kind],
                    decode_block_bytes=4096, fused_decode=fused_decode)  # eager: several padded decode blocks
     batch = garbage_batch(s, mode)
     out = run_and_check(s, batch)  # equals the float64 reference (which reads owned slots only)
     assert bool(torch.isfinite(out).all())
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -711,8 +722,7 @@ def test_garbage_cross_attention_decode_and_extend(fused_decode):
         batch.encoder_lens = torch.tensor(enc)
         out = run_and_check(s, batch, with_kv=False)
         assert bool(torch.isfinite(out).all())
-        if mode is ForwardMode.DECODE:
-            check_decode_path(s, fused_decode)
+        check_path(s, fused_decode, batch)
 
 
 # ---------------------------------------------------------------------------
@@ -812,5 +822,4 @@ def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, p
     else:
         batch = ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode)
     run_and_check(s, batch)
-    if mode is ForwardMode.DECODE:
-        check_decode_path(s, fused_decode)
+    check_path(s, fused_decode, batch)

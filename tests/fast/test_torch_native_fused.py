@@ -30,6 +30,7 @@ from attnplug import (
     BackendUnavailableError,
     BuildContext,
     ForwardBatch,
+    ForwardMode,
     HostInfo,
     LayerSpec,
     PageAllocator,
@@ -41,7 +42,7 @@ from attnplug.registry import default_registry
 from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import fused
-from attnplug_torch_native.backend import TorchNativeBackend, create
+from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend, create
 
 HOST = HostInfo(platform="cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -122,6 +123,24 @@ def decode_batch(s: Setup, seq_lens: Sequence[int], *, req_ids: Sequence[int] | 
     loc = torch.stack([s.cache.req_to_token[r, n - 1] for r, n in zip(req_ids, seq_lens)])
     kw = {} if encoder_lens is None else {"encoder_lens": torch.tensor(list(encoder_lens))}
     return ForwardBatch.decode(req_ids, list(seq_lens), loc, **kw)
+
+
+def extend_batch(s: Setup, mode: ForwardMode, prefix: Sequence[int], ext: Sequence[int], *,
+                 req_ids: Sequence[int] | None = None, encoder_lens: Sequence[int] | None = None,
+                 mask: torch.Tensor | None = None, extra: int = 0) -> ForwardBatch:
+    """An extend-shaped batch (EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND...) on scattered pages;
+    TARGET_VERIFY takes ``mask`` (``[batch, drafts, drafts]`` bool or ``None``: causal)."""
+    req_ids = list(req_ids if req_ids is not None else [7 - i for i in range(len(prefix))])
+    ps = s.cache.page_size
+    for i, (r, p, e) in enumerate(zip(req_ids, prefix, ext)):
+        mapped = max(p + e, encoder_lens[i] if encoder_lens is not None else 0) + extra
+        s.cache.assign_pages(r, mapped, s.alloc.alloc(-(-mapped // ps)))
+    parts = [s.cache.req_to_token[r, p:p + e] for r, p, e in zip(req_ids, prefix, ext)]
+    loc = torch.cat(parts)
+    kw: dict[str, Any] = {} if encoder_lens is None else {"encoder_lens": torch.tensor(list(encoder_lens))}
+    if mode is ForwardMode.TARGET_VERIFY:
+        kw.update(spec_num_draft_tokens=ext[0], spec_custom_mask=mask)
+    return ForwardBatch.extend(req_ids, list(prefix), list(ext), loc, mode=mode, **kw)
 
 
 def inputs(s: Setup, tokens: int, *, with_kv: bool = True, q_gain: float = 1.0) -> tuple[Any, Any, Any]:
@@ -300,6 +319,70 @@ def test_strided_q_k_v_from_one_projection():
 
 
 # ---------------------------------------------------------------------------
+# extend modes: requests with at most FUSED_MAX_QUERIES new tokens go through the kernel
+# ---------------------------------------------------------------------------
+
+VERIFY_LAYERS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window0": dict(sliding_window=0),  # each draft sees itself only
+    "window2": dict(sliding_window=2),  # shorter than the drafts: hides earlier drafts from later ones
+    "window5_sinks": dict(sliding_window=5, sinks=torch.linspace(-1.0, 2.0, 8)),
+    "softcap": dict(scaling=1.0, logit_cap=4.0),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("drafts", [1, 3, FUSED_MAX_QUERIES])
+@pytest.mark.parametrize("layer_kind", sorted(VERIFY_LAYERS))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_target_verify_drafts_with_a_tree_mask(dtype, layer_kind, drafts):
+    s = make(dtype=dtype, head_dim=32, seed=drafts, layer_kw=VERIFY_LAYERS[layer_kind])
+    # a tree: every draft sees itself, others at random; request 0 has no prefix and its last draft
+    # sees no draft at all (with no prefix nor itself: a zero row)
+    mask = (torch.rand(3, drafts, drafts, generator=s.gen) > 0.5) | torch.eye(drafts, dtype=torch.bool)
+    mask[0, drafts - 1, :] = False
+    batch = extend_batch(s, ForwardMode.TARGET_VERIFY, [0, 20, 45], [drafts] * 3, mask=mask)
+    out = run_and_check(s, batch, q_gain=4.0 if layer_kind == "softcap" else 1.0)
+    assert torch.count_nonzero(out[drafts - 1]) == 0
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
+                                  ForwardMode.DRAFT_EXTEND_V2], ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (F16, F16), (BF16, E4M3)], ids=["f32", "f16", "bf16_e4m3"])
+def test_extend_modes_with_few_new_tokens(dtype, kv_dtype, mode):
+    # causal among the new tokens, a window shorter than the step, a request extending by 0
+    s = make(dtype=dtype, kv_dtype=kv_dtype, head_dim=48, seed=61, scales=(0.5, 1.25),
+             layer_kw=dict(sliding_window=3, sinks=torch.linspace(0.0, 2.0, 8)))
+    run_and_check(s, extend_batch(s, mode, [0, 17, 50, 4], [FUSED_MAX_QUERIES, 2, 5, 0]))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_mixed_batch_splits_requests_between_the_kernel_and_the_eager_extend(dtype):
+    # FUSED_MAX_QUERIES new tokens go through the kernel, one more through the eager extend; both in
+    # one forward, each writing its own rows of the output
+    s = make(dtype=dtype, head_dim=32, seed=62, layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8)))
+    run_and_check(s, extend_batch(s, ForwardMode.MIXED, [9], [FUSED_MAX_QUERIES], req_ids=[0]))
+    assert_fused_ran(s)
+    run_and_check(s, extend_batch(s, ForwardMode.MIXED, [0, 33, 5, 12], [1, FUSED_MAX_QUERIES + 1, 1, 20],
+                                  req_ids=[1, 2, 3, 4]))
+    assert s.backend.workspace.grows > 0  # the two long requests went through the eager extend
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_cross_attention_extend_with_an_empty_encoder(dtype):
+    s = make(dtype=dtype, head_dim=32, seed=63, layer_kw=dict(is_cross_attention=True))
+    batch = extend_batch(s, ForwardMode.EXTEND, [0, 2, 7], [3, 1, 6], encoder_lens=[20, 0, 9])
+    out = run_and_check(s, batch, with_kv=False)
+    assert torch.count_nonzero(out[3]) == 0 and torch.count_nonzero(out[:3]) > 0
+    assert_fused_ran(s)
+
+
+# ---------------------------------------------------------------------------
 # garbage where no request reads never reaches an output
 # ---------------------------------------------------------------------------
 
@@ -313,21 +396,29 @@ GARBAGE_LAYERS: dict[str, dict[str, Any]] = {
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED],
+                         ids=lambda m: m.name)
 @pytest.mark.parametrize("layer_kind", sorted(GARBAGE_LAYERS))
 @pytest.mark.parametrize("dtype,kv_dtype,page_size", [(F32, F32, 1), (BF16, BF16, 16), (F16, E4M3, 1),
                                                       (BF16, E5M2, 16)],
                          ids=["f32_page1", "bf16_page16", "f16_e4m3_page1", "bf16_e5m2_page16"])
-def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind):
+def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind, mode):
     s = make(dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, head_dim=32, seed=21, scales=(0.5, 2.0),
              layer_kw=GARBAGE_LAYERS[layer_kind])
     s.alloc._free.remove(0)  # page 0 (slot 0, where a padded read would land) goes to no request
     cross = layer_kind == "cross"
+    enc = [11, 0, 3, 8] if cross else None
     # every request maps 20 positions past its length (to garbage slots); positions beyond those stay
     # unassigned (-1); cross-attention requests read encoder tokens 0 .. enc-1 only
-    batch = decode_batch(s, [11, 1, 30, 8], encoder_lens=[11, 0, 3, 8] if cross else None, extra=20)
-    rows, seq = batch.req_pool_indices.tolist(), batch.seq_lens.tolist()
-    reads = [11, 0, 3, 8] if cross else [n - 1 for n in seq]  # the cached positions each request reads
-    owned = torch.cat([s.cache.req_to_token[r, :m] for r, m in zip(rows, reads)])
+    prefix = [10, 0, 29, 7]
+    if mode is ForwardMode.DECODE:
+        batch = decode_batch(s, [p + 1 for p in prefix], encoder_lens=enc, extra=20)
+    else:
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool).expand(4, 3, 3).contiguous()
+        ext = [3] * 4 if mode is ForwardMode.TARGET_VERIFY else [1, 4, 0, 2]
+        batch = extend_batch(s, mode, prefix, ext, encoder_lens=enc, mask=mask, extra=20)
+    reads = enc or prefix  # the cached positions each request reads
+    owned = torch.cat([s.cache.req_to_token[r, :m] for r, m in zip(batch.req_pool_indices.tolist(), reads)])
     bad = torch.ones(s.cache.num_slots, dtype=torch.bool)
     bad[owned] = False
     assert bool(bad[0]), "slot 0 (where padding would read) must hold garbage"
@@ -351,11 +442,16 @@ def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind)
 @needs_kernel
 @pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF16, BF16), (F16, F16), (BF16, E4M3)],
                          ids=["f32", "bf16", "f16", "bf16_e4m3"])
-def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads):
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
+def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, mode):
     s = make(dtype=dtype, kv_dtype=kv_dtype, kv_heads=2, group=3, head_dim=64, seed=31, scales=(0.25, 1.5),
              layer_kw=dict(sliding_window=40, sinks=torch.linspace(-1.0, 1.0, 6)))
     eager = TorchNativeBackend(s.ctx, fused_decode="off")
-    batch = decode_batch(s, LENS)
+    if mode is ForwardMode.DECODE:
+        batch = decode_batch(s, LENS)
+    else:
+        mask = (torch.rand(4, 5, 5, generator=s.gen) > 0.5) | torch.eye(5, dtype=torch.bool)
+        batch = extend_batch(s, mode, [0, 16, 52, 29], [5] * 4, mask=mask)
     q, k, v = inputs(s, batch.num_tokens)
     outs = []
     for _ in range(3):
@@ -404,11 +500,12 @@ def test_layers_the_kernel_does_not_take_run_eager(kind):
 # ---------------------------------------------------------------------------
 
 
-def fused_scratch_bytes(threads: int, heads_per_item: int, group: int, keys: int, D: int, Dv: int) -> int:
-    """The per-call scratch ``_decode_fused`` estimates (float32 scores of the item's query rows over
-    its keys padded to 16, queries, accumulators, one head's widened 16-key block), over all threads."""
+def fused_scratch_bytes(threads: int, heads_per_item: int, group: int, keys: int, D: int, Dv: int,
+                        queries: int = 1) -> int:
+    """The scratch ``_attend_fused`` estimates (per thread: float32 scores of a work item's query rows
+    over its keys padded to 16, queries, sums; one head's widened 16-key block), over all threads."""
     npad = -(-keys // 16) * 16
-    return 4 * threads * (heads_per_item * group * (npad + D + Dv + 2) + 17 * max(D, Dv))
+    return 4 * threads * (heads_per_item * queries * group * (npad + D + Dv + 2) + 17 * max(D, Dv))
 
 
 @needs_kernel
@@ -439,9 +536,9 @@ def test_workspace_limit_below_both_paths_is_refused_naming_the_limit():
 
 
 @needs_kernel
-def test_workspace_limit_between_one_head_and_all_heads_runs_fused_one_head_per_item():
+def test_workspace_limit_between_one_head_and_all_heads_runs_fused_with_fewer_heads_per_item():
     # four requests on one thread: all KV heads per item would need more scratch than the limit,
-    # one head per item fits, so the kernel still runs (items of one head)
+    # one head per item fits, so the kernel still runs (items of fewer heads)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -451,6 +548,16 @@ def test_workspace_limit_between_one_head_and_all_heads_runs_fused_one_head_per_
         assert_fused_ran(s)
     finally:
         torch.set_num_threads(old)
+
+
+@needs_kernel
+def test_workspace_limit_in_an_extend_mode_sends_the_drafts_to_the_eager_extend():
+    # target-verify with 8 drafts: the kernel's scratch (8 query rows per head) exceeds the limit,
+    # the eager extend's per-request workspace does not
+    s = make(dtype=F32, kv_heads=1, group=2, head_dim=16, seed=54, max_workspace_bytes=4096)
+    assert fused_scratch_bytes(torch.get_num_threads(), 1, 2, 8 + 3, 16, 16, queries=8) > 4096
+    run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [3, 1], [8, 8]))
+    assert s.backend.fused_fits(torch.zeros(1, 2, 16), s.layer) is None and s.backend.workspace.grows > 0
 
 
 # ---------------------------------------------------------------------------
