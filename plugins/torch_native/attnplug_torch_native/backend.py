@@ -75,7 +75,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from attnplug import BackendUnavailableError, ForwardMode, PagedBackend
+from attnplug import ForwardMode, PagedBackend
+from attnplug.errors import BackendUnavailableError
 
 from . import CAPABILITIES, NAME, fused
 
