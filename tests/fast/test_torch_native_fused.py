@@ -1,11 +1,13 @@
-"""torch_native's fused CPU decode kernel (``csrc/decode.cpp``, built by ``fused.py``) against the
-float64 reference, against the eager decode, and its build: failures stated as reasons, the cache key.
+"""torch_native's fused CPU kernel (``csrc/decode.cpp``, built by ``fused.py``) against the float64
+reference, against the eager paths, and its build: failures stated as reasons, the cache key.
 
-Every case builds a paged cache on shuffled pages, fills every slot with noise (garbage tests: NaN
-and infinities wherever no request reads), runs one DECODE forward and compares the output with
+The kernel takes every DECODE request, and in the extend modes the requests with at most
+``FUSED_MAX_QUERIES`` new tokens (target-verify drafts, a mixed batch's decode requests). Every case
+builds a paged cache on shuffled pages, fills every slot with noise (garbage tests: NaN and
+infinities wherever no request reads), runs a forward and compares the output with
 ``reference_attention`` of the cache as it was before, and the cache after with
 ``expected_cache_after`` (bit for bit). A case that means the fused kernel asserts it ran: the layer
-fits (``fused_fits`` is ``None``) and the eager decode's workspace was never allocated.
+fits (``fused_fits`` is ``None``) and the eager paths' workspace was never allocated.
 
 The build tests run the real compiler (or a stand-in script that fails the way a compiler does) in a
 temporary ``$ATTNPLUG_CACHE_DIR``; ``fused.load``'s per-process cache is cleared before and after.
@@ -183,7 +185,7 @@ def run_and_check(s: Setup, batch: ForwardBatch, *, with_kv: bool = True, save: 
 
 
 def assert_fused_ran(s: Setup) -> None:
-    """The layer fits the kernel and the eager decode never allocated its ``dec.*`` workspace."""
+    """The layer fits the kernel and the eager decode / extend never allocated their workspace."""
     probe = torch.zeros(1, s.layer.num_heads, s.layer.head_dim, dtype=s.dtype)
     assert s.backend.fused_reason is None, s.backend.fused_reason
     assert s.backend.fused_fits(probe, s.layer) is None
