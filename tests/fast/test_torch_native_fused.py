@@ -620,6 +620,7 @@ def test_no_compiler_is_a_reason_and_auto_runs_the_eager_decode(fresh_build, mon
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     lib, why = fused.load()
     assert lib is None and why is not None and "no C++ compiler found" in why
+    assert "$CXX='/nonexistent/g++' is not an executable" in why
     if KERNEL_HOST:
         s = make(dtype=BF16, head_dim=32, seed=61)  # "auto"
         assert s.backend._fused is None and s.backend.fused_reason == why
@@ -677,7 +678,8 @@ def test_library_that_does_not_load_is_a_reason(fresh_build, tmp_path, monkeypat
     monkeypatch.setenv("CXX", str(cxx))
     lib, why = fused.load()
     assert lib is None and why is not None and why.startswith("cannot load the fused decode kernel ")
-    assert leftovers(fresh_build) == []
+    assert why.endswith("; removed it, the next build retries")
+    assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a library that does not load was kept"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or not KERNEL_HOST, reason="needs g++ on x86-64 Linux")
@@ -695,6 +697,7 @@ def test_struct_size_disagreeing_with_fused_py_is_a_reason(fresh_build, tmp_path
     lib, why = fused.load()
     assert lib is None and why is not None
     assert f"DecodeArgs is 8 bytes in the library, {fused.ctypes.sizeof(fused.DecodeArgs)} in fused.py" in why
+    assert list(fresh_build.glob("*.so")) == [], "a library with another DecodeArgs was kept"
 
 
 def test_missing_source_is_a_reason(fresh_build, tmp_path, monkeypatch):

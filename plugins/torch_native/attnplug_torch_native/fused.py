@@ -153,21 +153,30 @@ def load() -> tuple[Any, str | None]:
         return None, f"the fused decode kernel's source {SOURCE} is missing (an incomplete install of attnplug-torch-native)"
     cxx = compiler()
     if cxx is None:
-        return None, ("no C++ compiler found ($CXX, g++ or c++ on PATH) to build the fused decode kernel; "
-                      "install g++ to enable it")
+        named = f" ($CXX={os.environ['CXX']!r} is not an executable)" if os.environ.get("CXX") else ""
+        return None, (f"no C++ compiler found ($CXX, g++ or c++ on PATH){named} to build the fused decode "
+                      "kernel; install g++ to enable it")
     path = library_path(cxx)
     if not path.exists():
         why = build(cxx, path)
         if why is not None:
             return None, why
+    why = None
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"cannot load the fused decode kernel {path}: {exc}"
-    lib.attnplug_fused_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
-    lib.attnplug_fused_decode.restype = ctypes.c_int
-    lib.attnplug_fused_decode_args_size.restype = ctypes.c_int64
-    if lib.attnplug_fused_decode_args_size() != ctypes.sizeof(DecodeArgs):
-        return None, (f"{path.name}: DecodeArgs is {lib.attnplug_fused_decode_args_size()} bytes in the "
-                      f"library, {ctypes.sizeof(DecodeArgs)} in fused.py (the two definitions differ)")
-    return lib, None
+        lib.attnplug_fused_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
+        lib.attnplug_fused_decode.restype = ctypes.c_int
+        lib.attnplug_fused_decode_args_size.restype = ctypes.c_int64
+        if lib.attnplug_fused_decode_args_size() != ctypes.sizeof(DecodeArgs):
+            why = (f"{path.name}: DecodeArgs is {lib.attnplug_fused_decode_args_size()} bytes in the "
+                   f"library, {ctypes.sizeof(DecodeArgs)} in fused.py (the two definitions differ)")
+    except (OSError, AttributeError) as exc:  # not a library, or not this one
+        why = f"cannot load the fused decode kernel {path}: {exc}"
+    if why is None:
+        return lib, None
+    try:  # a bad library is not kept: the next process builds it again
+        path.unlink()
+        why += "; removed it, the next build retries"
+    except OSError:
+        pass
+    return None, why
