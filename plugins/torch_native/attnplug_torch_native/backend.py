@@ -33,8 +33,18 @@ are ``-inf`` before the softmax as well. A row with no visible key (an empty
 encoder, a target-verify mask row hiding everything) outputs zeros, sinks or not,
 as the reference does.
 
-Decode
-------
+Fused CPU kernel
+----------------
+
+On CPU, decode and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tokens
+(target-verify drafts, a mixed batch's decode requests) go through ``csrc/decode.cpp``
+(built and loaded by ``fused.py``; ``_attend_fused``): one pass over the paged cache that
+reads each visible row once, in place, and computes in float32. ``fused_fits`` says which
+layers it takes (nhd layout, a model-dtype or fp8 cache, head dims multiples of 16); the
+rest, other devices, and ``fused_decode="off"`` take the eager paths below.
+
+Decode (eager)
+--------------
 
 Requests are processed in blocks holding about ``decode_block_bytes`` of gathered
 K (default 4 MiB on CPU, so the block stays in cache between the gather and the
