@@ -239,15 +239,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  #{m.index:4d} line {m.line:4d} {m.kind:7s} {m.outcome:8s} {m.seconds:5.1f}s "
                   f"{m.before!r} -> {m.after!r}", flush=True)
     done = [m for m, _ in found]
-    killed = [m for m in done if m.outcome in ("killed", "timeout", "error")]
+    # a timeout is not a kill: a mutant that makes the suite hang (an endless loop) is caught only
+    # if a real run would time out too, so timeouts are counted apart and listed for a look
+    killed = [m for m in done if m.outcome in ("killed", "error")]
+    timeouts = [m for m in done if m.outcome == "timeout"]
     survivors = [m for m in done if m.outcome == "survived"]
-    rate = 100.0 * len(killed) / len(done) if done else 100.0
-    print(f"\nkill rate {rate:.1f}% ({len(killed)} of {len(done)} killed; {len(survivors)} survived)")
+    decided = len(killed) + len(survivors)
+    rate = 100.0 * len(killed) / decided if decided else 100.0
+    print(f"\nkill rate {rate:.1f}% ({len(killed)} of {decided} killed; {len(survivors)} survived; "
+          f"{len(timeouts)} timed out, not counted)")
     for m in survivors:
         print(f"  survivor line {m.line}: {m.kind}: {m.before!r} -> {m.after!r}")
+    for m in timeouts:
+        print(f"  timed out line {m.line}: {m.kind}: {m.before!r} -> {m.after!r}")
     if a.json:
         a.json.write_text(json.dumps({"backend": a.backend, "module": str(rel), "pytest_args": extra,
-                                      "kill_rate": rate, "mutants": [dataclasses.asdict(m) for m in done]},
+                                      "kill_rate": rate, "timeouts": len(timeouts), "mutants": [dataclasses.asdict(m) for m in done]},
                                      indent=2) + "\n")
     return 0
 

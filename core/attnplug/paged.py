@@ -47,6 +47,15 @@ from .capabilities import support_reasons
 from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
 from .modes import ForwardMode
 
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes for a message, in the largest binary unit that keeps it at least 1 (``"4.00 KiB"``,
+    ``"1.50 GiB"``, ``"512 B"``): a small workspace limit never reads "0.00 GiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{int(n)} B"
+
 __all__ = ["PagedBackend"]
 
 
@@ -246,8 +255,8 @@ class PagedBackend(AttentionBackend):
         """
         if nbytes > self.max_workspace_bytes:
             raise ResourceLimitError(
-                f"{self.name}: {what} needs {nbytes / 2**30:.2f} GiB, above the workspace limit of "
-                f"{self.max_workspace_bytes / 2**30:.2f} GiB (BuildContext.max_workspace_bytes); "
+                f"{self.name}: {what} needs {format_bytes(nbytes)}, above the workspace limit of "
+                f"{format_bytes(self.max_workspace_bytes)} (BuildContext.max_workspace_bytes); "
                 f"raise the limit or split the batch"
             )
 

@@ -357,3 +357,18 @@ def test_not_supported_reasons_without_ctx_uses_the_build_context():
     backend, _ = make()
     backend.ctx = backend.ctx.replace(dtype="float16")
     assert any("dtype=float16" in r for r in backend.not_supported_reasons(LAYER))
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (512, "512 B"), (4096, "4.00 KiB"), (3 << 19, "1.50 MiB"),
+                                    (5 << 30, "5.00 GiB")])
+def test_format_bytes_keeps_small_sizes_readable(n, text):
+    from attnplug.paged import format_bytes
+
+    assert format_bytes(n) == text
+
+
+def test_a_small_workspace_limit_is_stated_in_its_own_unit():
+    backend, _ = make()
+    backend.max_workspace_bytes = 4096
+    with pytest.raises(ResourceLimitError, match=r"toy: scores needs 5.00 KiB, above the workspace limit of 4.00 KiB"):
+        backend.check_workspace(5 * 1024, "scores")
