@@ -55,7 +55,11 @@ def test_ignored_sliding_window_fails_window_cases_only(wrong_site: Path, tmp_pa
     feature_failed = {k for k in failed if k.startswith("test_feature")}
     feature_all = {k for k in failed | passed if k.startswith("test_feature")}
     assert feature_failed == {k for k in feature_all if "window" in k}
-    assert len(feature_failed) == 4 * 5  # four variants with a window x five modes
+    from attnplug.testing.suite.cases import FEATURES
+
+    windowed = sum(1 for f in FEATURES.values() if f.sliding_window is not None)
+    assert windowed == 6  # window5, window16, window2, window0, window_sinks, softcap_window
+    assert len(feature_failed) == windowed * 5  # every variant with a window x five modes
     # the shared-metadata layers include a windowed layer when the window is claimed
     assert all(k in failed for k in failed | passed if k.startswith("test_shared_metadata"))
 
