@@ -548,7 +548,40 @@ class TorchNativeBackend(PagedBackend):
         """Attend ``meta.fused_requests()`` through ``csrc/decode.cpp`` into their rows of ``out``:
         every visible row read once, in place. ``False`` (nothing written) when the layer does not
         fit the kernel or its scratch would exceed the workspace limit (the eager path then
-        chunks or refuses)."""
+        chunks or refuses). The kernel's arguments but the per-call tensors are prepared once
+        per forward and layer (``_prepare_fused``)."""
+        threads = torch.get_num_threads()
+        key = ("fused_args", id(layer), layer.layer_id, q.dtype, threads)
+        prep = meta._plans.get(key)
+        if prep is None:
+            prep = meta._plans[key] = self._prepare_fused(q, layer, meta, threads)
+        if prep is False:
+            return False
+        if prep is True:  # no request for the kernel in this forward
+            return True
+        args, H, Hkv, D, Dv = prep[0], layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        T = q.shape[0]
+        q3 = _unit_stride(q.reshape(T, H, D))
+        args.q, args.q_st, args.q_sh = q3.data_ptr(), q3.stride(0), q3.stride(1)
+        if not layer.is_cross_attention:
+            if self.cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
+                k, v = self._stored(layer, k, v)
+            else:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            kn, vn = _unit_stride(k.reshape(T, Hkv, D)), _unit_stride(v.reshape(T, Hkv, Dv))
+            args.kn, args.kn_st, args.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
+            args.vn, args.vn_st, args.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
+        args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
+        rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
+        if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
+            raise RuntimeError(f"{NAME}: the fused decode kernel refused layer {layer.layer_id} (code {rc}: "
+                               f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
+        return True
+
+    def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
+        """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
+        ``True`` when no request is for it, else ``(DecodeArgs with every field but the per-call
+        tensors', the tensors and layer it points at, kept alive)``."""
         if self.fused_fits(q, layer) is not None:
             return False
         cache, lid = self.cache, layer.layer_id
@@ -559,7 +592,6 @@ class TorchNativeBackend(PagedBackend):
         B = plan.shape[0]
         if B == 0:
             return True
-        threads = torch.get_num_threads()
         # work items are (request, KV heads): all heads per request unless that leaves threads idle
         per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
         npad = -(-max(most_keys, 1) // 16) * 16
@@ -572,17 +604,6 @@ class TorchNativeBackend(PagedBackend):
         if scratch(per_item) > self.max_workspace_bytes:
             return False
         kc, vc = cache.get_kv(lid)
-        T = q.shape[0]
-        q3 = _unit_stride(q.reshape(T, H, D))
-        new_f32 = 0
-        kn = vn = None
-        if not cross:
-            if cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
-                k, v = self._stored(layer, k, v)
-                new_f32 = 1
-            else:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            kn, vn = _unit_stride(k.reshape(T, Hkv, D)), _unit_stride(v.reshape(T, Hkv, Dv))
         mask = None if cross else meta.fused_mask()
         sinks = None
         if layer.sinks is not None:
@@ -591,24 +612,19 @@ class TorchNativeBackend(PagedBackend):
         r2t = cache.req_to_token
         window = -1 if cross or layer.sliding_window is None else int(layer.sliding_window)
         args = fused.DecodeArgs(
-            q3.data_ptr(), q3.stride(0), q3.stride(1),
+            0, 0, 0,  # q: per call
             kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
-            0 if kn is None else kn.data_ptr(), 0 if kn is None else kn.stride(0), 0 if kn is None else kn.stride(1),
-            0 if vn is None else vn.data_ptr(), 0 if vn is None else vn.stride(0), 0 if vn is None else vn.stride(1),
+            0, 0, 0, 0, 0, 0,  # this forward's new K/V: per call (none for cross-attention)
             r2t.data_ptr(), r2t.stride(0), plan.data_ptr(),
             0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
             0 if mask is None else mask.stride(1),
-            out.data_ptr(), out.stride(0), out.stride(1),
+            0, 0, 0,  # the output: per call
             0 if sinks is None else sinks.data_ptr(),
-            fused.dtype_code(q.dtype), fused.dtype_code(cache.dtype), new_f32,
+            fused.dtype_code(q.dtype), fused.dtype_code(cache.dtype), 1 if cache.quantized else 0,
             B, Hkv, G, D, Dv, window, per_item, threads,
             layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
         )
-        rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
-        if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
-            raise RuntimeError(f"{NAME}: the fused decode kernel refused layer {lid} (code {rc}: "
-                               f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
-        return True
+        return args, (kc, vc, r2t, plan, mask, sinks, layer)
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:
