@@ -770,3 +770,31 @@ def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build,
     assert s.backend._fused is again
     run_and_check(s, decode_batch(s, LENS))
     assert_fused_ran(s)
+
+
+@pytest.mark.skipif(not KERNEL_HOST, reason="the fused kernel is built for x86-64 Linux only")
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_widening_is_exact_for_every_byte(kv_dtype):
+    """Every one of the 256 fp8 encodings (subnormals, ±0, the largest, NaN, e5m2's ±inf) is widened
+    by the kernel to the value torch gives it. One request sees a cached key whose score dominates by
+    200 (its weight is exactly 1 in float32) and whose V row holds all 256 bytes, so a float32 output
+    row is the kernel's widening of that row (times a unit scale)."""
+    s = make(dtype=F32, kv_dtype=kv_dtype, kv_heads=1, group=1, head_dim=256, seed=71)
+    assert s.backend.fused_fits(torch.empty(1, 1, 256), s.layer) is None
+    batch = decode_batch(s, [2])  # one cached key (position 0) and the new token
+    slot = int(s.cache.req_to_token[7, 0])
+    every = torch.arange(256, dtype=torch.uint8)
+    k_row = torch.zeros(1, 1, 256).to(kv_dtype)
+    k_row[0, 0, 0] = 16.0  # score 16 * q[0]; q[0] = 200 / 16 / scaling keeps the new token's score at 0
+    s.cache.set_kv(0, torch.tensor([slot]), k_row, every.view(kv_dtype).view(1, 1, 256), stored=True)
+    q = torch.zeros(1, 1, 256)
+    q[0, 0, 0] = 200.0 / 16.0 / s.layer.scaling
+    k_new = torch.zeros(1, 1, 256)
+    v_new = torch.zeros(1, 1, 256)
+    s.backend.init_forward_metadata(batch)
+    out = s.backend.forward(q, k_new, v_new, s.layer, batch, save_kv_cache=False)
+    expected = every.view(kv_dtype).float()
+    got = out.reshape(256)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], expected[~nan]), "a widened fp8 value differs from torch's"

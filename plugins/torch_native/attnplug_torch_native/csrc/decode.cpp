@@ -17,7 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -63,6 +63,29 @@ struct F16 {
   static float one(const T* p) { return float(*p); }
   static void put(T* p, float x) { *p = T(x); }
 };
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// fp8 through the half-precision converter: 16 bytes -> 16 halves -> 16 floats, no scalar lanes
+struct E5M2 {  // the top byte of an IEEE half: shift it into place
+  typedef uint8_t T;
+  static vf load(const T* p) {
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    return (vf)_mm512_cvtph_ps(h);
+  }
+};
+struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+  typedef uint8_t T;
+  // as half bits, S.EEEE.MMM -> S.0EEEE.MMM0000000 is the value * 2^-8 (bias 15 instead of 7), for
+  // subnormals too (their half is subnormal as well); one multiply by 256 restores it
+  static vf load(const T* p) {
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    return (vf)_mm512_mask_blend_ps(nan, f, _mm512_set1_ps(NAN));
+  }
+};
+#else
 struct E5M2 {  // the top byte of an IEEE half
   typedef uint8_t T;
   static vf load(const T* p) {
@@ -86,6 +109,7 @@ struct E4M3 {  // float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN
   }
   static vu bits_of(vf f) { vu u; std::memcpy(&u, &f, sizeof u); return u; }
 };
+#endif
 
 // ---- float32 helpers -----------------------------------------------------------------------
 inline float hsum(vf v) {
