@@ -798,3 +798,20 @@ def test_fp8_widening_is_exact_for_every_byte(kv_dtype):
     nan = torch.isnan(expected)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan], expected[~nan]), "a widened fp8 value differs from torch's"
+
+
+@pytest.mark.skipif(not KERNEL_HOST or shutil.which("g++") is None, reason="needs g++ on x86-64 Linux")
+def test_the_portable_build_without_avx512_is_correct_too(fresh_build, monkeypatch):
+    """The kernel built for a CPU without AVX-512 (``-march=x86-64-v3``: AVX2) takes the portable code
+    paths (vector-extension widening of fp8, float32 scores for bf16 instead of ``vdpbf16ps``); this
+    machine runs that build, so the paths CPUs without AVX-512 take are tested here for real."""
+    monkeypatch.setattr(fused, "FLAGS", tuple("-march=x86-64-v3" if f == "-march=native" else f for f in fused.FLAGS))
+    lib, why = fused.load()
+    assert why is None and lib is not None
+    assert "x86-64-v3" in " ".join(fused.FLAGS) and len(list(fresh_build.glob("*.so"))) == 1
+    for dtype, kv_dtype, group in ((BF16, None, 4), (torch.float16, None, 3), (F32, E4M3, 2), (BF16, E5M2, 4)):
+        s = make(dtype=dtype, kv_dtype=kv_dtype, group=group, head_dim=64, scales=(0.375, 1.75), seed=81)
+        run_and_check(s, decode_batch(s, LENS))
+        assert_fused_ran(s)
+    test_fp8_widening_is_exact_for_every_byte(E4M3)
+    test_fp8_widening_is_exact_for_every_byte(E5M2)
