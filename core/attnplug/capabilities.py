@@ -11,18 +11,32 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from .dtypes import BFLOAT16, FLOAT16, FLOAT32, dtype_name
+from .dtypes import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, dtype_name
 from .layer import LayerSpec
 from .modes import ForwardMode
+
+#: Boolean fields where ``True`` claims *less* (a restriction, not a feature): a descriptor may set one
+#: its backend class leaves unset, never the reverse; listings do not show them as features.
+RESTRICTIONS: tuple[str, ...] = ("kv_cache_dtype_follows_model",)
 
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    """The envelope a backend claims. Every claim is tested by the conformance suite."""
+    """The envelope a backend claims. Every claim is tested by the conformance suite.
+
+    ``kv_cache_dtypes`` names the cache dtypes the backend reads at all; ``kv_cache_dtype_follows_model``
+    narrows it for kernels that take the query and an unquantized cache in one dtype: with it set, a
+    non-fp8 KV cache (16-bit, or float32) must be in the model dtype, so a ``bfloat16`` model with a
+    ``float16`` cache is refused although both are listed. fp8 caches are governed by ``kv_cache_dtypes``
+    alone (the kernel quantizes the query or dequantizes the cache itself).
+    """
 
     dtypes: tuple[str, ...] = (FLOAT32, FLOAT16, BFLOAT16)
     #: KV-cache dtypes; empty means "the same as the model dtype only".
     kv_cache_dtypes: tuple[str, ...] = ()
+    #: A non-fp8 (16-bit or float32) KV cache must be in the model dtype; fp8 caches are governed by
+    #: ``kv_cache_dtypes`` alone. A restriction, not a feature: ``True`` claims less.
+    kv_cache_dtype_follows_model: bool = False
     #: Supported head dims; ``None`` means any.
     head_dims: tuple[int, ...] | None = None
     v_head_dim_differs: bool = False
@@ -75,7 +89,7 @@ class Capabilities:
         return d
 
     def summary(self) -> str:
-        """A short human line: the claimed features."""
+        """A short human line: the claimed features, then the restrictions set (``RESTRICTIONS``)."""
         flags = [
             name
             for name in (
@@ -84,6 +98,7 @@ class Capabilities:
             )
             if getattr(self, name)
         ]
+        flags += [name for name in RESTRICTIONS if getattr(self, name)]
         return f"dtypes={','.join(self.dtypes)} devices={','.join(self.devices)} " + " ".join(flags)
 
 
@@ -114,6 +129,10 @@ def support_reasons(
         allowed = caps.kv_cache_dtypes or ((dtype_name(dtype),) if dtype is not None else caps.dtypes)
         if kv not in allowed:
             reasons.append(f"kv_cache_dtype={kv} (supported: {', '.join(allowed)})")
+        elif caps.kv_cache_dtype_follows_model and dtype is not None and kv not in FP8_DTYPES \
+                and kv != dtype_name(dtype):
+            reasons.append(f"kv_cache_dtype={kv} with dtype={dtype_name(dtype)}: a non-fp8 KV cache must be in "
+                           f"the model dtype (kv_cache_dtype_follows_model)")
     if page_size is not None and caps.page_sizes is not None and page_size not in caps.page_sizes:
         reasons.append(f"page_size={page_size} (supported: {_join(caps.page_sizes)})")
     if kv_layout is not None and not caps.reads_layout(kv_layout):

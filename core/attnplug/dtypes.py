@@ -10,6 +10,8 @@ BFLOAT16 = "bfloat16"
 FLOAT64 = "float64"
 FP8_E4M3 = "float8_e4m3fn"
 FP8_E5M2 = "float8_e5m2"
+#: The fp8 (quantized) KV-cache formats: stored = round(x / scale), read = stored * scale.
+FP8_DTYPES: tuple[str, ...] = (FP8_E4M3, FP8_E5M2)
 
 _ALIASES = {
     "fp32": FLOAT32, "float": FLOAT32, "float32": FLOAT32,

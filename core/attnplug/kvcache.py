@@ -29,15 +29,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .dtypes import FP8_E4M3, FP8_E5M2, dtype_name, torch_dtype
+from .dtypes import FP8_DTYPES, dtype_name, torch_dtype
 from .errors import KVLayoutError, ShapeError
 from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
-
-#: KV-cache dtypes stored quantized, with per-layer scales
-FP8_DTYPES: tuple[str, ...] = (FP8_E4M3, FP8_E5M2)
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

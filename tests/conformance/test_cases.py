@@ -155,6 +155,27 @@ def test_refusal_cases_follow_the_claims() -> None:
     assert "dtype_float32" in got and "kv_dtype_float32" not in got and "kv_dtype_float16" in got
 
 
+def test_kv_cache_dtype_follows_model_skips_mismatched_caches_by_capability_and_refuses_them() -> None:
+    """Every ``kv_cache_dtype`` case is non-fp8 in another dtype than the model's: all are skipped with the
+    core's reason; fp8 cases still run; the listed 16-bit dtype other than the refusal model dtype
+    becomes a refusal case."""
+    free = Capabilities(dtypes=("float16", "bfloat16"), kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
+                        speculative_verify=True)
+    follows = dataclasses.replace(free, kv_cache_dtype_follows_model=True)
+    kv_cases = C.cases_for("kv_cache_dtype", follows)
+    ran_free = [c for c in kv_cases if C.skip_reason(c, free, "x") is None]
+    assert {(c.dtype, c.kv_dtype) for c in ran_free} == {("float16", "bfloat16"), ("bfloat16", "float16")}
+    for c in ran_free:
+        reason = C.skip_reason(c, follows, "x")
+        assert reason is not None and reason.startswith(C.NOT_CLAIMED + " x: ")
+        assert f"kv_cache_dtype={c.kv_dtype} with dtype={c.dtype}" in reason
+        assert "kv_cache_dtype_follows_model" in reason
+    fp8 = [c for c in C.cases_for("fp8_kv", follows) if c.kv_dtype == "float8_e4m3fn" and c.dtype == "bfloat16"]
+    assert fp8 and all(C.skip_reason(c, follows, "x") is None for c in fp8)
+    assert "kv_dtype_bfloat16" not in [c.variant for c in C.cases_for("refusal", free)]
+    assert "kv_dtype_bfloat16" in [c.variant for c in C.cases_for("refusal", follows)]  # model float16
+
+
 def test_rejections_cover_every_index_and_length() -> None:
     names = {c.variant for c in C.gen_rejected()}
     for field in ("out_cache_loc", "req_pool_indices", "layer_id", "req_to_token"):

@@ -6,6 +6,7 @@ from ._probes import all_of, needs_library, sm_in
 
 CAPS = Capabilities(
     dtypes=("float16", "bfloat16"), kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
+    kv_cache_dtype_follows_model=True,
     sliding_window=True, logit_softcap=True, sinks=True, speculative_verify=True, draft_extend=True,
     cuda_graph=True, deterministic=True, devices=("cuda",), min_compute_capability=(8, 0),
 )

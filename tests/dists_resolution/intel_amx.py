@@ -3,8 +3,8 @@
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 
 CAPS = Capabilities(
-    dtypes=("float16", "bfloat16"), kv_cache_dtypes=("float16", "bfloat16"), sliding_window=True,
-    sinks=True, speculative_verify=False, draft_extend=False, deterministic=False, devices=("cpu",),
+    dtypes=("float16", "bfloat16"), kv_cache_dtypes=("float16", "bfloat16"), kv_cache_dtype_follows_model=True,
+    sliding_window=True, sinks=True, speculative_verify=False, draft_extend=False, deterministic=False, devices=("cpu",),
 )
 
 

@@ -54,3 +54,17 @@ def test_console_script_help_lists_subcommands():
         main()
     """)
     assert "list" in proc.stdout and "doctor" in proc.stdout and "ATTNPLUG_PLUGINS" in proc.stdout
+
+
+def test_list_shows_a_restriction_beside_the_kv_dtypes_not_among_the_features():
+    """``kv_cache_dtype_follows_model`` claims less: JSON carries it, the text puts it beside the cache dtypes."""
+    env = {"ATTNPLUG_PLUGINS": "attnplug-fa3,attnplug-torch-native"}
+    data = json.loads(run_json(LIST_AND_MODULES.replace("ARGS", '["list", "--json"]'), env=env)["out"])
+    by_name = {b["name"]: b["capabilities"] for b in data["backends"]}
+    assert by_name["fa3"]["kv_cache_dtype_follows_model"] is True
+    assert by_name["torch_native"]["kv_cache_dtype_follows_model"] is False
+    out = run_json(LIST_AND_MODULES.replace("ARGS", '["list"]'), env=env)
+    assert out["heavy"] == []
+    fa3 = next(line for line in out["out"].splitlines() if line.startswith("  fa3: "))
+    assert "kv_cache_dtypes=float16,bfloat16,float8_e4m3fn (non-fp8: the model dtype only)" in fa3
+    assert "follows" not in fa3.split("features=", 1)[1]

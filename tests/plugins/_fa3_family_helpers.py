@@ -204,3 +204,42 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | Non
     assert g.shape == w.shape, f"shape {tuple(g.shape)} != {tuple(w.shape)}"
     err = (g - w).abs() - tol.rtol * w.abs()
     assert float(err.max()) <= tol.atol if err.numel() else True, f"max excess error {float(err.max())}"
+
+
+# -- the declared KV-dtype rule ------------------------------------------------------------
+#: The core's reason for a bfloat16 model over a float16 cache on a backend declaring
+#: ``kv_cache_dtype_follows_model`` (fa3, trtllm_mha and intel_amx all do).
+KV_FOLLOWS_MODEL = ("kv_cache_dtype=float16 with dtype=bfloat16: a non-fp8 KV cache must be in the model dtype "
+                    "(kv_cache_dtype_follows_model)")
+
+
+def check_kv_follows_model(dist: str, name: str, host: HostInfo, backend: Any, *, page_size: int = 16) -> None:
+    """A bfloat16 model with a float16 cache is refused by ``name``'s declared capability everywhere it is
+    asked: resolution moves away (and a pinned half is a ``ConfigError``), ``Registry.build`` refuses before
+    the factory runs, and the built ``backend`` answers it in ``not_supported_reasons``. The same model
+    with a cache in its own dtype resolves to ``name``."""
+    import pytest
+
+    from attnplug import AttentionConfig, BuildContext
+    from attnplug.errors import ConfigError, NotSupportedError
+    from attnplug.resolution import resolve, trace
+
+    reg = registry(dist, host)
+    assert reg.get(name).capabilities.kv_cache_dtype_follows_model is True
+    assert resolve(AttentionConfig(dtype="bfloat16", kv_cache_dtype="bfloat16"), host=host,
+                   registry=reg).pair == (name, name)
+    moved = resolve(AttentionConfig(dtype="bfloat16", kv_cache_dtype="float16"), host=host, registry=reg)
+    assert name not in moved.pair and KV_FOLLOWS_MODEL in moved.rejected()[name]
+    pinned = trace(AttentionConfig(attention_backend=name, dtype="bfloat16", kv_cache_dtype="float16"),
+                   host=host, registry=reg)
+    assert isinstance(pinned.error, ConfigError) and KV_FOLLOWS_MODEL in str(pinned.error)
+    ctx = BuildContext(config=AttentionConfig(), host=host, dtype="bfloat16", kv_cache_dtype="float16",
+                       num_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size)
+    with pytest.raises(NotSupportedError) as exc:
+        reg.build(name, ctx)
+    assert KV_FOLLOWS_MODEL in str(exc.value)
+    layer = LayerSpec(0, 4, 2, 64)
+    assert KV_FOLLOWS_MODEL in backend.not_supported_reasons(layer, backend.ctx.replace(
+        dtype="bfloat16", kv_cache_dtype="float16", kv_cache=None))
+    assert not any("kv_cache_dtype" in r for r in backend.not_supported_reasons(layer, backend.ctx.replace(
+        dtype="bfloat16", kv_cache_dtype="bfloat16", kv_cache=None)))

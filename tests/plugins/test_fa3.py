@@ -310,6 +310,13 @@ def test_not_supported_reasons():
     assert any("Hopper" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 64), ctx))
 
 
+def test_a_16_bit_cache_in_another_dtype_is_refused_by_the_declared_capability():
+    """FA3 takes q and a 16-bit cache in one dtype: declared (``kv_cache_dtype_follows_model``), so resolution
+    moves away from fa3 on an H100 for a bf16 model over an fp16 cache, instead of failing at build."""
+    p = H.make_problem(prefix=(0,), ext=(3,), page_size=16)
+    H.check_kv_follows_model(DIST, "fa3", H.cuda_host(90, **SGL), build(p))
+
+
 def test_forward_guards():
     p = H.make_problem(prefix=(0, 4), ext=(3, 2), page_size=16)
     b = build(p)

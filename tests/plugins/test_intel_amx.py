@@ -217,11 +217,18 @@ def test_gpt_oss_override_not_on_gpu_hosts():
 
 
 # -- (6) guards ---------------------------------------------------------------------------------
+def test_a_16_bit_cache_in_another_dtype_is_refused_by_the_declared_capability():
+    """The ops take q and the cache in one dtype (``kv_cache_dtype_follows_model``): an AMX host resolves
+    a bf16 model over an fp16 cache to torch_native, and building intel_amx for it is refused."""
+    p = H.make_problem(prefix=(0,), ext=(3,), page_size=16)
+    H.check_kv_follows_model(DIST, "intel_amx", H.cpu_host(True, **SGL), build(p))
+
+
 def test_guards():
     p = H.make_problem(prefix=(0, 4), ext=(3, 2), page_size=16)
     b = build(p)
     ctx = b.ctx.replace(dtype="bfloat16", kv_cache_dtype="float16", kv_cache=None)
-    assert any("kv_cache_dtype=float16" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 16), ctx))
+    assert H.KV_FOLLOWS_MODEL in b.not_supported_reasons(LayerSpec(0, 4, 2, 16), ctx)
     assert any("cross-attention" in r for r in b.not_supported_reasons(LayerSpec(0, 4, 2, 16, is_cross_attention=True)))
     with pytest.raises(Exception, match="init_forward_metadata"):
         b.forward_extend(p.q, p.k, p.v, p.layer, p.batch)

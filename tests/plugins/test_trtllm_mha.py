@@ -255,6 +255,12 @@ def test_page_size_guard_at_build():
         build(p)
 
 
+def test_a_16_bit_cache_in_another_dtype_is_refused_by_the_declared_capability():
+    """trtllm-gen takes the query and a 16-bit cache in one dtype (``kv_cache_dtype_follows_model``)."""
+    p = _problem(prefix=(0,), ext=(3,), page_size=16)
+    H.check_kv_follows_model(DIST, "trtllm_mha", H.cuda_host(100, **FI), build(p))
+
+
 def test_unclaimed_features_are_refused():
     from attnplug import LayerSpec
 

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from ..capabilities import RESTRICTIONS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON (backends, plugins, host, problems)")
@@ -51,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
     _table(rows)
     for b in data["backends"]:
         caps = b["capabilities"]
-        flags = [k for k, v in sorted(caps.items()) if v is True]
+        flags = [k for k, v in sorted(caps.items()) if v is True and k not in RESTRICTIONS]
         kv = ",".join(caps["kv_cache_dtypes"]) or "model dtype"
+        if caps.get("kv_cache_dtype_follows_model"):
+            kv += " (non-fp8: the model dtype only)"
         layouts = ",".join(caps["kv_layouts"]) if caps["kv_layouts"] is not None else "any"
         print(f"  {b['name']}: dtypes={','.join(caps['dtypes'])} kv_cache_dtypes={kv} kv_layouts={layouts} "
               f"devices={','.join(caps['devices'])} head_dims={caps['head_dims'] or 'any'} "

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from ..kvcache import FP8_DTYPES, quantize
+from ..dtypes import FP8_DTYPES
+from ..kvcache import quantize
 from ..modes import ForwardMode
 
 

@@ -51,6 +51,7 @@ CAPABILITIES = Capabilities(
     # fp8 KV: the query is quantized to e4m3 as well (FA3's fp8 path) and the cache's per-tensor
     # scales go in as k_descale/v_descale; Hopper only (attnplug_check_config, backend_reasons)
     kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
+    kv_cache_dtype_follows_model=True,  # flash_attn_with_kvcache takes q and a 16-bit cache in one dtype
     head_dims=HEAD_DIMS,
     v_head_dim_differs=False,
     page_sizes=None,  # paged KV of any page size (a page table of page ids; page size 1 = token table)

@@ -101,9 +101,8 @@ class FA3Backend(PagedBackend):
         # the installed build's limits hold at every forward (ctx None: the build context's dtypes)
         reasons = self._library_reasons(layer, ctx if ctx is not None else self.ctx)
         if ctx is not None:
+            # (a 16-bit cache in another dtype than q: the core's kv_cache_dtype_follows_model)
             kv = ctx.kv_cache_dtype
-            if kv in ("float16", "bfloat16") and kv != ctx.dtype:
-                reasons.append(f"kv_cache_dtype={kv} with dtype={ctx.dtype}: FA3 needs q and the cache in one dtype")
             sm = ctx.host.sm() if ctx.host is not None else None
             if kv.startswith("float8") and sm is not None and sm != 90:
                 reasons.append(f"kv_cache_dtype={kv}: FA3's fp8 path runs on Hopper (SM90) only; this GPU is SM{sm}")

@@ -21,6 +21,7 @@ AMX_FLAGS = ("amx_bf16", "amx_tile")
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),  # the ops dispatch on the reduced floating types only
     kv_cache_dtypes=("float16", "bfloat16"),
+    kv_cache_dtype_follows_model=True,  # the ops take q and the cache in one dtype
     head_dims=None,
     v_head_dim_differs=True,  # head_size_v is its own argument of both ops
     page_sizes=None,  # the ops read slots through req_to_token: any page size

@@ -95,8 +95,6 @@ class IntelAmxBackend(PagedBackend):
                 reasons.append(f"sliding_window={layer.sliding_window}: {old}")
             if layer.uses_sinks:
                 reasons.append(f"attention sinks: {old}")
-        if ctx is not None and ctx.kv_cache_dtype != ctx.dtype:
-            reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} with dtype={ctx.dtype}: the ops need one dtype")
         return reasons
 
     # -- metadata ----------------------------------------------------------

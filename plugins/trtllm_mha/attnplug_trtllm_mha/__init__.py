@@ -36,6 +36,7 @@ CAPABILITIES = Capabilities(
     # fp8 KV: the query is quantized to e4m3 (trtllm-gen's fp8 path) and the cache's per-tensor
     # scales are folded into the fused bmm scales (backend.bmm_scales); SM100 family only
     kv_cache_dtypes=("float16", "bfloat16", "float8_e4m3fn"),
+    kv_cache_dtype_follows_model=True,  # the query and a 16-bit cache share one dtype
     head_dims=(64, 128, 256),
     v_head_dim_differs=False,
     page_sizes=PAGE_SIZES,

@@ -82,13 +82,6 @@ class TrtllmMHABackend(PagedBackend):
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph: dict[str, torch.Tensor] | None = None
 
-    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
-        if ctx is not None:
-            kv = ctx.kv_cache_dtype
-            if kv in ("float16", "bfloat16") and kv != ctx.dtype:
-                return [f"kv_cache_dtype={kv} with dtype={ctx.dtype}: the query and the cache share one dtype"]
-        return []
-
     # -- metadata ----------------------------------------------------------
     def build_metadata(self, batch: Any) -> TrtllmMetadata:
         return build_metadata(batch, self.cache)

@@ -266,7 +266,8 @@ def gen_cross_attention() -> list[Case]:
 
 
 def gen_kv_cache_dtype() -> list[Case]:
-    """A KV cache in a dtype other than the model's."""
+    """A KV cache in a dtype other than the model's (skipped by capability where ``kv_cache_dtypes``
+    lacks it or ``kv_cache_dtype_follows_model`` refuses a non-fp8 cache in another dtype)."""
     out = []
     for dt in DTYPES:
         for kv in DTYPES:
@@ -746,7 +747,7 @@ def refusal_model_dtype(caps: Capabilities) -> str:
 def unclaimed_refusals(caps: Capabilities) -> list[str]:
     out = [f"dtype_{d}" for d in REFUSAL_DTYPES if d not in caps.dtypes]
     model = refusal_model_dtype(caps)
-    kv_allowed = caps.kv_cache_dtypes or (model,)
-    out += [f"kv_dtype_{d}" for d in REFUSAL_KV_DTYPES if d not in kv_allowed]
+    # the core's verdict: kv_cache_dtypes, narrowed by kv_cache_dtype_follows_model
+    out += [f"kv_dtype_{d}" for d in REFUSAL_KV_DTYPES if support_reasons(caps, dtype=model, kv_cache_dtype=d)]
     out += [name for name, claimed in REFUSALS.items() if not claimed(caps)]
     return out

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from ...capabilities import support_reasons
 from ...errors import AttnplugError
 from ...registry import default_registry
 from ..tolerances import tolerance_for
@@ -67,7 +68,9 @@ def _strategy(st: Any, mode: str, caps: Any) -> Any:
         d = draw(st.sampled_from(head_dims))
         dv = draw(st.sampled_from(head_dims)) if caps.v_head_dim_differs and draw(st.booleans()) else d
         dtype = draw(st.sampled_from(dtypes))
-        kv_dtypes = [x for x in caps.kv_cache_dtypes if x in DTYPES] or [dtype]
+        # the claimed caches for this model dtype (kv_cache_dtype_follows_model narrows the list)
+        kv_dtypes = [x for x in caps.kv_cache_dtypes
+                     if x in DTYPES and not support_reasons(caps, dtype=dtype, kv_cache_dtype=x)] or [dtype]
         feats = Features(
             sliding_window=draw(st.none() | st.integers(0, 20)) if caps.sliding_window else None,
             logit_cap=draw(st.none() | st.floats(1.0, 30.0)) if caps.logit_softcap else None,
