@@ -212,3 +212,23 @@ def test_a_backend_reading_another_layout_gets_the_problem_in_it():
     assert other.layout.name == "hnd" and prob.cache_for(HNDLayout()) is other
     assert torch.equal(other.req_to_token, prob.cache.req_to_token)
     assert all(torch.equal(x, y) for x, y in zip(other.read_kv(0), prob.cache.read_kv(0)))
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys, monkeypatch, mode):
+    """Each built backend's ``runtime_notes()`` is in the JSON once and printed above the table (torch_native
+    says whether its decode ran through the fused CPU kernel)."""
+    from attnplug_torch_native import fused
+
+    monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", mode)
+    path = tmp_path / "b.json"
+    assert main(["bench", "--mode", "decode,verify", "--json", str(path), *TINY]) == 0
+    doc = json.loads(path.read_text())
+    (note,) = doc["runtime_notes"]["torch_native"]  # two problems, the same note once
+    lib, why = fused.load()
+    if mode == "off":
+        assert note == "decode not fused (eager gather + matmul): fused_decode='off'"
+    else:
+        assert ("through the fused CPU kernel" in note) if lib is not None else why in note
+    assert all(res["runtime_notes"] == {"torch_native": [note]} for res in doc["problems"])
+    assert f"torch_native: {note}" in capsys.readouterr().out

@@ -29,6 +29,8 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for note in result["notes"]:
         lines.append(f"note: {note}")
+    for name, notes in result.get("runtime_notes", {}).items():
+        lines += [f"{name}: {note}" for note in notes]
     header = f"  {'row':<44} {'ms':>10} {'x floor':>8} {'loop/row':>8} {'KV GB/s':>8} {'of bw':>6}  goal"
     for res in result["problems"]:
         lines += ["", f"{res['label']} (K/V {res['kv_bytes'] / 2**20:.1f} MiB; floor: {res['floor_method']})",

@@ -158,11 +158,23 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         "goals": {m: {"max_ratio_to_floor": g, "faster_than_loop": f} for m, (g, f) in GOALS.items()},
         "backends": prep.backends,
         "notes": prep.notes,
+        # what each built backend chose at run time (``runtime_notes()``, e.g. torch_native's fused
+        # decode kernel taken or not): every distinct note, in the order first seen
+        "runtime_notes": _runtime_notes(results),
         "problems": results,
         "skipped": skipped,
         "best_decode_bandwidth_fraction": None if best is None else
         {"backend": best["name"], "fraction": best["bandwidth_fraction"], "problem": best["problem_label"]},
     }
+
+
+def _runtime_notes(results: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for res in results:
+        for name, notes in res.get("runtime_notes", {}).items():
+            seen = out.setdefault(name, [])
+            seen.extend(n for n in notes if n not in seen)
+    return out
 
 
 def _skip_reason(p: Problem, spec: Spec, device: Any) -> str:
@@ -247,6 +259,11 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
             validation.append({"backend": name, "init_forward_metadata_ms": meta, "bounds_checks_ms": checks,
                                "checks_in_init_forward_metadata": isinstance(backend, PagedBackend),
                                "forward_ms": ms[name], "checks_over_forward": checks / ms[name]})
+    runtime = {}
+    for name, backend in built.items():
+        notes = getattr(backend, "runtime_notes", None)
+        runtime[name] = list(notes()) if callable(notes) else []
     del prob, calls, built
     return {"problem": p.to_dict(), "label": p.label(), "kv_bytes": kv, "floor_method": floor_kind,
-            "rows": rows, "validation": validation, "notes": row_notes, "torch_threads": torch.get_num_threads()}
+            "rows": rows, "validation": validation, "notes": row_notes, "torch_threads": torch.get_num_threads(),
+            "runtime_notes": runtime}
