@@ -6,8 +6,8 @@ in one run). For backends as installed, use ``attnplug bench --mode decode,exten
 flushed before every call):
 
 * ``torch_native``: ``forward`` of one layer, metadata built once (as in an engine);
-  decode goes through the fused CPU kernel when it is built (``fused_decode="auto"``);
-* ``torch_native, eager decode`` (decode only): the same with ``fused_decode="off"``,
+  decode goes through the fused CPU kernel when it is built (``fused="auto"``);
+* ``torch_native, eager decode`` (decode only): the same with ``fused="off"``,
   the eager gather-then-matmul path (the before of issue 12's fused kernel);
 * ``(a) per-request loop``: write the new K/V, then per request gather its K/V
   through ``req_to_token`` and call SDPA (what engines' torch-native backends do);
@@ -179,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     tn = TorchNativeBackend(p.ctx)
     calls = {"torch_native" + ("" if tn.fused_reason is None else f" (not fused: {tn.fused_reason})"): p.backend_call(tn)}
     if a.mode == "decode":
-        calls["torch_native, eager decode"] = p.backend_call(TorchNativeBackend(p.ctx, fused_decode="off"))
+        calls["torch_native, eager decode"] = p.backend_call(TorchNativeBackend(p.ctx, fused="off"))
     for n in a.block_bytes:  # the eager decode's block size
         calls[f"torch_native eager, {n >> 10} KiB blocks"] = p.backend_call(
-            TorchNativeBackend(p.ctx, decode_block_bytes=n, fused_decode="off"))
+            TorchNativeBackend(p.ctx, decode_block_bytes=n, fused="off"))
     for spec in a.variant:
         label, path = spec.split("=", 1)
         calls[label] = p.backend_call(load_variant(path).TorchNativeBackend(p.ctx))

@@ -15,7 +15,7 @@ wheels tox installs.
 
 ``--also "VAR=VALUE ... PYTEST_ARGS"`` (repeatable) adds a run of pytest with those
 environment variables and arguments, measured into the same data: a backend with two code
-paths (torch_native's fused and eager decode) is gated on both.
+paths (torch_native's fused kernel and its eager paths) is gated on both.
 
 Exit status: pytest's when it failed (the suite's verdict comes first), else 1
 when a gated module is below the threshold, else 0. ``--report-only`` never
@@ -38,7 +38,7 @@ THRESHOLD = 95.0
 #: backend -> the modules whose coverage is gated (path patterns inside the installed package).
 #: kernels.py holds the Triton kernels; under TRITON_INTERPRET=1 they run as Python and are measured.
 GATED: dict[str, tuple[str, ...]] = {
-    # fused.py (building and loading the fused decode kernel) is not gated: the suite finds the
+    # fused.py (building and loading the fused CPU kernel) is not gated: the suite finds the
     # kernel built; its failure paths are tested in tests/fast/test_torch_native_fused.py
     "torch_native": ("*/attnplug_torch_native/backend.py",),
     "triton": ("*/attnplug_triton/backend.py", "*/attnplug_triton/kernels.py"),

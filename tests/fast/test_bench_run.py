@@ -217,7 +217,7 @@ def test_a_backend_reading_another_layout_gets_the_problem_in_it():
 @pytest.mark.parametrize("mode", ["off", "auto"])
 def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys, monkeypatch, mode):
     """Each built backend's ``runtime_notes()`` is in the JSON once and printed above the table (torch_native
-    says whether its decode ran through the fused CPU kernel)."""
+    says whether it ran through the fused CPU kernel)."""
     from attnplug_torch_native import fused
 
     monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", mode)
@@ -227,7 +227,7 @@ def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys, monkeypat
     (note,) = doc["runtime_notes"]["torch_native"]  # two problems, the same note once
     lib, why = fused.load()
     if mode == "off":
-        assert note == "decode not fused (eager gather + matmul): fused_decode='off'"
+        assert note == "not fused (eager gather + matmul for decode, SDPA for extends): fused='off'"
     else:
         assert ("through the fused CPU kernel" in note) if lib is not None else why in note
     assert all(res["runtime_notes"] == {"torch_native": [note]} for res in doc["problems"])

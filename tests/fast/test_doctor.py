@@ -224,12 +224,12 @@ def test_runtime_notes_of_a_built_backend_are_reported(monkeypatch, mode):
     (b,) = report["backends"]
     assert b["status"] == "ok"
     if mode == "off":
-        assert b["notes"] == ["decode not fused (eager gather + matmul): fused_decode='off'"]
+        assert b["notes"] == ["not fused (eager gather + matmul for decode, SDPA for extends): fused='off'"]
     else:
         from attnplug_torch_native import fused
 
         lib, why = fused.load()
-        expected = "through the fused CPU kernel" if lib is not None else f"decode not fused (eager gather + matmul): {why}"
+        expected = "through the fused CPU kernel" if lib is not None else f"not fused (eager gather + matmul for decode, SDPA for extends): {why}"
         assert len(b["notes"]) == 1 and expected in b["notes"][0]
     assert f"  torch_native: {b['notes'][0]}" in doctor_cmd.render(report)
 

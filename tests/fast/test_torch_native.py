@@ -8,7 +8,7 @@ forward with ``expected_cache_after`` (exact: new K/V at ``out_cache_loc`` and
 nowhere else).
 
 Decode, and requests of at most ``FUSED_MAX_QUERIES`` new tokens in the extend modes, have two
-paths: the fused CPU kernel (``fused_decode="auto"``, the default, where the kernel is built and the
+paths: the fused CPU kernel (``fused="auto"``, the default, where the kernel is built and the
 layer fits it) and the eager decode / extend (``"off"``). Correctness cases run under both
 (``FUSED_PATHS``, ``mode_paths``) and check which one ran (``check_path``); cases about the eager
 paths' own machinery (decode blocks, KV-head splits, bf16 shifted scores, query chunks, workspace
@@ -47,15 +47,15 @@ from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend,
 
 HOST = HostInfo(platform="cpu")
 
-#: the fused decode kernel is built on x86-64 Linux only; elsewhere its cases are skipped
+#: the fused CPU kernel is built on x86-64 Linux only; elsewhere its cases are skipped
 KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused decode kernel is built on x86-64 Linux only")
-#: ``fused_decode`` values a correctness case runs under: the fused kernel and the eager paths
+needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused CPU kernel is built on x86-64 Linux only")
+#: ``fused`` values a correctness case runs under: the fused kernel and the eager paths
 FUSED_PATHS = [pytest.param("auto", id="fused", marks=needs_kernel), pytest.param("off", id="eager")]
 
 
 def mode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
-    """``(mode, fused_decode)`` pairs: every mode under both paths."""
+    """``(mode, fused)`` pairs: every mode under both paths."""
     return [pytest.param(m, f, id=f"{m.name}-{'fused' if f == 'auto' else 'eager'}",
                          marks=[needs_kernel] if f == "auto" else [])
             for m in modes for f in ("auto", "off")]
@@ -86,7 +86,7 @@ def make_setup(
     decode_block_bytes: Any = "auto",
     extend_score_bytes: int = 64 << 20,
     via_registry: bool = False,
-    fused_decode: str = "auto",
+    fused: str = "auto",
 ) -> Setup:
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
@@ -109,7 +109,7 @@ def make_setup(
         assert name == "torch_native"
     else:
         backend = TorchNativeBackend(ctx, decode_block_bytes=decode_block_bytes,
-                                     extend_score_bytes=extend_score_bytes, fused_decode=fused_decode)
+                                     extend_score_bytes=extend_score_bytes, fused=fused)
     layers = [
         LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {})) for i in range(num_layers)
     ]
@@ -177,18 +177,18 @@ def run_and_check(
     return out
 
 
-def check_path(s: Setup, fused_decode: str, batch: ForwardBatch, layer: LayerSpec | None = None) -> None:
+def check_path(s: Setup, fused: str, batch: ForwardBatch, layer: LayerSpec | None = None) -> None:
     """After forwards of ``batch`` (and others like it): ``"auto"`` ran the fused kernel (the layer
     fits it; when no request has more than ``FUSED_MAX_QUERIES`` new tokens, the eager paths'
     workspace was never allocated); ``"off"`` ran the eager paths (their workspace exists)."""
     layer = layer or s.layers[0]
-    if fused_decode == "auto":
+    if fused == "auto":
         probe = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=s.dtype)
         assert s.backend.fused_fits(probe, layer) is None, s.backend.fused_fits(probe, layer)
         if batch.forward_mode is ForwardMode.DECODE or max(batch.extend_seq_lens_cpu) <= FUSED_MAX_QUERIES:
             assert s.backend.workspace.grows == 0, "the eager paths ran for requests the kernel takes"
     else:
-        assert s.backend.fused_reason == "fused_decode='off'"
+        assert s.backend.fused_reason == "fused='off'"
         assert s.backend.workspace.grows > 0, "the eager paths did not run"
 
 
@@ -244,36 +244,36 @@ EXTEND_CASES = {
 }
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(EXTEND_CASES))
-def test_extend(page_size, case, fused_decode):
+def test_extend(page_size, case, fused):
     prefix, ext = EXTEND_CASES[case]
-    s = make_setup(page_size=page_size, seed=1, fused_decode=fused_decode)
+    s = make_setup(page_size=page_size, seed=1, fused=fused)
     batch = make_batch(s, ForwardMode.EXTEND, prefix, ext)
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("mode,fused_decode",
+@pytest.mark.parametrize("mode,fused",
                          mode_paths([ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2]))
-def test_extend_shaped_modes(mode, fused_decode):
-    s = make_setup(page_size=16, seed=2, fused_decode=fused_decode)
+def test_extend_shaped_modes(mode, fused):
+    s = make_setup(page_size=16, seed=2, fused=fused)
     # MIXED: two extends and two decode-like requests (one new token on a prefix)
     batch = make_batch(s, mode, [0, 19, 33, 8], [6, 3, 1, 1])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa4", "mqa", "mha"])
-def test_decode(page_size, heads, kv_heads, fused_decode):
-    s = make_setup(page_size=page_size, heads=heads, kv_heads=kv_heads, seed=3, fused_decode=fused_decode)
+def test_decode(page_size, heads, kv_heads, fused):
+    s = make_setup(page_size=page_size, heads=heads, kv_heads=kv_heads, seed=3, fused=fused)
     # ragged; one request decodes its very first token (no cached prefix); prefixes end mid-page
     batch = make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5)
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 @pytest.mark.parametrize("block", [1, 8200, 20000, None],
@@ -282,7 +282,7 @@ def test_decode_block_split(block):
     # decode processes blocks of requests (max_len 64, 2 KV heads x 16 dims x 4 B: 8192 B of K per
     # request); 8200 B gives one request per block, 20000 B blocks of 2, 2 and 1 requests, and 1 B
     # splits every request's KV heads into blocks of one head
-    s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block, fused_decode="off")
+    s = make_setup(page_size=16, heads=8, kv_heads=2, seed=3, decode_block_bytes=block, fused="off")
     run_and_check(s, make_batch(s, ForwardMode.DECODE, [0, 40, 16, 7, 63], [1] * 5))
 
 
@@ -295,7 +295,7 @@ def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
     kw = {"plain": {}, "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
           "window_softcap": dict(sliding_window=50, logit_cap=3.0)}[layer_kind]
     s = make_setup(page_size=16, heads=8, kv_heads=4, dtype=dtype, seed=13, layer_kw=kw, decode_block_bytes=12300,
-                   fused_decode="off")
+                   fused="off")
     batch = make_batch(s, ForwardMode.DECODE, [63, 2, 0, 58], [1] * 4)
     run_and_check(s, batch)
     meta = s.backend.build_metadata(batch)
@@ -305,41 +305,41 @@ def test_decode_long_request_split_by_kv_heads(dtype, layer_kind):
                                                         (3, 4, 3, 4)]
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])
-def test_extend_head_layouts(heads, kv_heads, fused_decode):
-    s = make_setup(page_size=16, heads=heads, kv_heads=kv_heads, seed=3, fused_decode=fused_decode)
+def test_extend_head_layouts(heads, kv_heads, fused):
+    s = make_setup(page_size=16, heads=heads, kv_heads=kv_heads, seed=3, fused=fused)
     batch = make_batch(s, ForwardMode.EXTEND, [0, 21], [6, 5])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
-def test_decode_new_slot_not_yet_in_req_to_token(fused_decode):
+@pytest.mark.parametrize("fused", FUSED_PATHS)
+def test_decode_new_slot_not_yet_in_req_to_token(fused):
     # The engine writes the new token to a slot req_to_token does not map yet: the new K/V
     # must come from the arguments (the kernel never reads the new token from the cache).
-    s = make_setup(page_size=1, seed=19, fused_decode=fused_decode)
+    s = make_setup(page_size=1, seed=19, fused=fused)
     req, prefix = [5, 2], [9, 30]
     place(s, req, prefix)
     loc = torch.tensor(s.alloc.alloc(2))
     batch = ForwardBatch.decode(req, [p + 1 for p in prefix], loc)
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
-def test_decode_all_first_tokens(fused_decode):
-    s = make_setup(seed=4, fused_decode=fused_decode)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
+def test_decode_all_first_tokens(fused):
+    s = make_setup(seed=4, fused=fused)
     batch = make_batch(s, ForwardMode.DECODE, [0, 0, 0], [1, 1, 1])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
 @pytest.mark.parametrize("custom", [False, True], ids=["causal", "custom_mask"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_target_verify(custom, page_size, fused_decode):
-    s = make_setup(page_size=page_size, seed=5, fused_decode=fused_decode)
+def test_target_verify(custom, page_size, fused):
+    s = make_setup(page_size=page_size, seed=5, fused=fused)
     d = 4
     mask = None
     if custom:  # a tree: every draft sees itself; some see earlier drafts, one sees a *later* one
@@ -349,7 +349,7 @@ def test_target_verify(custom, page_size, fused_decode):
     batch = make_batch(s, ForwardMode.TARGET_VERIFY, [9, 16, 30], [d] * 3, spec_num_draft_tokens=d,
                        spec_custom_mask=mask)
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
     if custom:  # the mask matters: the causal answer differs
         layer = s.layers[0]
         q, k, v = qkv(s, layer, batch.num_tokens)
@@ -361,16 +361,16 @@ def test_target_verify(custom, page_size, fused_decode):
         assert not torch.allclose(masked, plain)
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
-def test_target_verify_mask_row_hiding_everything_gives_zero(fused_decode):
-    s = make_setup(seed=6, fused_decode=fused_decode)
+@pytest.mark.parametrize("fused", FUSED_PATHS)
+def test_target_verify_mask_row_hiding_everything_gives_zero(fused):
+    s = make_setup(seed=6, fused=fused)
     d = 3
     mask = torch.ones(1, d, d, dtype=torch.bool)
     mask[0, 1, :] = False  # draft 1 sees no draft; with no prefix it sees nothing at all
     batch = make_batch(s, ForwardMode.TARGET_VERIFY, [0], [d], spec_num_draft_tokens=d, spec_custom_mask=mask)
     out = run_and_check(s, batch)
     assert torch.count_nonzero(out[1]) == 0
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 def test_idle_returns_empty():
@@ -399,11 +399,11 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("mode,fused_decode",
+@pytest.mark.parametrize("mode,fused",
                          mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]))
-def test_layer_features(feature, mode, fused_decode):
+def test_layer_features(feature, mode, fused):
     # eager decode: blocks of one KV head (decode_block_bytes=1)
-    s = make_setup(page_size=16, seed=7, layer_kw=FEATURES[feature], decode_block_bytes=1, fused_decode=fused_decode)
+    s = make_setup(page_size=16, seed=7, layer_kw=FEATURES[feature], decode_block_bytes=1, fused=fused)
     if mode is ForwardMode.DECODE:
         batch = make_batch(s, mode, [0, 25, 12], [1, 1, 1])
     elif mode is ForwardMode.TARGET_VERIFY:
@@ -413,7 +413,7 @@ def test_layer_features(feature, mode, fused_decode):
     else:
         batch = make_batch(s, mode, [0, 13, 5], [9, 6, 1])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 @pytest.mark.parametrize("score_bytes", [1, 4 * 8 * 40 * 3], ids=["one_query_chunks", "three_query_chunks"])
@@ -421,7 +421,7 @@ def test_layer_features(feature, mode, fused_decode):
 def test_extend_in_query_chunks(score_bytes, mode):
     # long extends are processed in query chunks seeing only the keys they can (causal, window);
     # the eager extend's chunking (5 drafts would go through the fused kernel)
-    s = make_setup(page_size=16, seed=20, extend_score_bytes=score_bytes, fused_decode="off",
+    s = make_setup(page_size=16, seed=20, extend_score_bytes=score_bytes, fused="off",
                    layer_kw=dict(sliding_window=6, sinks=torch.linspace(-1.0, 1.0, 8)))
     if mode is ForwardMode.TARGET_VERIFY:
         mask = torch.rand(2, 5, 5, generator=s.gen) > 0.4
@@ -431,11 +431,11 @@ def test_extend_in_query_chunks(score_bytes, mode):
     run_and_check(s, batch)
 
 
-@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+@pytest.mark.parametrize("mode,fused", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
 @pytest.mark.parametrize("with_kv", [False, True], ids=["kv_none", "kv_given"])
-def test_cross_attention(mode, with_kv, fused_decode):
+def test_cross_attention(mode, with_kv, fused):
     s = make_setup(page_size=16, seed=8, layer_kw=dict(is_cross_attention=True, sliding_window=2),
-                   fused_decode=fused_decode)
+                   fused=fused)
     enc = [13, 0, 20]  # one request without encoder tokens: its output is zero
     req = [6, 3, 1]
     seq = [14, 3, 25] if mode is ForwardMode.DECODE else [2, 3, 13]
@@ -450,7 +450,7 @@ def test_cross_attention(mode, with_kv, fused_decode):
     out = run_and_check(s, batch, with_kv=with_kv)  # also checks nothing was written
     row = 1 if mode is ForwardMode.DECODE else 2
     assert torch.count_nonzero(out[row]) == 0
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 @pytest.mark.parametrize("dims", [(24, 8), (32, 16)], ids=["24_8", "32_16"])
@@ -470,12 +470,12 @@ def test_v_head_dim_differs(mode, dims):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
-def test_half_dtypes(dtype, mode, fused_decode):
-    s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)), fused_decode=fused_decode)
+@pytest.mark.parametrize("mode,fused", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_half_dtypes(dtype, mode, fused):
+    s = make_setup(dtype=dtype, seed=10, layer_kw=dict(logit_cap=20.0, sinks=torch.ones(8)), fused=fused)
     batch = make_batch(s, mode, [3, 40], [12, 1] if mode is ForwardMode.EXTEND else [1, 1])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 BF16_DECODE_LAYERS = {
@@ -486,29 +486,29 @@ BF16_DECODE_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("fused_decode,block", [
+@pytest.mark.parametrize("fused,block", [
     pytest.param("off", 1, id="eager_one_request_blocks"),
     pytest.param("off", None, id="eager_whole_batch_block"),
     pytest.param("auto", "auto", id="fused", marks=needs_kernel),
 ])
 @pytest.mark.parametrize("layer_kind", sorted(BF16_DECODE_LAYERS))
-def test_bf16_decode_with_large_scores(layer_kind, fused_decode, block):
+def test_bf16_decode_with_large_scores(layer_kind, fused, block):
     # keys sharing a large common part (as real keys do) and scaling 1.0: scores of hundreds whose
     # differences are a few units, where a bf16-rounded score (off by up to |s| * 2^-8) changes
     # the softmax past the suite's tolerance; ragged lengths pad the eager decode's blocks
     s = make_setup(dtype=torch.bfloat16, head_dim=16, seed=31, layer_kw=BF16_DECODE_LAYERS[layer_kind],
-                   decode_block_bytes=block, fused_decode=fused_decode)
+                   decode_block_bytes=block, fused=fused)
     common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
     s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
     batch = make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1])
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 def test_bf16_shifted_scores_round_s_minus_max_once():
     """``_shifted_scores`` (bf16 decode): the rounding error of each score is relative to its distance
     from the row maximum, not to the score itself; a plain bf16 matmul is far outside that bound."""
-    s = make_setup(dtype=torch.bfloat16, fused_decode="off")
+    s = make_setup(dtype=torch.bfloat16, fused="off")
     g = torch.Generator().manual_seed(3)
     rows, G, L, D = 6, 4, 300, 128
     q = (3 * torch.randn(rows, G, D, generator=g)).to(torch.bfloat16)
@@ -540,18 +540,18 @@ def test_fp32_model_with_bf16_kv_cache(mode):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
-def test_save_kv_cache_false_writes_nothing(mode, fused_decode):
-    s = make_setup(seed=12, fused_decode=fused_decode)
+@pytest.mark.parametrize("mode,fused", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_save_kv_cache_false_writes_nothing(mode, fused):
+    s = make_setup(seed=12, fused=fused)
     # save=False: the cache must stay bit-identical; the output still uses the new k/v
     batch = make_batch(s, mode, [4, 17], [3, 1] if mode is ForwardMode.EXTEND else [1, 1])
     run_and_check(s, batch, save=False)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
-@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
-def test_metadata_built_once_serves_every_layer(mode, fused_decode):
-    s = make_setup(num_layers=3, seed=13, decode_block_bytes=4096, fused_decode=fused_decode)
+@pytest.mark.parametrize("mode,fused", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_metadata_built_once_serves_every_layer(mode, fused):
+    s = make_setup(num_layers=3, seed=13, decode_block_bytes=4096, fused=fused)
     s.layers[2] = LayerSpec(2, 8, 2, 16, sliding_window=4)  # a layer whose mask differs
     batch = make_batch(s, mode, [9, 30], [6, 1] if mode is ForwardMode.EXTEND else [1, 1])
     s.backend.init_forward_metadata(batch)
@@ -563,7 +563,7 @@ def test_metadata_built_once_serves_every_layer(mode, fused_decode):
         run_and_check(s, batch, layer, init=False)
     assert s.backend.workspace.grows == grows
     for layer in s.layers:
-        check_path(s, fused_decode, batch, layer)
+        check_path(s, fused, batch, layer)
 
 
 def test_forward_before_init_raises():
@@ -619,9 +619,9 @@ def test_layer_not_matching_the_cache_raises():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,fused_decode", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
-def test_repeated_forward_is_bit_identical(mode, fused_decode):
-    s = make_setup(seed=18, fused_decode=fused_decode)
+@pytest.mark.parametrize("mode,fused", mode_paths([ForwardMode.EXTEND, ForwardMode.DECODE]))
+def test_repeated_forward_is_bit_identical(mode, fused):
+    s = make_setup(seed=18, fused=fused)
     layer = s.layers[0]
     batch = make_batch(s, mode, [5, 21, 2], [4, 7, 1] if mode is ForwardMode.EXTEND else [1, 1, 1])
     q, k, v = qkv(s, layer, batch.num_tokens)
@@ -630,7 +630,7 @@ def test_repeated_forward_is_bit_identical(mode, fused_decode):
         s.backend.init_forward_metadata(batch)
         outs.append(s.backend.forward(q, k, v, layer, batch))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 def test_deterministic_is_not_claimed():
@@ -695,34 +695,34 @@ def garbage_batch(s: Setup, mode: ForwardMode) -> ForwardBatch:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layer_kind", sorted(GARBAGE_LAYERS))
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode,fused_decode", mode_paths(GARBAGE_MODES))
-def test_garbage_in_unowned_slots_never_reaches_an_output(mode, fused_decode, page_size, layer_kind, dtype):
+@pytest.mark.parametrize("mode,fused", mode_paths(GARBAGE_MODES))
+def test_garbage_in_unowned_slots_never_reaches_an_output(mode, fused, page_size, layer_kind, dtype):
     s = make_setup(page_size=page_size, seed=31, dtype=dtype, layer_kw=GARBAGE_LAYERS[layer_kind],
-                   decode_block_bytes=4096, fused_decode=fused_decode)  # eager: several padded decode blocks
+                   decode_block_bytes=4096, fused=fused)  # eager: several padded decode blocks
     batch = garbage_batch(s, mode)
     out = run_and_check(s, batch)  # equals the float64 reference (which reads owned slots only)
     assert bool(torch.isfinite(out).all())
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)
 
 
 @pytest.mark.parametrize("save", [True, False])
 def test_garbage_with_whole_batch_decode_block_and_no_save(save):
     # eager: one padded block for the whole batch (the default off CPU), with and without the KV write
-    s = make_setup(page_size=16, seed=32, dtype=torch.bfloat16, decode_block_bytes=None, fused_decode="off")
+    s = make_setup(page_size=16, seed=32, dtype=torch.bfloat16, decode_block_bytes=None, fused="off")
     out = run_and_check(s, garbage_batch(s, ForwardMode.DECODE), save=save)
     assert bool(torch.isfinite(out).all())
 
 
-@pytest.mark.parametrize("fused_decode", FUSED_PATHS)
-def test_garbage_cross_attention_decode_and_extend(fused_decode):
+@pytest.mark.parametrize("fused", FUSED_PATHS)
+def test_garbage_cross_attention_decode_and_extend(fused):
     for mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        s = make_setup(page_size=16, seed=33, layer_kw=dict(is_cross_attention=True), fused_decode=fused_decode)
+        s = make_setup(page_size=16, seed=33, layer_kw=dict(is_cross_attention=True), fused=fused)
         batch = garbage_batch(s, mode)
         enc = [min(3, p) for p in batch.extend_prefix_lens_cpu]
         batch.encoder_lens = torch.tensor(enc)
         out = run_and_check(s, batch, with_kv=False)
         assert bool(torch.isfinite(out).all())
-        check_path(s, fused_decode, batch)
+        check_path(s, fused, batch)
 
 
 # ---------------------------------------------------------------------------
@@ -766,7 +766,7 @@ def test_long_prefill_masks_and_scores_are_built_per_bounded_chunk(layer_kind):
 
 def test_unchunkable_workspace_over_the_limit_is_refused_before_allocating():
     # the eager paths (test_torch_native_fused.py has the fused kernel's own limit)
-    s = make_setup(page_size=16, seed=34, fused_decode="off")
+    s = make_setup(page_size=16, seed=34, fused="off")
     s.backend.max_workspace_bytes = 4096  # BuildContext.max_workspace_bytes, lowered for the test
     for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
         batch = make_batch(s, mode, [40, 3], [5, 1] if mode is ForwardMode.EXTEND else [1, 1],
@@ -793,10 +793,10 @@ from hypothesis import strategies as st  # noqa: E402
     lens=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5),
     block=st.sampled_from([1, 4096, None]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    fused_decode=st.sampled_from(["auto", "off"] if KERNEL_HOST else ["off"]),
+    fused=st.sampled_from(["auto", "off"] if KERNEL_HOST else ["off"]),
 )
 def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, page_size, window, sinks, lens,
-                                                                          block, dtype, fused_decode):
+                                                                          block, dtype, fused):
     # block: the eager decode's block size (the fused kernel has none)
     kw: dict[str, Any] = {}
     if window is not None:
@@ -804,7 +804,7 @@ def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, p
     if sinks:
         kw["sinks"] = torch.linspace(-1.0, 1.5, 8)
     s = make_setup(page_size=page_size, seed=len(lens), dtype=dtype, layer_kw=kw, decode_block_bytes=block,
-                   fused_decode=fused_decode)
+                   fused=fused)
     s.cache.req_to_token.fill_(-1)
     s.alloc = PageAllocator(s.cache.num_pages, shuffle=True, seed=sum(p for p, _ in lens))
     prefix = [p for p, _ in lens]
@@ -822,4 +822,4 @@ def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, p
     else:
         batch = ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode)
     run_and_check(s, batch)
-    check_path(s, fused_decode, batch)
+    check_path(s, fused, batch)

@@ -1,8 +1,11 @@
-"""torch_native's fused CPU kernel (``csrc/decode.cpp``, built by ``fused.py``) against the float64
+"""torch_native's fused CPU kernel (``csrc/attention.cpp``, built by ``fused.py``) against the float64
 reference, against the eager paths, and its build: failures stated as reasons, the cache key.
 
 The kernel takes every DECODE request, and in the extend modes the requests with at most
-``FUSED_MAX_QUERIES`` new tokens (target-verify drafts, a mixed batch's decode requests). Every case
+``FUSED_MAX_QUERIES`` new tokens; a request's new tokens are cut into chunks of at most
+``FUSED_QUERY_CHUNK`` queries (fewer when a chunk's scores would not fit ``FUSED_SCRATCH_BYTES``), so
+the chunk tests shrink that constant (and lift the first) to put every boundary inside small
+problems. Every case
 builds a paged cache on shuffled pages, fills every slot with noise (garbage tests: NaN and
 infinities wherever no request reads), runs a forward and compares the output with
 ``reference_attention`` of the cache as it was before, and the cache after with
@@ -44,7 +47,8 @@ from attnplug.registry import default_registry
 from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import fused
-from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend, create
+from attnplug_torch_native import backend as tn_backend
+from attnplug_torch_native.backend import FUSED_MAX_QUERIES, FUSED_QUERY_CHUNK, TorchNativeBackend, create
 
 HOST = HostInfo(platform="cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -54,7 +58,7 @@ DTYPE_IDS = {F32: "f32", BF16: "bf16", F16: "f16", E4M3: "e4m3", E5M2: "e5m2"}
 #: the kernel is built for x86-64 Linux only (``fused.load`` says so elsewhere); everything else here
 #: needs it, and on such a host a build failure is a test failure (it prints the reason)
 KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused decode kernel is built on x86-64 Linux only")
+needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused CPU kernel is built on x86-64 Linux only")
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -85,7 +89,7 @@ class Setup:
 def make(
     *, dtype: torch.dtype = F32, kv_dtype: torch.dtype | None = None, kv_heads: int = 2, group: int = 4,
     head_dim: int = 16, v_head_dim: int | None = None, page_size: int = 16, layout: str = "nhd",
-    scales: tuple[float, float] = (1.0, 1.0), fused_decode: str = "auto", layer_kw: dict[str, Any] | None = None,
+    scales: tuple[float, float] = (1.0, 1.0), fused: str = "auto", layer_kw: dict[str, Any] | None = None,
     seed: int = 0, max_workspace_bytes: int = 4 << 30,
 ) -> Setup:
     gen = torch.Generator().manual_seed(seed)
@@ -108,7 +112,7 @@ def make(
         v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=160,
         max_workspace_bytes=max_workspace_bytes,
     )
-    backend = TorchNativeBackend(ctx, fused_decode=fused_decode)
+    backend = TorchNativeBackend(ctx, fused=fused)
     layer = LayerSpec(0, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {}))
     return Setup(cache, backend, layer, dtype, gen, PageAllocator(num_pages, shuffle=True, seed=seed + 1), ctx)
 
@@ -321,7 +325,7 @@ def test_strided_q_k_v_from_one_projection():
 
 
 # ---------------------------------------------------------------------------
-# extend modes: requests with at most FUSED_MAX_QUERIES new tokens go through the kernel
+# extend modes: requests of at most FUSED_MAX_QUERIES new tokens through the kernel, in chunks
 # ---------------------------------------------------------------------------
 
 VERIFY_LAYERS: dict[str, dict[str, Any]] = {
@@ -353,7 +357,7 @@ def test_target_verify_drafts_with_a_tree_mask(dtype, layer_kind, drafts):
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
                                   ForwardMode.DRAFT_EXTEND_V2], ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (F16, F16), (BF16, E4M3)], ids=["f32", "f16", "bf16_e4m3"])
-def test_extend_modes_with_few_new_tokens(dtype, kv_dtype, mode):
+def test_extend_modes(dtype, kv_dtype, mode):
     # causal among the new tokens, a window shorter than the step, a request extending by 0
     s = make(dtype=dtype, kv_dtype=kv_dtype, head_dim=48, seed=61, scales=(0.5, 1.25),
              layer_kw=dict(sliding_window=3, sinks=torch.linspace(0.0, 2.0, 8)))
@@ -372,6 +376,86 @@ def test_mixed_batch_splits_requests_between_the_kernel_and_the_eager_extend(dty
     run_and_check(s, extend_batch(s, ForwardMode.MIXED, [0, 33, 5, 12], [1, FUSED_MAX_QUERIES + 1, 1, 20],
                                   req_ids=[1, 2, 3, 4]))
     assert s.backend.workspace.grows > 0  # the two long requests went through the eager extend
+
+
+CHUNK_LAYERS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window1": dict(sliding_window=1),  # the window ends inside a chunk: no cached key for most queries
+    "window6": dict(sliding_window=6),  # longer than a chunk, shorter than the step
+    "window30_sinks": dict(sliding_window=30, sinks=torch.linspace(-1.0, 2.0, 8)),  # reaches into the prefix
+    "softcap": dict(scaling=1.0, logit_cap=3.0),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_kind", sorted(CHUNK_LAYERS))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_extend_queries_cut_into_chunks(dtype, layer_kind, threads, monkeypatch):
+    # every request through the kernel, in chunks of 4 queries: steps of 1, 4 (one whole chunk), 5 and 9 (a chunk plus one), 13, 23,
+    # over no prefix, short and long prefixes, on page size 16 and 1 (every key on its own page)
+    monkeypatch.setattr(tn_backend, "FUSED_MAX_QUERIES", 1000)
+    monkeypatch.setattr(tn_backend, "FUSED_QUERY_CHUNK", 4)
+    for page_size in (16, 1):
+        s = make(dtype=dtype, head_dim=32, page_size=page_size, seed=64 + page_size,
+                 layer_kw=CHUNK_LAYERS[layer_kind])
+        batch = extend_batch(s, ForwardMode.MIXED, [0, 37, 3, 0, 90, 11], [1, 4, 5, 9, 13, 23])
+        run_and_check(s, batch, q_gain=4.0 if layer_kind == "softcap" else 1.0)
+        assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+def test_target_verify_mask_rows_follow_their_chunk(chunk, monkeypatch):
+    # each chunk reads the mask rows of its own queries: chunks of 1, 2, 3 and 8 over 7 drafts
+    monkeypatch.setattr(tn_backend, "FUSED_QUERY_CHUNK", chunk)
+    drafts = 7
+    s = make(dtype=F32, head_dim=32, seed=70 + chunk, layer_kw=dict(sliding_window=4))
+    mask = (torch.rand(3, drafts, drafts, generator=s.gen) > 0.5) | torch.eye(drafts, dtype=torch.bool)
+    mask[1, 5, :] = False  # a row hiding every draft, itself included, over a prefix: the prefix only
+    run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [0, 20, 45], [drafts] * 3, mask=mask))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_a_prefill_longer_than_the_default_chunk(dtype, monkeypatch):
+    # the default chunk, every request through the kernel: 130 new tokens (the last chunk of 2
+    # queries) with and without a prefix, and a window reaching back across chunk boundaries
+    monkeypatch.setattr(tn_backend, "FUSED_MAX_QUERIES", 1000)
+    assert 130 % FUSED_QUERY_CHUNK == 2
+    s = make(dtype=dtype, head_dim=32, seed=75, layer_kw=dict(sliding_window=70))
+    run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [0, 25], [130, 2 * FUSED_QUERY_CHUNK + 1]))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+def test_chunks_shrink_to_fit_the_scratch_aim(monkeypatch):
+    # with a scratch aim a whole chunk cannot meet, the kernel takes shorter chunks (its plans name
+    # each chunk length it tried) and still answers right; no eager workspace
+    monkeypatch.setattr(tn_backend, "FUSED_SCRATCH_BYTES", 16 << 10)
+    s = make(dtype=F32, head_dim=32, seed=76)
+    batch = extend_batch(s, ForwardMode.EXTEND, [134, 0], [FUSED_QUERY_CHUNK, 5])
+    s.backend.init_forward_metadata(batch)
+    q, k, v = inputs(s, batch.num_tokens)
+    s.backend.forward(q, k, v, s.layer, batch)
+    plans = s.backend.forward_metadata(batch)._plans
+    tried = sorted(key[3] for key in plans if isinstance(key, tuple) and key[0] == "fused")
+    assert tried[-1] == FUSED_QUERY_CHUNK and tried[0] < FUSED_QUERY_CHUNK
+    keys = 134 + FUSED_QUERY_CHUNK
+    assert fused_scratch_bytes(torch.get_num_threads(), 1, s.layer.gqa_group_size, keys, 32, 32,
+                               queries=tried[0]) <= 16 << 10
+    run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [130, 0], [FUSED_QUERY_CHUNK, 9], req_ids=[1, 2]))
+    assert_fused_ran(s)
+
+
+@needs_kernel
+def test_scratch_over_the_workspace_limit_is_refused(threads):
+    # the kernel's scratch counts against max_workspace_bytes: one query per chunk over the limit
+    # hands the layer to the eager extend, which needs more and refuses with the limit named
+    s = make(dtype=F32, head_dim=32, seed=77, max_workspace_bytes=4 << 10)
+    assert fused_scratch_bytes(threads, 1, s.layer.gqa_group_size, 110, 32, 32) > 4 << 10
+    with pytest.raises(ResourceLimitError, match=r"workspace limit of 4\.00 KiB"):
+        run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [100], [10]))
 
 
 @needs_kernel
@@ -448,7 +532,7 @@ def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind,
 def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, mode):
     s = make(dtype=dtype, kv_dtype=kv_dtype, kv_heads=2, group=3, head_dim=64, seed=31, scales=(0.25, 1.5),
              layer_kw=dict(sliding_window=40, sinks=torch.linspace(-1.0, 1.0, 6)))
-    eager = TorchNativeBackend(s.ctx, fused_decode="off")
+    eager = TorchNativeBackend(s.ctx, fused="off")
     if mode is ForwardMode.DECODE:
         batch = decode_batch(s, LENS)
     else:
@@ -463,7 +547,7 @@ def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, m
     assert_fused_ran(s)
     eager.init_forward_metadata(batch)
     ref = eager.forward(q, k, v, s.layer, batch, save_kv_cache=False)
-    assert eager.workspace.grows > 0 and eager.fused_reason == "fused_decode='off'"
+    assert eager.workspace.grows > 0 and eager.fused_reason == "fused='off'"
     tol = tolerance(s)
     torch.testing.assert_close(outs[0].double(), ref.double(), atol=tol.atol, rtol=tol.rtol)
 
@@ -553,39 +637,40 @@ def test_workspace_limit_between_one_head_and_all_heads_runs_fused_with_fewer_he
 
 
 @needs_kernel
-def test_workspace_limit_in_an_extend_mode_sends_the_drafts_to_the_eager_extend():
-    # target-verify with 8 drafts: the kernel's scratch (8 query rows per head) exceeds the limit,
-    # the eager extend's per-request workspace does not
+def test_workspace_limit_in_an_extend_mode_shortens_the_chunks(threads):
+    # target-verify with 8 drafts: one chunk of 8 queries needs more scratch than the limit, one of
+    # 2 does not, so the kernel runs in shorter chunks (the eager extend never allocates)
     s = make(dtype=F32, kv_heads=1, group=2, head_dim=16, seed=54, max_workspace_bytes=4096)
-    assert fused_scratch_bytes(torch.get_num_threads(), 1, 2, 8 + 3, 16, 16, queries=8) > 4096
-    run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [3, 1], [8, 8]))
-    assert s.backend.fused_fits(torch.zeros(1, 2, 16), s.layer) is None and s.backend.workspace.grows > 0
+    assert fused_scratch_bytes(threads, 1, 2, 8 + 3, 16, 16, queries=8) > 4096
+    assert fused_scratch_bytes(threads, 1, 2, 8 + 3, 16, 16, queries=2) <= 4096
+    run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [3, 1], [8, 8], mask=None))
+    assert_fused_ran(s)
 
 
 # ---------------------------------------------------------------------------
-# the knob: fused_decode and $ATTNPLUG_TORCH_NATIVE_FUSED
+# the knob: fused and $ATTNPLUG_TORCH_NATIVE_FUSED
 # ---------------------------------------------------------------------------
 
 
-def test_bad_fused_decode_value_is_a_value_error_naming_the_knob():
-    s_ctx = make(fused_decode="off").ctx
-    with pytest.raises(ValueError, match=r"torch_native: fused_decode must be one of auto, on, off, got 'fast'"):
-        TorchNativeBackend(s_ctx, fused_decode="fast")
+def test_bad_fused_value_is_a_value_error_naming_the_knob():
+    s_ctx = make(fused="off").ctx
+    with pytest.raises(ValueError, match=r"torch_native: fused must be one of auto, on, off, got 'fast'"):
+        TorchNativeBackend(s_ctx, fused="fast")
 
 
 def test_environment_variable_sets_the_knob_of_the_factory(monkeypatch):
-    ctx = make(fused_decode="off").ctx
+    ctx = make(fused="off").ctx
     monkeypatch.setenv(fused.ENV, "sometimes")
     with pytest.raises(ValueError, match=r"\$ATTNPLUG_TORCH_NATIVE_FUSED must be one of auto, on, off, "
                                          r"got 'sometimes'"):
         create(ctx)
     monkeypatch.setenv(fused.ENV, " OFF ")
     name, backend = create(ctx)
-    assert name == "torch_native" and backend.fused_decode == "off" and backend.fused_reason == "fused_decode='off'"
+    assert name == "torch_native" and backend.fused == "off" and backend.fused_reason == "fused='off'"
     _, backend = default_registry().build("torch_native", ctx)  # the registry goes through the factory
-    assert backend.fused_decode == "off"
+    assert backend.fused == "off"
     monkeypatch.delenv(fused.ENV)
-    assert create(ctx)[1].fused_decode == "auto"
+    assert create(ctx)[1].fused == "auto"
 
 
 # ---------------------------------------------------------------------------
@@ -628,12 +713,12 @@ def test_no_compiler_is_a_reason_and_auto_runs_the_eager_decode(fresh_build, mon
         assert_eager_ran(s, "no C++ compiler found")  # fused_fits answers the backend's reason
 
 
-def test_fused_decode_on_without_the_kernel_is_unavailable_naming_torch_native(fresh_build, monkeypatch):
+def test_fused_on_without_the_kernel_is_unavailable_naming_torch_native(fresh_build, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    ctx = make(fused_decode="off").ctx
-    with pytest.raises(BackendUnavailableError, match=r"'torch_native' is unavailable.*fused_decode='on': no C\+\+ "
+    ctx = make(fused="off").ctx
+    with pytest.raises(BackendUnavailableError, match=r"'torch_native' is unavailable.*fused='on': no C\+\+ "
                                                       r"compiler found") as err:
-        TorchNativeBackend(ctx, fused_decode="on")
+        TorchNativeBackend(ctx, fused="on")
     assert err.value.name == "torch_native"
     monkeypatch.setenv(fused.ENV, "on")
     with pytest.raises(BackendUnavailableError, match="no C\\+\\+ compiler found"):
@@ -643,20 +728,20 @@ def test_fused_decode_on_without_the_kernel_is_unavailable_naming_torch_native(f
 def test_compile_failure_is_a_reason_with_the_compilers_last_lines(fresh_build, tmp_path, monkeypatch):
     cxx = script(tmp_path, "badcxx", """\
         [ "$1" = "--version" ] && { echo "badcxx 1.0"; exit 0; }
-        echo "decode.cpp: In function 'run':" >&2
-        echo "decode.cpp:12:3: error: expected ';' before '}'" >&2
+        echo "attention.cpp: In function 'run':" >&2
+        echo "attention.cpp:12:3: error: expected ';' before '}'" >&2
         exit 1
     """)
     monkeypatch.setenv("CXX", str(cxx))
     lib, why = fused.load()
     assert lib is None
-    assert why == ("badcxx failed to compile decode.cpp (exit 1): decode.cpp: In function 'run': | "
-                   "decode.cpp:12:3: error: expected ';' before '}'")
+    assert why == ("badcxx failed to compile attention.cpp (exit 1): attention.cpp: In function 'run': | "
+                   "attention.cpp:12:3: error: expected ';' before '}'")
     assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a failed build left files"
     monkeypatch.setenv("CXX", "/bin/false")  # exits 1 and says nothing
     fused.load.cache_clear()
     lib, why = fused.load()
-    assert lib is None and why is not None and why.startswith("false failed to compile decode.cpp (exit 1)")
+    assert lib is None and why is not None and why.startswith("false failed to compile attention.cpp (exit 1)")
     assert leftovers(fresh_build) == []
 
 
@@ -677,7 +762,7 @@ def test_library_that_does_not_load_is_a_reason(fresh_build, tmp_path, monkeypat
     """)
     monkeypatch.setenv("CXX", str(cxx))
     lib, why = fused.load()
-    assert lib is None and why is not None and why.startswith("cannot load the fused decode kernel ")
+    assert lib is None and why is not None and why.startswith("cannot load the fused CPU kernel ")
     assert why.endswith("; removed it, the next build retries")
     assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a library that does not load was kept"
 
@@ -701,7 +786,7 @@ def test_struct_size_disagreeing_with_fused_py_is_a_reason(fresh_build, tmp_path
 
 
 def test_missing_source_is_a_reason(fresh_build, tmp_path, monkeypatch):
-    monkeypatch.setattr(fused, "SOURCE", tmp_path / "csrc" / "decode.cpp")
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "csrc" / "attention.cpp")
     lib, why = fused.load()
     if KERNEL_HOST:
         assert lib is None and why is not None and "source" in why and "is missing" in why
@@ -730,9 +815,9 @@ def test_library_name_hashes_source_bytes_compiler_version_and_flags(tmp_path, m
     cxx = script(tmp_path, "vcxx", 'echo "vcxx $VCXX_VERSION"\n')
     monkeypatch.setenv("VCXX_VERSION", "1")
     base = fused.library_path(str(cxx))
-    assert base.parent == tmp_path and base.name.startswith("torch_native_decode-") and base.suffix == ".so"
+    assert base.parent == tmp_path and base.name.startswith("torch_native_fused-") and base.suffix == ".so"
     original = fused.SOURCE
-    copy = tmp_path / "copy" / "decode.cpp"
+    copy = tmp_path / "copy" / "attention.cpp"
     copy.parent.mkdir()
     shutil.copyfile(original, copy)
     monkeypatch.setattr(fused, "SOURCE", copy)
@@ -754,7 +839,7 @@ def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build,
     # a real build (about 5 s): the changed source gets its own library, nothing temporary is left,
     # a second load in a fresh process-cache reuses it, and a backend decodes through it
     monkeypatch.delenv("CXX", raising=False)
-    copy = tmp_path / "src" / "decode.cpp"
+    copy = tmp_path / "src" / "attention.cpp"
     copy.parent.mkdir()
     copy.write_bytes(fused.SOURCE.read_bytes() + b"\n// a comment: another cache key\n")
     monkeypatch.setattr(fused, "SOURCE", copy)

@@ -159,7 +159,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         "backends": prep.backends,
         "notes": prep.notes,
         # what each built backend chose at run time (``runtime_notes()``, e.g. torch_native's fused
-        # decode kernel taken or not): every distinct note, in the order first seen
+        # CPU kernel taken or not): every distinct note, in the order first seen
         "runtime_notes": _runtime_notes(results),
         "problems": results,
         "skipped": skipped,

@@ -37,11 +37,14 @@ Fused CPU kernel
 ----------------
 
 On CPU, decode and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tokens
-(target-verify drafts, a mixed batch's decode requests) go through ``csrc/decode.cpp``
-(built and loaded by ``fused.py``; ``_attend_fused``): one pass over the paged cache that
-reads each visible row once, in place, and computes in float32. ``fused_fits`` says which
+(target-verify drafts, a mixed batch's decode requests, short extends) go through
+``csrc/attention.cpp`` (built and loaded by ``fused.py``; ``_attend_fused``): one pass over
+the paged cache that reads each visible row once, in place, and computes in float32. A
+request's new tokens are cut into chunks of at most ``FUSED_QUERY_CHUNK`` queries (fewer
+when a chunk's scores would not fit ``FUSED_SCRATCH_BYTES``, as in long contexts); each
+(chunk, KV heads) is one work item, and a chunk reads only the keys its queries can see. ``fused_fits`` says which
 layers it takes (nhd layout, a model-dtype or fp8 cache, head dims multiples of 16); the
-rest, other devices, and ``fused_decode="off"`` take the eager paths below.
+rest, other devices, and ``fused="off"`` take the eager paths below.
 
 Decode (eager)
 --------------
@@ -88,22 +91,28 @@ import torch.nn.functional as F
 from attnplug import ForwardMode, PagedBackend
 from attnplug.errors import BackendUnavailableError
 
-from . import CAPABILITIES, NAME, fused
+from . import CAPABILITIES, NAME
+from . import fused as kernel
 
 #: Gathered K bytes per decode block on CPU: small enough to stay in cache between the gather
 #: and the matmuls reading it, large enough to keep the number of ops per layer low.
 DEFAULT_DECODE_BLOCK_BYTES = 4 << 20
 #: Bound on one extend query chunk's mask / float32 scores.
 DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
-#: In the extend modes, requests with at most this many new tokens go through the fused kernel
-#: (target-verify drafts, a mixed batch's decode requests); longer ones through SDPA.
-FUSED_MAX_QUERIES = 8
+#: In the extend modes the fused kernel takes requests with at most this many new tokens (drafts,
+#: a mixed batch's decode requests, short extends); longer ones go through SDPA. Measured (one
+#: thread, 32/8 heads, head dim 128, over 1024 cached tokens, kernel time over SDPA's): 4 new
+#: tokens 0.48x fp32 / 0.31x bf16, 16 0.80x / 0.69x, 32 1.05x / 0.96x, 128 1.26x / 1.13x.
+FUSED_MAX_QUERIES = 16
+#: Most queries per work row of the fused kernel: a request's new tokens are cut into chunks of
+#: this many, fewer when one chunk's scores would not fit ``FUSED_SCRATCH_BYTES`` (long contexts).
+FUSED_QUERY_CHUNK = 16
 #: Per-thread scratch the fused kernel aims under (it takes fewer KV heads per work item to fit).
 FUSED_SCRATCH_BYTES = 8 << 20
 
 _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
-#: query (and unquantized cache) dtypes the fused decode kernel takes
+#: query (and unquantized cache) dtypes the fused CPU kernel takes
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -143,10 +152,10 @@ def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``.
 
     ``$ATTNPLUG_TORCH_NATIVE_FUSED`` (``auto``, the default; ``on``; ``off``) sets the
-    ``fused_decode`` knob of backends built through the registry.
+    ``fused`` knob of backends built through the registry.
     """
-    mode = fused.parse_mode(os.environ.get(fused.ENV), f"${fused.ENV}")
-    return NAME, TorchNativeBackend(ctx, fused_decode=mode)
+    mode = kernel.parse_mode(os.environ.get(kernel.ENV), f"${kernel.ENV}")
+    return NAME, TorchNativeBackend(ctx, fused=mode)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -253,34 +262,55 @@ class ForwardMeta:
 
     def fused_requests(self) -> tuple[int, ...]:
         """The requests the fused kernel takes in this forward: every one in decode; in the
-        extend modes those with 1 to ``FUSED_MAX_QUERIES`` new tokens (target-verify drafts,
-        decode requests of a mixed batch), whose queries are too few for a matmul to pay."""
+        extend modes those with 1 to ``FUSED_MAX_QUERIES`` new tokens, whose queries are too few
+        for SDPA's matmuls to pay."""
         if self.mode is ForwardMode.DECODE:
             return tuple(range(len(self.rows)))
         return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
 
-    def fused_mask(self) -> torch.Tensor | None:
-        """The target-verify mask rows of ``fused_requests()`` (contiguous), built once per forward."""
+    def _fused_chunks(self, chunk: int) -> list[tuple[int, int, int]]:
+        """``(request, first query, queries)`` per work row of the kernel: each fused request's new
+        tokens in chunks of at most ``chunk`` (bounded scratch; a chunk reads only the keys its
+        queries can see)."""
+        key = ("fused_chunks", chunk)
+        if key not in self._plans:
+            self._plans[key] = [(i, a0, min(chunk, self.ext[i] - a0))
+                                for i in self.fused_requests() for a0 in range(0, self.ext[i], chunk)]
+        return self._plans[key]
+
+    def fused_mask(self, chunk: int) -> torch.Tensor | None:
+        """The target-verify mask of each work row's request (contiguous), built once per forward."""
         if self.custom_mask is None:
             return None
-        if "fused_mask" not in self._plans:
-            self._plans["fused_mask"] = self.custom_mask[list(self.fused_requests())].contiguous()
-        return self._plans["fused_mask"]
+        key = ("fused_mask", chunk)
+        if key not in self._plans:
+            rows = [i for i, _, _ in self._fused_chunks(chunk)]
+            self._plans[key] = self.custom_mask[rows].contiguous()
+        return self._plans[key]
 
-    def fused_plan(self, window: int | None, cross: bool) -> tuple[torch.Tensor, int, int]:
-        """The fused kernel's ``[n, 6]`` int64 plan of ``fused_requests()`` (req_to_token row,
-        first cached position read, cached keys read, first token, tokens, position of the first
-        token), the most keys and the most queries of any of them; built on the first layer,
-        then shared."""
-        key = ("fused", window, cross)
+    def fused_plan(self, window: int | None, cross: bool, chunk: int) -> tuple[torch.Tensor, int, int]:
+        """The fused kernel's ``[n, 8]`` int64 plan, one row per chunk of ``_fused_chunks(chunk)``:
+        req_to_token row, first cached position read, cached keys read, first query token,
+        queries, position of the first query, the request's first new token, the chunk's first
+        query within the request; and the most keys and the most queries of any row. Built on the
+        first layer, then shared."""
+        key = ("fused", window, cross, chunk)
         plan = self._plans.get(key)
         if plan is None:
-            start, cached, total = self._spans(window, cross)
-            reqs = self.fused_requests()
-            table = torch.tensor([[self.rows[i], start[i], cached[i], self.q_off[i], self.ext[i], self.prefix[i]]
-                                  for i in reqs], dtype=torch.int64).reshape(-1, 6)
-            keys = [cached[i] + (0 if cross else self.ext[i]) for i in reqs]
-            plan = self._plans[key] = (table, max(keys, default=0), max((self.ext[i] for i in reqs), default=0))
+            rows, keys = [], []
+            for i, a0, nq in self._fused_chunks(chunk):
+                p = self.prefix[i]
+                if cross:
+                    start, cached, new = 0, (self.enc[i] if self.enc else 0), 0
+                else:
+                    # cached keys from the window's start for the chunk's first query (its later
+                    # queries mask more); none when the window ends inside the new tokens
+                    start = 0 if window is None else min(p, max(0, p + a0 - window))
+                    cached, new = p - start, a0 + nq
+                rows.append([self.rows[i], start, cached, self.q_off[i] + a0, nq, p + a0, self.q_off[i], a0])
+                keys.append(cached + new)
+            table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+            plan = self._plans[key] = (table, max(keys, default=0), max((r[4] for r in rows), default=0))
         return plan
 
     def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
@@ -367,23 +397,23 @@ class TorchNativeBackend(PagedBackend):
     new_kv_source = "args"
 
     def __init__(self, ctx: Any, decode_block_bytes: int | None | str = "auto",
-                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES, fused_decode: str = "auto") -> None:
+                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES, fused: str = "auto") -> None:
         super().__init__(ctx)
-        #: ``"auto"``: decode through the fused CPU kernel (``fused.py``) where it is built and the
-        #: layer fits it, else the eager path; ``"on"``: the same, but refuse to build without the
+        #: ``"auto"``: attend through the fused CPU kernel (``fused.py``) where it is built and the
+        #: layer fits it, else the eager paths; ``"on"``: the same, but refuse to build without the
         #: kernel; ``"off"``: eager only
-        self.fused_decode = fused.parse_mode(fused_decode, "fused_decode")
+        self.fused = kernel.parse_mode(fused, "fused")
         self._fused: Any = None
-        if self.fused_decode == "off":
+        if self.fused == "off":
             #: why decode is not fused (``None`` when it is, for every layer that fits the kernel)
-            self.fused_reason: str | None = "fused_decode='off'"
+            self.fused_reason: str | None = "fused='off'"
         elif self.device.type != "cpu":
-            self.fused_reason = f"the fused decode kernel runs on CPU only (this backend is on {self.device.type})"
+            self.fused_reason = f"the fused CPU kernel runs on CPU only (this backend is on {self.device.type})"
         else:
-            self._fused, self.fused_reason = fused.load()
-        if self.fused_decode == "on" and self._fused is None:
-            raise BackendUnavailableError(NAME, [f"fused_decode='on': {self.fused_reason}"],
-                                          "fused_decode='auto' falls back to the eager decode")
+            self._fused, self.fused_reason = kernel.load()
+        if self.fused == "on" and self._fused is None:
+            raise BackendUnavailableError(NAME, [f"fused='on': {self.fused_reason}"],
+                                          "fused='auto' falls back to the eager paths")
         if decode_block_bytes == "auto":
             decode_block_bytes = DEFAULT_DECODE_BLOCK_BYTES if self.device.type == "cpu" else None
         #: gathered K bytes per decode block (``None``: the whole batch in one block)
@@ -524,12 +554,12 @@ class TorchNativeBackend(PagedBackend):
     # -- decode: the fused CPU kernel -------------------------------------------
     def runtime_notes(self) -> list[str]:
         if self._fused is None:
-            return [f"decode not fused (eager gather + matmul): {self.fused_reason}"]
+            return [f"not fused (eager gather + matmul for decode, SDPA for extends): {self.fused_reason}"]
         return [f"decode and extends of <= {FUSED_MAX_QUERIES} new tokens through the fused CPU kernel "
-                f"({self._fused._name}); layers it does not take run eager"]
+                f"({self._fused._name}); longer extends through SDPA; layers it does not take run eager"]
 
     def fused_fits(self, q: torch.Tensor, layer: Any) -> str | None:
-        """``None`` when the fused kernel takes this layer's decode, else why the eager path runs."""
+        """``None`` when the fused kernel takes this layer, else why the eager paths run."""
         if self._fused is None:
             return self.fused_reason
         cache = self.cache
@@ -545,7 +575,7 @@ class TorchNativeBackend(PagedBackend):
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
                       out: torch.Tensor) -> bool:
-        """Attend ``meta.fused_requests()`` through ``csrc/decode.cpp`` into their rows of ``out``:
+        """Attend ``meta.fused_requests()`` through ``csrc/attention.cpp`` into their rows of ``out``:
         every visible row read once, in place. ``False`` (nothing written) when the layer does not
         fit the kernel or its scratch would exceed the workspace limit (the eager path then
         chunks or refuses). The kernel's arguments but the per-call tensors are prepared once
@@ -574,7 +604,7 @@ class TorchNativeBackend(PagedBackend):
         args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
         rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
         if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
-            raise RuntimeError(f"{NAME}: the fused decode kernel refused layer {layer.layer_id} (code {rc}: "
+            raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
                                f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
         return True
 
@@ -588,30 +618,33 @@ class TorchNativeBackend(PagedBackend):
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
-        plan, most_keys, most_q = meta.fused_plan(None if cross else layer.sliding_window, cross)
-        B = plan.shape[0]
-        if B == 0:
-            return True
-        # work items are (request, KV heads): all heads per request unless that leaves threads idle
-        per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
-        npad = -(-max(most_keys, 1) // 16) * 16
-
-        def scratch(hc: int) -> int:  # per thread: scores, queries, sums; one block of rows
-            return 4 * threads * (hc * most_q * G * (npad + D + Dv + 2) + 17 * max(D, Dv))
-
-        while per_item > 1 and scratch(per_item) > min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES):
-            per_item = (per_item + 1) // 2
-        if scratch(per_item) > self.max_workspace_bytes:
+        window = None if cross else layer.sliding_window
+        aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
+        # work items are (chunk of a request's queries, KV heads): all heads unless that leaves
+        # threads idle, then fewer heads and shorter chunks until the scratch is under the aim
+        chunk = FUSED_QUERY_CHUNK
+        while True:
+            plan, most_keys, most_q = meta.fused_plan(window, cross, chunk)
+            B = plan.shape[0]
+            if B == 0:
+                return True
+            per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
+            while per_item > 1 and kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) > aim:
+                per_item = (per_item + 1) // 2
+            if most_q == 1 or kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) <= aim:
+                break
+            chunk = max(1, most_q // 2)
+        if kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) > self.max_workspace_bytes:
             return False
         kc, vc = cache.get_kv(lid)
-        mask = None if cross else meta.fused_mask()
+        mask = None if cross else meta.fused_mask(chunk)
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
         ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)
         r2t = cache.req_to_token
-        window = -1 if cross or layer.sliding_window is None else int(layer.sliding_window)
-        args = fused.DecodeArgs(
+        window = -1 if window is None else int(window)
+        args = kernel.DecodeArgs(
             0, 0, 0,  # q: per call
             kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
             0, 0, 0, 0, 0, 0,  # this forward's new K/V: per call (none for cross-attention)
@@ -620,7 +653,7 @@ class TorchNativeBackend(PagedBackend):
             0 if mask is None else mask.stride(1),
             0, 0, 0,  # the output: per call
             0 if sinks is None else sinks.data_ptr(),
-            fused.dtype_code(q.dtype), fused.dtype_code(cache.dtype), 1 if cache.quantized else 0,
+            kernel.dtype_code(q.dtype), kernel.dtype_code(cache.dtype), 1 if cache.quantized else 0,
             B, Hkv, G, D, Dv, window, per_item, threads,
             layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
         )

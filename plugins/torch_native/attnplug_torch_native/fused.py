@@ -1,8 +1,8 @@
-"""torch_native's fused CPU decode kernel: built from ``csrc/decode.cpp`` at first use, cached per machine.
+"""torch_native's fused CPU kernel: built from ``csrc/attention.cpp`` at first use, cached per machine.
 
 Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of everything
 it reads) before the matmuls read it again, which costs about as much as the attention
-itself (issue 12: 1.4-2.5x the contiguous floor). ``decode.cpp`` reads every visible row
+itself (issue 12: 1.4-2.5x the contiguous floor). ``attention.cpp`` reads every visible row
 once, in place, widens bf16/fp16/fp8 rows to float32 in registers a block of 16 keys at a
 time, and computes scores, softmax and the value sum in float32 (docs/performance.md).
 
@@ -16,7 +16,7 @@ between machines never loads a library built for another CPU. A failed build is 
 (``TorchNativeBackend.fused_reason``).
 
 Nothing here runs at import: the build happens when a backend is built with
-``fused_decode="auto"`` (the default) or ``"on"``.
+``fused="auto"`` (the default) or ``"on"``.
 """
 
 from __future__ import annotations
@@ -32,26 +32,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-#: the environment variable the factory reads for the ``fused_decode`` knob
+#: the environment variable the factory reads for the ``fused`` knob
 ENV = "ATTNPLUG_TORCH_NATIVE_FUSED"
 MODES = ("auto", "on", "off")
 
-#: dtype codes shared with decode.cpp
+#: dtype codes shared with attention.cpp
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
 
 
 def dtype_code(dtype: Any) -> int:
-    """decode.cpp's code of a torch dtype (``KeyError``-free: an unknown dtype is a ``ValueError``)."""
+    """attention.cpp's code of a torch dtype (``KeyError``-free: an unknown dtype is a ``ValueError``)."""
     name = str(dtype).rpartition(".")[2]
     if name not in DTYPE_CODES:
-        raise ValueError(f"the fused decode kernel has no code for dtype {dtype}")
+        raise ValueError(f"the fused CPU kernel has no code for dtype {dtype}")
     return DTYPE_CODES[name]
 
 
 class DecodeArgs(ctypes.Structure):
-    """Mirror of ``struct DecodeArgs`` in decode.cpp (same order; the size is checked at load)."""
+    """Mirror of ``struct DecodeArgs`` in attention.cpp (same order; the size is checked at load)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64),
@@ -73,8 +73,17 @@ class DecodeArgs(ctypes.Structure):
     ]
 
 
+def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``attention.cpp`` allocates (all threads) for work items of
+    ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
+    for every key of every row, the rows' queries, accumulators and sums, one block of widened
+    rows."""
+    rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
+    return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
+
+
 def parse_mode(value: str | None, where: str) -> str:
-    """``fused_decode`` as given (``None``: ``"auto"``); a clear error naming ``where`` otherwise."""
+    """``fused`` as given (``None``: ``"auto"``); a clear error naming ``where`` otherwise."""
     mode = "auto" if value in (None, "") else str(value).strip().lower()
     if mode not in MODES:
         raise ValueError(f"torch_native: {where} must be one of {', '.join(MODES)}, got {value!r}")
@@ -116,7 +125,7 @@ def library_path(cxx: str) -> Path:
     for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / f"torch_native_decode-{h.hexdigest()[:20]}.so"
+    return cache_dir() / f"torch_native_fused-{h.hexdigest()[:20]}.so"
 
 
 def build(cxx: str, out: Path) -> str | None:
@@ -147,10 +156,10 @@ def load() -> tuple[Any, str | None]:
     """``(library, None)``, or ``(None, why the fused kernel is unavailable)``; built once per
     machine, loaded once per process."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the fused decode kernel is built for x86-64 Linux only (this is {platform.system()} " \
+        return None, f"the fused CPU kernel is built for x86-64 Linux only (this is {platform.system()} " \
                      f"{platform.machine()})"
     if not SOURCE.is_file():
-        return None, f"the fused decode kernel's source {SOURCE} is missing (an incomplete install of attnplug-torch-native)"
+        return None, f"the fused CPU kernel's source {SOURCE} is missing (an incomplete install of attnplug-torch-native)"
     cxx = compiler()
     if cxx is None:
         named = f" ($CXX={os.environ['CXX']!r} is not an executable)" if os.environ.get("CXX") else ""
@@ -171,7 +180,7 @@ def load() -> tuple[Any, str | None]:
             why = (f"{path.name}: DecodeArgs is {lib.attnplug_fused_decode_args_size()} bytes in the "
                    f"library, {ctypes.sizeof(DecodeArgs)} in fused.py (the two definitions differ)")
     except (OSError, AttributeError) as exc:  # not a library, or not this one
-        why = f"cannot load the fused decode kernel {path}: {exc}"
+        why = f"cannot load the fused CPU kernel {path}: {exc}"
     if why is None:
         return lib, None
     try:  # a bad library is not kept: the next process builds it again

@@ -1,16 +1,19 @@
-// Fused paged decode for torch_native on CPU: gather + attention in one pass over the cache.
+// Fused paged attention for torch_native on CPU: gather + attention in one pass over the cache,
+// for every forward mode (decode, extend, mixed, target-verify).
 //
 // Built at first use by attnplug_torch_native/fused.py (g++ -O3 -march=native -fopenmp, cached
 // per machine) and called through ctypes; nothing here includes a torch header. The semantics
-// are the eager decode's (backend.py): per request, the visible cached keys are positions
-// start .. start+ncached-1 read through req_to_token, then (self-attention) the new token from
-// the arguments; nothing else of the cache is read. Scores, softmax and the value sum are
-// float32 whatever the storage dtype (bf16 / fp16 / fp8 rows are widened in registers, one
-// 16-key block at a time, never the whole K/V); the output is rounded once to the query dtype.
+// are the eager paths' (backend.py): per work row (a request's decode token, or a chunk of its
+// new tokens), the visible cached keys are positions start .. start+ncached-1 read through
+// req_to_token, then (self-attention) the request's new tokens from the arguments up to the
+// chunk's last query, masked causally, by window and by the target-verify mask; nothing else
+// of the cache is read. Scores, softmax and the value sum are float32 whatever the storage
+// dtype (bf16 / fp16 / fp8 rows are widened in registers, one 16-key block at a time, never
+// the whole K/V); the output is rounded once to the query dtype.
 //
-// Work items are (request, range of KV heads); a thread walks its request's keys once for K and
+// Work items are (work row, range of KV heads); a thread walks the row's keys once for K and
 // once for V, reading each key's row for all the item's heads together (one contiguous run of
-// the nhd cache: page-scattered rows stay cheap), and prefetches the rows two keys ahead.
+// the nhd cache: page-scattered rows stay cheap), and prefetches rows ahead.
 
 #include <cmath>
 #include <cstdint>
@@ -25,7 +28,7 @@ namespace {
 
 constexpr int W = 16;   // floats per vector
 constexpr int KB = 16;  // keys per block
-constexpr int PF = 2;   // prefetch distance, in keys
+constexpr int PLAN = 8; // int64 fields per plan row (DecodeArgs.plan)
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -185,9 +188,12 @@ struct DecodeArgs {
   const void* kn; int64_t kn_st, kn_sh;     // this forward's new K [T, Hkv, D] (null: none, cross-attention)
   const void* vn; int64_t vn_st, vn_sh;
   const int64_t* r2t; int64_t r2t_s;        // req_to_token
-  const int64_t* plan;                      // [B, 6] per request: req_to_token row, first cached position
-                                            // read, cached keys read, first token, tokens, position of
-                                            // the first token
+  const int64_t* plan;                      // [B, 8] per work row (a request, or a chunk of its queries):
+                                            // req_to_token row, first cached position read, cached keys
+                                            // read, first query token, queries, position of the first
+                                            // query, the request's first new-key token, the chunk's first
+                                            // query within the request (new keys 0 .. that + queries - 1)
+  // the mask's rows are per work row (b * m_sb), indexed by query within the request
   const uint8_t* mask; int64_t m_sb, m_sq;  // target-verify [B, E, E] (1: query sees draft key), or null
   void* o; int64_t o_st, o_sh;              // output [T, Hkv*G, Dv]
   const float* sinks;                       // [Hkv*G] or null
@@ -342,8 +348,8 @@ void run(const DecodeArgs& a) {
   const int64_t new_size = a.new_f32 ? int64_t(sizeof(float)) : int64_t(sizeof(QT));
   int64_t most_keys = 1, most_rows = 1;
   for (int b = 0; b < a.B; ++b) {
-    const int64_t* pl = a.plan + 6 * b;
-    const int64_t n = pl[2] + (has_new ? pl[4] : 0);
+    const int64_t* pl = a.plan + PLAN * b;
+    const int64_t n = pl[2] + (has_new ? pl[7] + pl[4] : 0);
     if (n > most_keys) most_keys = n;
     if (pl[4] > most_rows) most_rows = pl[4];
   }
@@ -353,11 +359,11 @@ void run(const DecodeArgs& a) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
   for (int64_t it = 0; it < int64_t(a.B) * NH; ++it) {
     const int b = int(it / NH), h0 = int(it % NH) * HC, h1 = h0 + HC < a.Hkv ? h0 + HC : a.Hkv;
-    const int64_t* pl = a.plan + 6 * b;
-    const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], pos0 = pl[5];
+    const int64_t* pl = a.plan + PLAN * b;
+    const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], pos0 = pl[5], kn_t0 = pl[6], a0 = pl[7];
     const int nq = int(pl[4]);
     const int nh = h1 - h0, RH = nq * G, R = nh * RH;  // rows r = (h - h0) * RH + query * G + g
-    const int64_t n = nc + (has_new ? nq : 0);
+    const int64_t n = nc + (has_new ? a0 + nq : 0);  // the request's new keys up to the chunk's last query
     auto out_row = [&](int r) {
       const int hh = r / RH, qi = (r % RH) / G, g = r % G;
       return O + (t0 + qi) * a.o_st + int64_t((h0 + hh) * G + g) * a.o_sh;
@@ -385,8 +391,8 @@ void run(const DecodeArgs& a) {
       mx[r] = -INFINITY;
     }
     const int64_t* slots = a.r2t + row * a.r2t_s + start;
-    const char* kn = has_new ? static_cast<const char*>(a.kn) + t0 * a.kn_st * new_size : nullptr;
-    const char* vn = has_new ? static_cast<const char*>(a.vn) + t0 * a.vn_st * new_size : nullptr;
+    const char* kn = has_new ? static_cast<const char*>(a.kn) + kn_t0 * a.kn_st * new_size : nullptr;
+    const char* vn = has_new ? static_cast<const char*>(a.vn) + kn_t0 * a.vn_st * new_size : nullptr;
     const uint8_t* mask = a.mask ? a.mask + b * a.m_sb : nullptr;
 
     // bf16 model and cache on a CPU with bf16 dot products: scores straight from the stored rows.
@@ -425,7 +431,8 @@ void run(const DecodeArgs& a) {
                 bool seen;
                 if (key >= n) seen = false;
                 else if (key < nc) seen = start + key >= lo;
-                else seen = key - nc <= qi && pos0 + (key - nc) >= lo && (!mask || mask[qi * a.m_sq + (key - nc)]);
+                else seen = key - nc <= a0 + qi && pos0 - a0 + (key - nc) >= lo &&
+                            (!mask || mask[(a0 + qi) * a.m_sq + (key - nc)]);
                 if (!seen) s[j] = -INFINITY;
               }
             }
