@@ -41,6 +41,7 @@ from attnplug.errors import AttnplugError
 from attnplug.registry import default_registry
 from attnplug.dtypes import dtype_name
 from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import CAPABILITIES
 from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend, create
@@ -150,11 +151,6 @@ def qkv(s: Setup, layer: LayerSpec, tokens: int, with_kv: bool = True) -> tuple[
     return q, k, v
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN garbage included)."""
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 def run_and_check(
     s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, *, with_kv: bool = True, save: bool = True,
     init: bool = True,
@@ -173,7 +169,7 @@ def run_and_check(
     kc1, vc1 = s.cache.get_kv(layer.layer_id)
     writes = save and k is not None and not layer.is_cross_attention
     exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc) if writes else (kc0, vc0)
-    assert same_bits(kc1, exp_k) and same_bits(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
+    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
     return out
 
 
@@ -777,7 +773,7 @@ def test_unchunkable_workspace_over_the_limit_is_refused_before_allocating():
         s.backend.init_forward_metadata(batch)
         with pytest.raises(ResourceLimitError, match="max_workspace_bytes"):
             s.backend.forward(q, k, v, layer, batch)
-        assert all(same_bits(a, b) for a, b in zip(before, s.cache.get_kv(0))), "a refused forward wrote"
+        assert all(same_bytes(a, b) for a, b in zip(before, s.cache.get_kv(0))), "a refused forward wrote"
 
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -45,6 +45,7 @@ from attnplug import (
 from attnplug.dtypes import dtype_name
 from attnplug.registry import default_registry
 from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import fused
 from attnplug_torch_native import backend as tn_backend
@@ -159,11 +160,6 @@ def inputs(s: Setup, tokens: int, *, with_kv: bool = True, q_gain: float = 1.0) 
     return q, k, v
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN garbage included)."""
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 def tolerance(s: Setup) -> Any:
     return tolerance_for(dtype_name(s.dtype), dtype_name(s.cache.dtype))
 
@@ -184,7 +180,7 @@ def run_and_check(s: Setup, batch: ForwardBatch, *, with_kv: bool = True, save: 
     kc1, vc1 = s.cache.read_kv(0)
     writes = save and k is not None and not layer.is_cross_attention
     exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc, ks, vs) if writes else (kc0, vc0)
-    assert same_bits(kc1, exp_k) and same_bits(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
+    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
     return out
 
 
@@ -543,7 +539,7 @@ def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, m
     for _ in range(3):
         s.backend.init_forward_metadata(batch)
         outs.append(s.backend.forward(q, k, v, s.layer, batch, save_kv_cache=False))
-    assert all(same_bits(outs[0], o) for o in outs[1:]), "repeated fused forwards differ"
+    assert all(same_bytes(outs[0], o) for o in outs[1:]), "repeated fused forwards differ"
     assert_fused_ran(s)
     eager.init_forward_metadata(batch)
     ref = eager.forward(q, k, v, s.layer, batch, save_kv_cache=False)
@@ -618,7 +614,7 @@ def test_workspace_limit_below_both_paths_is_refused_naming_the_limit():
     s.backend.init_forward_metadata(batch)
     with pytest.raises(ResourceLimitError, match="BuildContext.max_workspace_bytes"):
         s.backend.forward(q, k, v, s.layer, batch)
-    assert all(same_bits(a, b) for a, b in zip(before, s.cache.read_kv(0))), "a refused forward wrote"
+    assert all(same_bytes(a, b) for a, b in zip(before, s.cache.read_kv(0))), "a refused forward wrote"
 
 
 @needs_kernel

@@ -52,6 +52,7 @@ from attnplug.errors import AttnplugError, BackendUnavailableError, ConfigError 
 from attnplug.registry import Registry, in_process_source  # noqa: E402
 from attnplug.resolution import resolve  # noqa: E402
 from attnplug.testing.reference import expected_cache_after, reference_attention  # noqa: E402
+from attnplug.testing.suite.harness import same_bytes  # noqa: E402
 from attnplug.testing.tolerances import tolerance_for  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -369,12 +370,6 @@ def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None,
     assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
     assert torch.equal(s.cache.req_to_token, r2t)
     return out
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals the same NaN, unlike ``torch.equal``)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def cache_bytes(cache: PagedKVCache) -> list[torch.Tensor]:
