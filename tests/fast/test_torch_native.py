@@ -153,10 +153,10 @@ def qkv(s: Setup, layer: LayerSpec, tokens: int, with_kv: bool = True) -> tuple[
 
 def run_and_check(
     s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, *, with_kv: bool = True, save: bool = True,
-    init: bool = True,
+    init: bool = True, inputs: tuple[Any, Any, Any] | None = None,
 ) -> torch.Tensor:
     layer = layer or s.layers[0]
-    q, k, v = qkv(s, layer, batch.num_tokens, with_kv)
+    q, k, v = inputs or qkv(s, layer, batch.num_tokens, with_kv)
     kc0, vc0 = (b.clone() for b in s.cache.get_kv(layer.layer_id))
     if init:
         s.backend.init_forward_metadata(batch)
@@ -498,6 +498,35 @@ def test_bf16_decode_with_large_scores(layer_kind, fused, block):
     s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
     batch = make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1])
     run_and_check(s, batch)
+    check_path(s, fused, batch)
+
+
+@pytest.mark.parametrize("fused,block", [
+    pytest.param("off", 1, id="eager_one_request_blocks"),
+    pytest.param("off", None, id="eager_whole_batch_block"),
+    pytest.param("auto", "auto", id="fused", marks=needs_kernel),
+])
+def test_bf16_decode_with_every_score_far_below_zero(fused, block):
+    # keys (cached and new) share a large common part and every query points against it, so every
+    # real score is hundreds below zero, a few units apart. In a padded eager block the padding keys
+    # (zeroed: score 0) must not become the row maximum the bf16 scores are shifted by: shifted by 0,
+    # s - m rounds to bf16 with an error of units and exp() underflows to zero for every key
+    s = make_setup(dtype=torch.bfloat16, head_dim=16, seed=32, layer_kw=dict(scaling=1.0),
+                   decode_block_bytes=block, fused=fused)
+    layer = s.layers[0]
+    common = torch.randn(s.cache.head_dim, generator=s.gen) * 12
+    s.cache.k_buffers[0].add_(common.to(torch.bfloat16))
+    batch = make_batch(s, ForwardMode.DECODE, [40, 3, 77, 0], [1, 1, 1, 1])
+    T, g = batch.num_tokens, s.gen
+    q = (-8 * common / common.norm() + torch.randn(T, layer.num_heads, layer.head_dim, generator=g))
+    k = common + torch.randn(T, layer.num_kv_heads, layer.head_dim, generator=g)
+    v = torch.randn(T, layer.num_kv_heads, layer.v_head_dim, generator=g)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    kc = s.cache.k_buffers[0]
+    cached = torch.cat([s.cache.req_to_token[r, :p] for r, p in zip([7, 6, 5, 4], [40, 3, 77, 0])])
+    scores = torch.einsum("thd,nkd->thnk", q.double(), torch.cat([kc[cached], k]).double())
+    assert float(scores.max()) < -100, "the case needs every real score far below zero"
+    run_and_check(s, batch, inputs=(q, k, v))
     check_path(s, fused, batch)
 
 
