@@ -63,6 +63,15 @@ class AttentionBackend:
         """Backends this one contains (containers and wrappers override)."""
         return ()
 
+    def runtime_notes(self) -> list[str]:
+        """What this built backend chose at run time that its capabilities do not say (a kernel
+        path taken or not, and why); ``attnplug doctor`` and ``attnplug bench`` print them through
+        ``runtime_notes_of``. Default: the notes of ``children()`` (none for a leaf backend)."""
+        notes: list[str] = []
+        for child in self.children():
+            notes.extend(n for n in runtime_notes_of(child) if n not in notes)
+        return notes
+
     def layer_reasons(self, layer: Any) -> list[str]:
         """Why ``layer`` cannot run here whatever the forward (``require_supported`` memoises it).
         Default: ``not_supported_reasons(layer)``; a backend may narrow it to its own checks."""
@@ -132,6 +141,15 @@ class AttentionBackend:
     def on_after_cuda_graph_warmup(self) -> None:
         """Called once after warm-up forwards, before capture. Default: nothing."""
         return None
+
+
+def runtime_notes_of(backend: AttentionBackend) -> list[str]:
+    """``backend.runtime_notes()`` as strings; a hook that raises becomes a note saying so (a
+    plugin's failure never ends the command that asked)."""
+    try:
+        return [str(n) for n in backend.runtime_notes()]
+    except Exception as exc:  # a third-party hook: report, do not propagate
+        return [f"runtime_notes() raised {type(exc).__name__}: {exc}"]
 
 
 class MetadataGuard:

@@ -242,11 +242,6 @@ class PagedBackend(AttentionBackend):
         self.require_supported(layer)
 
     # -- helpers for kernels ---------------------------------------------------------
-    def runtime_notes(self) -> list[str]:
-        """What this built backend chose at run time that its capabilities do not say (a kernel
-        path taken or not, and why); ``attnplug doctor`` prints them. Default: none."""
-        return []
-
     def check_workspace(self, nbytes: int, what: str) -> None:
         """Refuse, before allocating, a workspace larger than ``max_workspace_bytes``.
 

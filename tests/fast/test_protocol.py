@@ -178,3 +178,35 @@ def test_require_supported_defaults_to_the_declared_capabilities():
     window = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4)
     with pytest.raises(NotSupportedError, match="sliding_window=4 is not claimed"):
         Recorder().require_supported(window)
+
+
+class Noted(Recorder):
+    def __init__(self, *notes):
+        super().__init__()
+        self.notes = list(notes)
+
+    def runtime_notes(self):
+        return self.notes
+
+
+class RaisingNotes(Recorder):
+    def runtime_notes(self):
+        raise KeyError("no such path")
+
+
+def test_runtime_notes_default_to_the_childrens_once_each():
+    from attnplug.backend import runtime_notes_of
+
+    assert runtime_notes_of(Recorder()) == []
+    assert runtime_notes_of(BackendWrapper(Noted("fused", "eager for layer 3"))) == ["fused", "eager for layer 3"]
+    hybrid = HybridBackend(Noted("a", "shared"), Noted("shared", "b"))
+    assert runtime_notes_of(hybrid) == ["a", "shared", "b"]
+
+
+def test_a_raising_runtime_notes_hook_becomes_a_note():
+    from attnplug.backend import runtime_notes_of
+
+    assert runtime_notes_of(RaisingNotes()) == ["runtime_notes() raised KeyError: 'no such path'"]
+    # inside a container too: the other child's notes survive
+    assert runtime_notes_of(HybridBackend(RaisingNotes(), Noted("b"))) == [
+        "runtime_notes() raised KeyError: 'no such path'", "b"]

@@ -438,8 +438,7 @@ def test_chunks_shrink_to_fit_the_scratch_aim(monkeypatch):
     tried = sorted(key[3] for key in plans if isinstance(key, tuple) and key[0] == "fused")
     assert tried[-1] == FUSED_QUERY_CHUNK and tried[0] < FUSED_QUERY_CHUNK
     keys = 134 + FUSED_QUERY_CHUNK
-    assert fused_scratch_bytes(torch.get_num_threads(), 1, s.layer.gqa_group_size, keys, 32, 32,
-                               queries=tried[0]) <= 16 << 10
+    assert fused.scratch_bytes(torch.get_num_threads(), 1, tried[0], s.layer.gqa_group_size, keys, 32, 32) <= 16 << 10
     run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [130, 0], [FUSED_QUERY_CHUNK, 9], req_ids=[1, 2]))
     assert_fused_ran(s)
 
@@ -449,7 +448,7 @@ def test_scratch_over_the_workspace_limit_is_refused(threads):
     # the kernel's scratch counts against max_workspace_bytes: one query per chunk over the limit
     # hands the layer to the eager extend, which needs more and refuses with the limit named
     s = make(dtype=F32, head_dim=32, seed=77, max_workspace_bytes=4 << 10)
-    assert fused_scratch_bytes(threads, 1, s.layer.gqa_group_size, 110, 32, 32) > 4 << 10
+    assert fused.scratch_bytes(threads, 1, 1, s.layer.gqa_group_size, 110, 32, 32) > 4 << 10
     with pytest.raises(ResourceLimitError, match=r"workspace limit of 4\.00 KiB"):
         run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [100], [10]))
 
@@ -582,20 +581,12 @@ def test_layers_the_kernel_does_not_take_run_eager(kind):
 # ---------------------------------------------------------------------------
 
 
-def fused_scratch_bytes(threads: int, heads_per_item: int, group: int, keys: int, D: int, Dv: int,
-                        queries: int = 1) -> int:
-    """The scratch ``_attend_fused`` estimates (per thread: float32 scores of a work item's query rows
-    over its keys padded to 16, queries, sums; one head's widened 16-key block), over all threads."""
-    npad = -(-keys // 16) * 16
-    return 4 * threads * (heads_per_item * queries * group * (npad + D + Dv + 2) + 17 * max(D, Dv))
-
-
 @needs_kernel
 def test_workspace_limit_below_the_kernel_scratch_falls_back_to_an_eager_decode_that_fits():
     # first tokens only (1 key each) with wide heads: the kernel's scratch (16 padded scores, a
     # 16-row block) is far above the eager decode's ([1 key, D + Dv] per block), which computes
     limit = 8192
-    assert fused_scratch_bytes(1, 1, 8, 1, 256, 256) > limit
+    assert fused.scratch_bytes(1, 1, 1, 8, 1, 256, 256) > limit
     s = make(dtype=F32, kv_heads=1, group=8, head_dim=256, seed=51, max_workspace_bytes=limit)
     s.backend.decode_block_bytes = 1  # one KV head of one request per eager block
     run_and_check(s, decode_batch(s, [1, 1]))
@@ -607,7 +598,7 @@ def test_workspace_limit_below_the_kernel_scratch_falls_back_to_an_eager_decode_
 @needs_kernel
 def test_workspace_limit_below_both_paths_is_refused_naming_the_limit():
     s = make(dtype=F32, seed=52, max_workspace_bytes=2048)
-    assert fused_scratch_bytes(1, 1, 4, 53, 16, 16) > 2048
+    assert fused.scratch_bytes(1, 1, 1, 4, 53, 16, 16) > 2048
     batch = decode_batch(s, LENS)
     q, k, v = inputs(s, batch.num_tokens)
     before = s.cache.read_kv(0)
@@ -624,7 +615,7 @@ def test_workspace_limit_between_one_head_and_all_heads_runs_fused_with_fewer_he
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lo, hi = fused_scratch_bytes(1, 1, 2, 53, 32, 32), fused_scratch_bytes(1, 4, 2, 53, 32, 32)
+        lo, hi = fused.scratch_bytes(1, 1, 1, 2, 53, 32, 32), fused.scratch_bytes(1, 4, 1, 2, 53, 32, 32)
         s = make(dtype=BF16, kv_heads=4, group=2, head_dim=32, seed=53, max_workspace_bytes=(lo + hi) // 2)
         run_and_check(s, decode_batch(s, LENS))
         assert_fused_ran(s)
@@ -637,8 +628,8 @@ def test_workspace_limit_in_an_extend_mode_shortens_the_chunks(threads):
     # target-verify with 8 drafts: one chunk of 8 queries needs more scratch than the limit, one of
     # 2 does not, so the kernel runs in shorter chunks (the eager extend never allocates)
     s = make(dtype=F32, kv_heads=1, group=2, head_dim=16, seed=54, max_workspace_bytes=4096)
-    assert fused_scratch_bytes(threads, 1, 2, 8 + 3, 16, 16, queries=8) > 4096
-    assert fused_scratch_bytes(threads, 1, 2, 8 + 3, 16, 16, queries=2) <= 4096
+    assert fused.scratch_bytes(threads, 1, 8, 2, 8 + 3, 16, 16) > 4096
+    assert fused.scratch_bytes(threads, 1, 2, 2, 8 + 3, 16, 16) <= 4096
     run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [3, 1], [8, 8], mask=None))
     assert_fused_ran(s)
 

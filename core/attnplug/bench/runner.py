@@ -16,6 +16,7 @@ import os
 import platform
 from typing import IO, Any
 
+from ..backend import runtime_notes_of
 from .spec import GOALS, BenchUsageError, Problem, Spec, goal_met
 
 LOOP = "loop: per-request gather + SDPA"
@@ -259,10 +260,7 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
             validation.append({"backend": name, "init_forward_metadata_ms": meta, "bounds_checks_ms": checks,
                                "checks_in_init_forward_metadata": isinstance(backend, PagedBackend),
                                "forward_ms": ms[name], "checks_over_forward": checks / ms[name]})
-    runtime = {}
-    for name, backend in built.items():
-        notes = getattr(backend, "runtime_notes", None)
-        runtime[name] = list(notes()) if callable(notes) else []
+    runtime = {name: runtime_notes_of(backend) for name, backend in built.items()}
     del prob, calls, built
     return {"problem": p.to_dict(), "label": p.label(), "kv_bytes": kv, "floor_method": floor_kind,
             "rows": rows, "validation": validation, "notes": row_notes, "torch_threads": torch.get_num_threads(),

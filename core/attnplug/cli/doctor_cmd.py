@@ -56,7 +56,7 @@ class BackendReport:
     modes: list[ModeResult] = dataclasses.field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
-    #: the built backend's ``runtime_notes()`` (kernel paths chosen at run time), if it has them
+    #: the built backend's ``runtime_notes()`` (kernel paths chosen at run time)
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -161,6 +161,7 @@ def check_backend(registry: Any, name: str, host: Any) -> BackendReport:
 
 
 def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None:
+    from attnplug.backend import runtime_notes_of
     from attnplug.testing.suite import harness as H
 
     caps = registry.get(name).capabilities
@@ -181,9 +182,7 @@ def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None
         except Exception as exc:  # a backend that cannot be built for a claimed case fails as a whole
             rep.error = f"build: {type(exc).__name__}: {exc}"
             return
-        notes = getattr(backend, "runtime_notes", None)
-        if callable(notes):
-            rep.notes.extend(n for n in notes() if n not in rep.notes)
+        rep.notes.extend(n for n in runtime_notes_of(backend) if n not in rep.notes)
         try:
             rep.modes.append(_check_case(label, case, backend, problem, H))
         except Exception as exc:  # a claimed case that raises is a failed claim

@@ -249,17 +249,6 @@ class ForwardMeta:
             plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes, head_major)
         return plan
 
-    def _spans(self, window: int | None, cross: bool) -> tuple[list[int], list[int], list[int]]:
-        """Per request: the first position read from the cache, the cached keys read, and the
-        keys in all (the new one included; cross-attention has none)."""
-        B = len(self.rows)
-        if cross:
-            cached = list(self.enc or [0] * B)
-            return [0] * B, cached, cached
-        start = [0 if window is None else max(0, p - window) for p in self.prefix]
-        cached = [p - s0 for p, s0 in zip(self.prefix, start)]
-        return start, cached, [c + e for c, e in zip(cached, self.ext)]
-
     def fused_requests(self) -> tuple[int, ...]:
         """The requests the fused kernel takes in this forward: every one in decode; in the
         extend modes those with 1 to ``FUSED_MAX_QUERIES`` new tokens, whose queries are too few
@@ -316,7 +305,15 @@ class ForwardMeta:
     def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
                            head_major: bool) -> list[_Block]:
         B = len(self.rows)
-        start, cached, total = self._spans(window, cross)
+        # per request: first position read from the cache, cached keys, total keys (new one included)
+        if cross:
+            start = [0] * B
+            cached = list(self.enc or [0] * B)
+            total = cached
+        else:
+            start = [0 if window is None else max(0, p - window) for p in self.prefix]
+            cached = [p - s0 for p, s0 in zip(self.prefix, start)]
+            total = [c + 1 for c in cached]
         blocks: list[_Block] = []
         Hkv = self._cache.num_kv_heads
         b0 = 0
@@ -474,10 +471,9 @@ class TorchNativeBackend(PagedBackend):
 
     # -- decode: blocks of requests ------------------------------------------
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
-        if self._fused is not None:
-            out = self.empty_output(q, layer)
-            if self._attend_fused(q, k, v, layer, meta, out):
-                return out
+        out = self.empty_output(q, layer)
+        if self._fused is not None and self._attend_fused(q, k, v, layer, meta, out):
+            return out
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
@@ -487,7 +483,6 @@ class TorchNativeBackend(PagedBackend):
         # bf16 matmuls want each (request, kv_head) matrix contiguous: gather rows of one head;
         # float32 ones take a strided matrix, and whole-token rows gather faster (one-request blocks)
         head_major = cd != _F32
-        out = self.empty_output(q, layer)
         row_bytes = Hkv * max(D, Dv) * kb.element_size()
         blocks = meta.decode_plan(None if cross else layer.sliding_window, cross, self.decode_block_bytes,
                                   row_bytes, head_major)
@@ -629,12 +624,16 @@ class TorchNativeBackend(PagedBackend):
             if B == 0:
                 return True
             per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
-            while per_item > 1 and kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) > aim:
+
+            def scratch(heads: int) -> int:
+                return kernel.scratch_bytes(threads, heads, most_q, G, most_keys, D, Dv)
+
+            while per_item > 1 and scratch(per_item) > aim:
                 per_item = (per_item + 1) // 2
-            if most_q == 1 or kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) <= aim:
+            if most_q == 1 or scratch(per_item) <= aim:
                 break
             chunk = max(1, most_q // 2)
-        if kernel.scratch_bytes(threads, per_item, most_q, G, most_keys, D, Dv) > self.max_workspace_bytes:
+        if scratch(per_item) > self.max_workspace_bytes:
             return False
         kc, vc = cache.get_kv(lid)
         mask = None if cross else meta.fused_mask(chunk)
