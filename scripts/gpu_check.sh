@@ -4,7 +4,7 @@
 # It installs attnplug and this repo's plugins from the working tree (no network
 # needed: --no-deps --no-build-isolation, using the torch/triton/pytest already
 # on the machine), then runs the conformance suite on the GPU for every backend
-# available there, the issue-14 library cases (scripts/gpu_contract_cases.py), doctor, and the
+# available there, the issue-14 and issue-27 library cases (scripts/gpu_contract_cases.py), doctor, and the
 # decode benchmark on CUDA. Kernel libraries
 # that are not on the machine (flash-attn 3, flashinfer, aiter) are reported as
 # unavailable with their reasons by `attnplug list`; carry their wheels in .whl/
@@ -34,7 +34,13 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 } 2>&1 | tee "$OUT/env.txt"
 
 # issue-14 cases first (short): attention sinks per backend, MQA on trtllm_mha, fp8 KV and determinism
-# on SM90; one PASS/FAIL/SKIP line each (SKIP names the reason: backend unavailable, layer refused, not SM90)
+# on SM90; one PASS/FAIL/SKIP line each (SKIP names the reason: backend unavailable, layer refused, not SM90).
+# issue-27 cases (issue27/...): flashinfer tensor-core decode on SM90 (fp8, determinism, GQA 8), a target-
+# verify right after an extend on one flashinfer backend, a sink model on fa3 (refused and moved off SM90),
+# and a real torch.cuda.graph capture of a decode with CPU-resident sinks per backend (plain control).
+# Cases 3 and 4 bite with flashinfer 0.6.x only: carry that wheel for an SM90 run, e.g.
+#   pip download --no-deps -d .whl flashinfer-python==0.6.3
+# (the header line of contract_cases.txt prints the flashinfer version that ran).
 timeout 300 $PY scripts/gpu_contract_cases.py --json "$OUT/contract_cases.json" \
   2>"$OUT/contract_cases.err" | tee "$OUT/contract_cases.txt"
 

@@ -57,6 +57,10 @@ class Capabilities:
     deterministic: bool = False
     devices: tuple[str, ...] = ("cpu",)
     min_compute_capability: tuple[int, int] | None = None
+    #: CUDA SMs (``HostInfo.sm()``: 80, 90, …) whose kernels apply attention sinks; ``None``: wherever the
+    #: backend runs. A sink layer on another GPU is refused (``host_layer_reasons``) instead of silently
+    #: computed without its sinks.
+    sinks_sms: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
@@ -172,6 +176,17 @@ def layer_reasons(caps: Capabilities, layer: LayerSpec) -> list[str]:
     if layer.is_cross_attention and not caps.cross_attention:
         reasons.append("cross-attention is not claimed")
     return reasons
+
+
+def host_layer_reasons(caps: Capabilities, layer: LayerSpec, host: Any) -> list[str]:
+    """What ``caps`` cannot serve of ``layer`` on ``host`` (a ``HostInfo``): claims that hold on some GPUs only."""
+    sms = caps.sinks_sms
+    if sms is None or not layer.uses_sinks or host is None or getattr(host, "platform", None) != "cuda":
+        return []
+    sm = host.sm()
+    if sm is None or sm in sms:
+        return []
+    return [f"attention sinks on SM{sm} (its kernels apply sinks on SM{'/'.join(map(str, sms))} only)"]
 
 
 def _join(values: Iterable[Any]) -> str:

@@ -252,7 +252,7 @@ def capabilities_problems(caps: Capabilities) -> list[str]:
     for field in _BOOL_CAPS:
         if not isinstance(getattr(caps, field), bool):
             bad(field, "a bool")
-    for field in ("head_dims", "page_sizes"):
+    for field in ("head_dims", "page_sizes", "sinks_sms"):
         value = getattr(caps, field)
         if value is not None and not (isinstance(value, tuple) and value and all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):

@@ -30,7 +30,7 @@ import pluggy
 
 from . import hookspecs
 from .backend import AttentionBackend
-from .capabilities import layer_reasons, support_reasons
+from .capabilities import host_layer_reasons, layer_reasons, support_reasons
 from .descriptor import Availability, BackendDescriptor, descriptor_problems
 from .discovery import (  # re-exported: the registry's public names before discovery moved out
     ENTRY_POINT_GROUP,
@@ -493,7 +493,7 @@ class Registry:
         if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
             reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
         for layer in getattr(ctx, "layers", ()) or ():
-            for reason in layer_reasons(caps, layer):
+            for reason in layer_reasons(caps, layer) + host_layer_reasons(caps, layer, getattr(ctx, "host", None)):
                 text = f"layer {getattr(layer, 'layer_id', '?')}: {reason}"
                 if reason not in reasons and text not in reasons:
                     reasons.append(text)

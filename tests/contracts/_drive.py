@@ -42,5 +42,6 @@ def check_versions(library_versions: list[tuple[str, str]], run_at: Any) -> dict
             continue
         assert calls, f"{library} {version}: the plugin accepted the layer but made no library call"
         failures += [p for call in calls for p in C.problems(call, library, version)]
+        failures += C.sequence_problems(calls, library, version)
     assert not failures, "\n".join(dict.fromkeys(failures))
     return verdicts

@@ -130,3 +130,53 @@ def test_a_descale_of_the_wrong_shape_fails_the_precondition():
     found = C.problems(call, "sgl-kernel", "0.3.21")
     assert any("k_descale must have shape (batch_size, num_heads_k) = (3, 2)" in f for f in found), found
     assert any("v_descale must be a float32 tensor" in f for f in found), found
+
+
+# -- issue 27: sinks only on SM90 --------------------------------------------------------------------
+def _fa3_on(sm, p):
+    host = H.cuda_host(sm, sgl_kernel="0.3.21")
+    ctx = BuildContext(config=AttentionConfig(), host=host, dtype="bfloat16", num_heads=p.layer.num_heads,
+                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
+                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    return FA3Backend(ctx, kernel=unchecked(test_fa3.emulate_flash_attn_with_kvcache), provider=SGL_KERNEL)
+
+
+@pytest.mark.parametrize("sm, served", [(80, False), (86, False), (87, False), (89, False), (90, True)])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_sink_layers_are_refused_off_sm90(sm, served, mode):
+    """Bug 5: sgl-kernel's FA3 applies ``sinks=`` in its SM90 kernel only; on SM80/86/89 the output silently
+    omits them. Off SM90 a sink layer is refused in words (a forward raises); plain layers still run."""
+    from attnplug.errors import NotSupportedError
+
+    kw = {"mode": ForwardMode.DECODE, "ext": (1, 1, 1)} if mode == "decode" else {}
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, sinks=True, **kw)
+    be = _fa3_on(sm, p)
+    reasons = be.layer_reasons(p.layer)  # the per-layer verdict a forward takes
+    assert (not reasons) is served, reasons
+    plain = LayerSpec(0, p.layer.num_heads, p.layer.num_kv_heads, p.layer.head_dim)
+    assert not be.layer_reasons(plain)
+    if served:
+        H.assert_close(forward(be, p), p.expected, torch.bfloat16)
+        return
+    assert any(f"SM{sm}" in r and "sinks" in r for r in reasons), reasons
+    with pytest.raises(NotSupportedError, match="sinks"):
+        forward(be, p)
+
+
+@pytest.mark.parametrize("sm, want", [(80, "triton"), (86, "triton"), (89, "triton"), (90, "fa3")])
+def test_resolution_moves_sink_models_off_fa3_below_sm90(sm, want):
+    """Bug 5 (resolution): the declared ``sinks_sms`` lets resolution, given the model's layers, pick a
+    backend that applies the sinks on this GPU; without sink layers fa3 keeps its place."""
+    from attnplug import Registry
+    from attnplug.resolution import trace
+
+    host = H.cuda_host(sm, sgl_kernel="0.3.21", triton="3.5.0")
+    reg = Registry.discover(env={"ATTNPLUG_PLUGINS": "attnplug-fa3,attnplug-triton,attnplug-torch-native"},
+                            host=host)
+    sinks = LayerSpec(0, 8, 2, 64, sinks=torch.zeros(8))
+    res = trace(AttentionConfig(dtype="bfloat16"), host=host, registry=reg, layers=(sinks,))
+    assert res.ok and res.pair == (want, want), res.explain() if hasattr(res, "explain") else res
+    plain = trace(AttentionConfig(dtype="bfloat16"), host=host, registry=reg, layers=(LayerSpec(0, 8, 2, 64),))
+    assert plain.pair[0] in ("fa3", "triton")
+    if sm in (80, 90):  # fa3 is a default there (priority 30 / 60, above triton's 20)
+        assert plain.pair == ("fa3", "fa3")

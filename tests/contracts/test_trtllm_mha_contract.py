@@ -108,3 +108,32 @@ def test_a_float64_bmm_scale_tensor_fails_the_precondition():
     call.kwargs["bmm1_scale"] = torch.tensor(0.1, dtype=torch.float64)
     found = C.problems(call, LIBRARY, "0.7.4")
     assert any("bmm1_scale tensor must have dtype torch.float32" in f for f in found), found
+
+
+# -- issue 27: KV scales changed after capture --------------------------------------------------------
+@pytest.mark.parametrize("change", ["k", "v", "both", "none"])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_kv_scales_changed_after_capture_are_refused(mode, change):
+    """Bug 8b: ``bmm1_scale``/``bmm2_scale`` are floats computed from the cache's scales, constants of the
+    captured launches; a replay after ``set_kv_scales`` silently dequantized with the old ones. Refused,
+    naming the layer; unchanged scales replay."""
+    from attnplug.errors import AttnplugError
+
+    kw = dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)) if mode == "decode" else dict(mode=ForwardMode.EXTEND)
+    p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, kv_dtype=torch.float8_e4m3fn,
+                       kv_scales=FP8_SCALES, **kw)
+    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(100, flashinfer_python=MIN_VERSION),
+                       dtype="bfloat16", kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
+                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
+                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    be = TrtllmMHABackend(ctx, kernels=(unchecked(T.emulate_decode), unchecked(T.emulate_context)),
+                          workspace_bytes=1024)
+    be.init_cuda_graph_state(8, 64)
+    be.init_forward_metadata_capture_cuda_graph(p.batch)
+    k, v = FP8_SCALES
+    p.cache.set_kv_scales(0, *{"k": (k * 2, v), "v": (k, v * 2), "both": (k / 2, v / 2), "none": (k, v)}[change])
+    if change == "none":
+        be.init_forward_metadata_replay_cuda_graph(p.batch)
+        return
+    with pytest.raises(AttnplugError, match=r"KV scales changed after .*layer 0"):
+        be.init_forward_metadata_replay_cuda_graph(p.batch)

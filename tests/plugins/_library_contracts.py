@@ -95,6 +95,9 @@ class Call:
         out = {name: (None if p.default is _DEFAULT else p.default) for name, p in sig.parameters.items()
                if p.default is not inspect.Parameter.empty}
         out.update(bound.arguments)
+        for name, p in sig.parameters.items():  # ``**kwargs`` (flashinfer 0.7.4's plan): checked by name too
+            if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(out.get(name), dict):
+                out.update({k: v for k, v in out.pop(name).items() if k not in out})
         return out
 
 
@@ -140,6 +143,7 @@ def _owner_view(wrapper: Any) -> dict[str, Any]:
     view = dict(zip(names, init.args))
     view.update(init.kwargs)
     view["_class"] = init.qualname.rsplit(".", 2)[-2]
+    view["_instance"] = id(wrapper)  # which wrapper object: sequence_problems follows one wrapper's plans
     return view
 
 
@@ -248,6 +252,24 @@ def _fi_init(a: dict[str, Any], version: str, owner: dict[str, Any], strict: boo
 FLASHINFER_FA3_FP8_CHECKED = "0.6.4"
 
 
+#: flashinfer's tensor-core decode (``use_tensor_cores=True``: the prefill kernel) under ``backend="auto"``
+#: resolves through ``determine_attention_backend``, which picks FA3 on SM90 — for every q/KV dtype in
+#: 0.6.0-0.6.3 (decode.py, the tensor-core branch of ``plan``; the issue-27 reading of the wheels), and for
+#: fp8 q or KV in every recorded release (the installed 0.7.4's decode.py: ``if {fp8} & {q, kv}:
+#: determine_attention_backend(...) else "fa2"``). ``[first, end)`` per case; ``None``: no end yet.
+FLASHINFER_DECODE_AUTO_FA3: dict[str, tuple[str, str | None]] = {"any": ("0.6.0", "0.6.4"), "fp8": ("0.5.0", None)}
+#: Before this release a prefill wrapper built with ``backend="auto"`` keeps the backend its FIRST plan
+#: resolved (``self._backend`` overwritten); 0.7.4 re-resolves from the requested backend at every plan.
+#: An extend's plan fixes FA3 on SM90, and a later plan with ``custom_mask`` then fails there
+#: (``cudaErrorNotSupported``): flashinfer <= 0.6.4.
+FLASHINFER_AUTO_STICKS_BEFORE = "0.6.5"
+
+
+def _in(version: str, span: tuple[str, str | None]) -> bool:
+    lo, hi = span
+    return version_key(lo) <= version_key(version) and (hi is None or version_key(version) < version_key(hi))
+
+
 def _fi_plan(kind: str) -> Check:
     index = {"decode": ("indptr", "indices", "last_page_len"),
              "paged": ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
@@ -274,6 +296,16 @@ def _fi_plan(kind: str) -> Check:
                 and version_key(version) < version_key(FLASHINFER_FA3_FP8_CHECKED)):
             out.append(f"fp8 KV with {q_dt} queries under backend='auto': on SM90 flashinfer {version} selects "
                        f"FA3, which before {FLASHINFER_FA3_FP8_CHECKED} builds an invalid kernel; pin backend='fa2'")
+        if kind == "decode" and owner.get("use_tensor_cores") and backend != "fa2":
+            fp8 = kv_dt in _FP8 or q_dt in _FP8
+            if _in(version, FLASHINFER_DECODE_AUTO_FA3["any"]) or (fp8 and _in(version, FLASHINFER_DECODE_AUTO_FA3["fp8"])):
+                if split:
+                    out.append(f"tensor-core decode with backend={backend!r}: on SM90 flashinfer {version} resolves it "
+                               f"to FA3, which drops disable_split_kv/fixed_split_size; pin backend='fa2'")
+                if fp8 and version_key(version) < version_key(FLASHINFER_FA3_FP8_CHECKED):
+                    out.append(f"tensor-core decode of fp8 KV with backend={backend!r}: on SM90 flashinfer {version} "
+                               f"selects FA3, which before {FLASHINFER_FA3_FP8_CHECKED} builds an invalid kernel; "
+                               f"pin backend='fa2'")
         return out
 
     return check
@@ -362,6 +394,35 @@ def problems(call: Call, library: str, version: str, *, strict: bool = True,
         return [f"{call.qualname} does not bind to {library} {version}'s signature: {exc}"]
     return [f"{call.qualname} ({library} {version}): {p}"
             for p in PRECONDITIONS[call.qualname](a, version, call.owner, strict)]
+
+
+def sequence_problems(calls: list[Call], library: str, version: str) -> list[str]:
+    """What only the ORDER of calls breaks: a flashinfer prefill wrapper left at ``backend="auto"`` and planned
+    first without, later with a ``custom_mask`` keeps the first plan's choice before
+    ``FLASHINFER_AUTO_STICKS_BEFORE`` (FA3 on SM90, which refuses the custom mask)."""
+    if library != "flashinfer-python" or version_key(version) >= version_key(FLASHINFER_AUTO_STICKS_BEFORE):
+        return []
+    out: list[str] = []
+    plain_first: set[int] = set()
+    for call in calls:
+        if call.qualname != _FI + "BatchPrefillWithPagedKVCacheWrapper.plan":
+            continue
+        if call.owner.get("backend", "auto") == "fa2":
+            continue
+        sig = signature(library, version, call.qualname)
+        try:
+            a = call.arguments(sig) if sig is not None else {}
+        except TypeError:
+            continue  # problems() reports it
+        inst = call.owner.get("_instance", -1)
+        if a.get("custom_mask") is None and a.get("packed_custom_mask") is None:
+            plain_first.add(inst)
+        elif inst in plain_first:
+            out.append(f"{call.qualname} ({library} {version}): a custom-mask plan on a backend='auto' wrapper "
+                       f"first planned without one: before {FLASHINFER_AUTO_STICKS_BEFORE} the first plan's choice "
+                       f"sticks (FA3 on SM90), which fails with a custom mask; give the verify its own wrapper or "
+                       f"pin backend='fa2'")
+    return out
 
 
 def require(qualname: str, library: str, version: str, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from ..capabilities import layer_reasons, support_reasons
+from ..capabilities import host_layer_reasons, layer_reasons, support_reasons
 from ..config import AttentionConfig
 from ..dtypes import kv_dtype_name
 from ..errors import PluginError
@@ -205,7 +205,10 @@ def serve_problems(registry: "Registry", host: HostInfo, name: str, config: Atte
     """Availability on ``host`` plus support for ``half`` of ``config`` (and ``layers``); empty when ``name``
     serves it."""
     avail = registry.availability(name, host)
-    return list(avail.reasons) + support_problems(registry, name, config, half, layers)
+    caps = registry.get(name).capabilities
+    host_only = list(dict.fromkeys(f"layer {layer.layer_id}: {r}" for layer in layers
+                                   for r in host_layer_reasons(caps, layer, host)))
+    return list(avail.reasons) + support_problems(registry, name, config, half, layers) + host_only[:1]
 
 
 def ranked(registry: "Registry", host: HostInfo) -> list[tuple[str, int]]:

@@ -92,6 +92,8 @@ class AiterBackend(PagedBackend):
         self._ones = torch.ones(1, dtype=torch.float32, device=self.device)  # k_scale / v_scale
         self._workspace: torch.Tensor | None = None
         self._graph: dict[Any, dict[str, torch.Tensor]] | None = None
+        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
+        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._graph_bs: set[int] = set()
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
@@ -109,6 +111,25 @@ class AiterBackend(PagedBackend):
             self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         return self._workspace
 
+    # -- sinks ----------------------------------------------------------------
+    def device_sinks(self, layer: Any) -> torch.Tensor | None:
+        """``layer``'s sinks as the kernel reads them (float32, one per query head, on q's device), converted ONCE per layer and kept:
+        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
+        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
+        if layer.sinks is None:
+            return None
+        key = (layer.layer_id, id(layer.sinks))
+        memo = self._sinks.get(key)
+        if memo is None or memo[0] is not layer.sinks:
+            kept = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=SINKS_DTYPE).contiguous()
+            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
+        return memo[1]
+
+    def prepare_sinks(self) -> None:
+        """Convert the sinks of every layer the build context lists (outside any captured region)."""
+        for layer in tuple(self.ctx.layers or ()):
+            self.device_sinks(layer)
+
     # -- forward -------------------------------------------------------
     def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, lay: md.ForwardLayout) -> torch.Tensor:
         """Every mode: the rows list prefix and new tokens, already in the cache (``new_kv_source``)."""
@@ -123,9 +144,7 @@ class AiterBackend(PagedBackend):
 
     def _prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: Any, cu_q: torch.Tensor,
                  rows: md.TokenKV, max_q: int, causal: bool) -> torch.Tensor:
-        sinks = None
-        if layer.sinks is not None:
-            sinks = torch.as_tensor(layer.sinks, dtype=SINKS_DTYPE, device=q.device)
+        sinks = self.device_sinks(layer)
         return self.aiter.mha_batch_prefill_func(
             q, kc, vc, cu_q, rows.kv_indptr, rows.kv_indices, max_q, rows.max_kv_len,
             softmax_scale=float(layer.scaling), logits_soft_cap=md.logits_soft_cap(layer), causal=causal,
@@ -159,6 +178,7 @@ class AiterBackend(PagedBackend):
             for w in windows
         }
         self._decode_workspace(max_batch_size, self.ctx.num_heads, self.ctx.head_dim)
+        self.prepare_sinks()
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
         if self._graph is None:
@@ -166,6 +186,7 @@ class AiterBackend(PagedBackend):
         if batch.forward_mode is not ForwardMode.DECODE:
             raise AttnplugError(f"aiter: graph capture covers decode only, not {batch.forward_mode.value}")
         self._graph_bs.add(batch.batch_size)
+        self.prepare_sinks()  # outside the captured region: no host-to-device copy while capturing
         self._graph_metadata(batch)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:

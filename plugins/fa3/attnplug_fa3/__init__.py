@@ -40,6 +40,9 @@ SGL_KERNEL_SMS = (80, 86, 87, 89, 90)
 FLASH_ATTN_3_SMS = (90,)
 #: FA3's fp8 path (e4m3 q/K/V with descale factors) is built for Hopper only.
 FP8_KV_SMS = (90,)
+#: sgl-kernel's FA3 applies ``sinks=`` in its SM90 kernel only: on SM80/86/87/89 the argument is accepted
+#: and ignored (wrong output, nothing raised), so sink layers are refused there (backend_reasons).
+SINKS_SMS = (90,)
 
 #: FA3 rounds the head dim up to an instantiated one (64, 96, 128, 192, 256); it must be a multiple of 8,
 #: and of 16 on the fp8 path (``FP8_HEAD_DIM_MULTIPLE``, refused per layer by the kernel module).
@@ -59,7 +62,8 @@ CAPABILITIES = Capabilities(
     mqa=True,
     sliding_window=True,  # window_size=(left, 0)
     logit_softcap=True,  # softcap=
-    sinks=True,  # sinks= (sgl-kernel >= 0.3.4.post1; bfloat16 sinks, the C++ checks the dtype)
+    sinks=True,  # sinks= (sgl-kernel >= 0.3.4.post1; bfloat16, the C++ checks it)
+    sinks_sms=SINKS_SMS,  # ... applied by the SM90 kernel only: resolution moves sink layers elsewhere
     cross_attention=False,
     speculative_verify=True,  # chain: causal; custom mask: one query per row over its visible slots
     draft_extend=True,

@@ -26,7 +26,7 @@ from attnplug import ForwardMode
 from attnplug.kvcache import quantize
 from attnplug.probes import installed_library, version_key
 
-from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL
+from . import CAPABILITIES, FLASH_ATTN_3, FP8_HEAD_DIM_MULTIPLE, MIN_SGL_KERNEL_SINKS, NAME, SGL_KERNEL, SINKS_SMS
 from .metadata import FA3Metadata, build_metadata, window_size
 
 Kernel = Callable[..., Any]
@@ -92,6 +92,8 @@ class FA3Backend(PagedBackend):
         #: validate that req_to_token is page-aligned every forward (a host sync; for debugging and tests)
         self.check_pages = check_pages
         self._graph: dict[str, torch.Tensor] | None = None
+        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
+        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         #: per layer: the ``(k_scale, v_scale)`` last seen and a float32 ``[3]`` device tensor holding
         #: ``(Q_SCALE, k_scale, v_scale)`` (made once per layer and scale pair, never per forward)
         self._descales: dict[int, tuple[tuple[float, float], torch.Tensor]] = {}
@@ -111,6 +113,13 @@ class FA3Backend(PagedBackend):
     def _library_reasons(self, layer: Any, ctx: Any) -> list[str]:
         """What the installed kernel build cannot do for ``layer`` (sinks floor, fp8 head dims)."""
         reasons: list[str] = []
+        host = getattr(ctx, "host", None) or getattr(self.ctx, "host", None)
+        sm = host.sm() if host is not None and host.platform == "cuda" else None
+        if layer.uses_sinks and sm is not None and sm not in SINKS_SMS:
+            # sgl-kernel applies sinks in its SM90 kernel only; elsewhere they would be ignored, silently
+            reasons.append(f"attention sinks: sgl-kernel's FA3 applies them on Hopper "
+                           f"(SM{'/'.join(map(str, SINKS_SMS))}) only; this GPU is SM{sm}, where the output "
+                           f"would silently omit them")
         if layer.uses_sinks and self.provider == FLASH_ATTN_3:
             reasons.append("attention sinks need sgl-kernel's FA3 build (flash_attn_interface has no sinks=)")
         elif layer.uses_sinks and self.library is not None \
@@ -139,8 +148,10 @@ class FA3Backend(PagedBackend):
             "cache_seqlens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev),
         }
+        self.prepare_sinks()
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+        self.prepare_sinks()  # outside the captured region: no host-to-device copy while capturing
         self._graph_metadata(batch)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
@@ -172,6 +183,25 @@ class FA3Backend(PagedBackend):
         shape = (batch_rows, num_kv_heads)
         return {name: t[i].view(1, 1).expand(shape) for i, name in enumerate(("q_descale", "k_descale", "v_descale"))}
 
+    # -- sinks ----------------------------------------------------------------
+    def device_sinks(self, layer: Any) -> torch.Tensor | None:
+        """``layer``'s sinks as the kernel reads them (bfloat16, one per query head, on the cache's device), converted ONCE per layer and kept:
+        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
+        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
+        if layer.sinks is None:
+            return None
+        key = (layer.layer_id, id(layer.sinks))
+        memo = self._sinks.get(key)
+        if memo is None or memo[0] is not layer.sinks:
+            kept = torch.as_tensor(layer.sinks).detach().to(device=self.cache.device, dtype=SINKS_DTYPE).contiguous()
+            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
+        return memo[1]
+
+    def prepare_sinks(self) -> None:
+        """Convert the sinks of every layer the build context lists (outside any captured region)."""
+        for layer in tuple(self.ctx.layers or ()):
+            self.device_sinks(layer)
+
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: FA3Metadata) -> torch.Tensor:
@@ -193,7 +223,7 @@ class FA3Backend(PagedBackend):
             qk = quantize(q, Q_SCALE, kb.dtype)
             extra.update(self.descale_arguments(layer.layer_id, cu_q.numel() - 1, Hkv))
         if layer.sinks is not None:
-            extra["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
+            extra["sinks"] = self.device_sinks(layer)
         out = self.kernel(
             q=qk,
             k_cache=k_cache,

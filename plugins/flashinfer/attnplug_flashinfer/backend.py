@@ -10,8 +10,9 @@ of attnplug's per-layer slot buffers):
   ``k_scale=``/``v_scale=``, the layer's scales);
 * extend / draft-extend / mixed: ``BatchPrefillWithPagedKVCacheWrapper.plan(
   qo_indptr, …, causal=True)`` over prefix + new tokens, then ``run``;
-* target-verify: the same wrapper planned with ``custom_mask`` (prefix
-  visible, draft-to-draft from ``spec_custom_mask``; the window folded in).
+* target-verify: a prefill wrapper of its own, pinned to ``backend="fa2"``,
+  planned with ``custom_mask`` (prefix visible, draft-to-draft from
+  ``spec_custom_mask``; the window folded in).
 
 On the core's ``PagedBackend`` (``new_kv_source = "cache"``): the base writes
 each layer's new K/V before the wrapper runs and restores the rows after a
@@ -19,8 +20,9 @@ each layer's new K/V before the wrapper runs and restores the rows after a
 forward (``metadata.build_layout``); each distinct (window, soft-cap, scale, heads)
 combination is planned once per forward on first use and reused by every
 layer that shares it. CUDA graphs: decode and target-verify wrappers are
-built with ``use_cuda_graph=True`` over fixed buffers per batch size and
-re-planned on replay.
+built with ``use_cuda_graph=True`` over fixed buffers, one wrapper per batch
+size and distinct layer configuration of ``BuildContext.layers`` (models
+whose layers differ in window or soft-cap), and re-planned on replay.
 """
 
 from __future__ import annotations
@@ -51,8 +53,17 @@ LIBRARY_CALLS = tuple(
 #: The prefill wrappers' ``backend=``. ``"auto"`` picks FlashInfer's FA3 kernels on SM90, which
 #: (a) before flashinfer 0.6.4 do not check dtypes, so bf16/fp16 queries over an fp8 cache build an
 #: invalid kernel, and (b) ignore ``fixed_split_size``/``disable_split_kv``. So the FA2 kernels are
-#: pinned whenever the KV cache is fp8 or the run must be deterministic (decode always runs FA2).
+#: pinned whenever the KV cache is fp8 or the run must be deterministic.
 PINNED_BACKEND = "fa2"
+#: Every decode wrapper's ``backend=`` (as SGLang passes; valid from 0.5.0 through 0.7.4). Tensor-core
+#: decode (fp8 KV, determinism, large GQA groups) runs the prefill kernel, and ``"auto"`` resolves it
+#: to FA3 on SM90 (every dtype in 0.6.0-0.6.3, fp8 in every release): the invalid fp8 kernel again, and
+#: ``disable_split_kv`` silently dropped. The CUDA-core decode kernel ignores the argument.
+DECODE_BACKEND = "fa2"
+#: The target-verify wrapper's ``backend=``: its own wrapper, pinned. Before 0.6.5 an ``"auto"`` wrapper
+#: keeps the backend its first plan resolved, so a verify (custom mask) sharing the extend's wrapper
+#: would run FA3's kernel with a custom mask on SM90 (``cudaErrorNotSupported``).
+VERIFY_BACKEND = "fa2"
 
 
 def prefill_backend(kv_cache_dtype: str, deterministic: bool) -> str:
@@ -98,14 +109,26 @@ class FlashInferBackend(PagedBackend):
         self.deterministic = bool(ctx.config.deterministic)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._eager: dict[tuple[Any, ...], Any] = {}
-        self._graph_buffers: dict[str, torch.Tensor] | None = None
-        self._graph_wrappers: dict[tuple[int, str], Any] = {}
+        #: CUDA graphs: the fixed buffers per layer configuration (``_plan_key``), made by
+        #: ``init_cuda_graph_state`` / at capture (outside the captured region)
+        self._graph_buffers: dict[tuple[Any, ...], dict[str, torch.Tensor]] | None = None
+        self._graph_limits: tuple[int, int] | None = None
+        #: per captured (batch size, mode): one wrapper per distinct layer configuration
+        self._graph_wrappers: dict[tuple[int, str], dict[tuple[Any, ...], Any]] = {}
+        #: per captured (batch size, mode): the fp8 cache's per-layer (k_scale, v_scale) baked into the graph
+        self._graph_scales: dict[tuple[int, str], tuple[tuple[float, float], ...]] = {}
         self._graph_mode: tuple[int, str] | None = None
+
+    def _kv_dtype(self) -> str:
+        """The dtype of the cache this backend reads now (the cache handed in, not the build context's field)."""
+        from attnplug.dtypes import dtype_name
+
+        return dtype_name(self.cache.dtype)
 
     def _decode_tensor_cores(self) -> bool:
         # Tensor-core decode (the prefill kernel) for large GQA groups, fp8 KV, and always when deterministic.
         group = self.ctx.num_heads // max(self.ctx.num_kv_heads, 1)
-        return self.deterministic or group >= 4 or self.ctx.kv_cache_dtype.startswith("float8")
+        return self.deterministic or group >= 4 or bool(self.cache.quantized)
 
     # -- metadata ------------------------------------------------------
     def build_metadata(self, batch: Any) -> "_Plans":
@@ -117,51 +140,66 @@ class FlashInferBackend(PagedBackend):
                 layer.num_heads, layer.num_kv_heads, layer.head_dim)
 
     def _wrapper(self, plans: "_Plans", layer: Any, kind: str, q_dtype: torch.dtype) -> Any:
-        """The wrapper planned for ``layer``'s kernel arguments in this forward (planned on first use)."""
-        key = (kind,) + self._plan_key(layer)
+        """The wrapper planned for ``layer``'s kernel arguments in this forward (planned on first use).
+        ``kind``: ``"decode"``, ``"prefill"`` (extend, mixed, draft-extend) or ``"verify"`` (custom mask)."""
+        config = self._plan_key(layer)
+        key = (kind,) + config
         if key in plans.planned:
             return plans.planned[key]
         lay = plans.layout
         win, cap, scale = md.window_left(layer), md.logits_soft_cap(layer), float(layer.scaling)
         kv_dtype = self.cache.dtype
         common = dict(window_left=win, logits_soft_cap=cap, sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
-        if plans.graph_wrapper is not None:
-            wrapper = plans.graph_wrapper
-            if plans.planned:
-                raise AttnplugError(
-                    "flashinfer: a CUDA graph holds one plan per batch size; layers with different "
-                    "(window, soft-cap, scale, heads) are not supported under graph capture"
-                )
-        else:  # one eager wrapper per kernel-argument key, kept across forwards (plans are per forward)
-            wrapper = self._eager.get(key)
+        if plans.graph_wrappers is not None:  # captured: one wrapper per distinct layer configuration
+            wrapper = plans.graph_wrappers.get(config)
             if wrapper is None:
-                wrapper = self._eager[key] = self._new_wrapper(kind)
+                raise AttnplugError(
+                    f"flashinfer: layer {getattr(layer, 'layer_id', '?')}'s configuration (window_left, soft-cap, "
+                    f"scale, heads, kv heads, head dim) = {config} was not captured; the graph holds "
+                    f"{sorted(plans.graph_wrappers, key=repr)}. List every layer in BuildContext.layers")
+        else:  # one eager wrapper per kind, backend choice and kernel-argument key, kept across forwards
+            wkey = key + self._wrapper_options(kind)
+            wrapper = self._eager.get(wkey)
+            if wrapper is None:
+                wrapper = self._eager[wkey] = self._new_wrapper(kind)
         p = lay.paged
         split = split_arguments(self.deterministic)
         if kind == "decode":
             wrapper.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads, layer.num_kv_heads,
                          layer.head_dim, self.page_size, **common, **split)
-        elif kind == "prefill":
-            if lay.kind == "verify":
-                mask = lay.custom_mask(None if win < 0 else win)
-                common["window_left"] = -1  # folded into the mask
-                wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads,
-                             layer.num_kv_heads, layer.head_dim, self.page_size, custom_mask=mask, causal=False,
-                             **common, **split)
-            else:
-                wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads,
-                             layer.num_kv_heads, layer.head_dim, self.page_size, causal=True, **common, **split)
+        elif kind == "verify":
+            mask = lay.custom_mask(None if win < 0 else win)
+            common["window_left"] = -1  # folded into the mask
+            wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads,
+                         layer.num_kv_heads, layer.head_dim, self.page_size, custom_mask=mask, causal=False,
+                         **common, **split)
+        else:
+            wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, layer.num_heads,
+                         layer.num_kv_heads, layer.head_dim, self.page_size, causal=True, **common, **split)
         plans.planned[key] = wrapper
         return wrapper
 
-    def _new_wrapper(self, kind: str) -> Any:
+    def _wrapper_options(self, kind: str) -> tuple[Any, ...]:
+        """What a wrapper of ``kind`` is constructed with, read from the cache it serves now."""
         if kind == "decode":
-            return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                               use_tensor_cores=self._decode_tensor_cores())
-        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self._prefill_backend())
+            return (DECODE_BACKEND, self._decode_tensor_cores())
+        return (self._prefill_backend(kind),)
 
-    def _prefill_backend(self) -> str:
-        return prefill_backend(self.ctx.kv_cache_dtype, self.deterministic)
+    def _new_wrapper(self, kind: str, **graph: Any) -> Any:
+        if kind == "decode":
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self._decode_tensor_cores(), backend=DECODE_BACKEND, **graph)
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self._prefill_backend(kind),
+                                                           **graph)
+
+    def _prefill_backend(self, kind: str = "prefill") -> str:
+        if kind == "verify":
+            return VERIFY_BACKEND
+        return prefill_backend(self._kv_dtype(), self.deterministic)
+
+    @staticmethod
+    def _kind(layout_kind: str) -> str:
+        return {"decode": "decode", "verify": "verify"}.get(layout_kind, "prefill")
 
     # -- forward -------------------------------------------------------
     def _paged_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +210,7 @@ class FlashInferBackend(PagedBackend):
     def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, plans: "_Plans") -> torch.Tensor:
         """Every mode: the decode or prefill wrapper planned for the layer, over the paged cache that
         already holds this forward's K/V (``new_kv_source = "cache"``)."""
-        kind = "decode" if plans.layout.kind == "decode" else "prefill"
-        wrapper = self._wrapper(plans, layer, kind, q.dtype)
+        wrapper = self._wrapper(plans, layer, self._kind(plans.layout.kind), q.dtype)
         return wrapper.run(q.contiguous(), self._paged_cache(layer.layer_id), **self.scale_arguments(layer.layer_id))
 
     def scale_arguments(self, layer_id: int) -> dict[str, float]:
@@ -188,18 +225,40 @@ class FlashInferBackend(PagedBackend):
 
     # -- CUDA graphs -----------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """Fixed buffers the captured wrappers read: indptrs, page ids, last-page lengths, verify mask."""
-        max_pages = max_batch_size * md.num_pages_for(self.ctx.max_context_len, self.page_size)
-        dev, i32 = self.device, torch.int32
-        self._graph_buffers = {
-            "qo_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
-            "kv_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
-            "kv_indices": torch.zeros(max_pages, dtype=i32, device=dev),
-            "kv_last_page_len": torch.ones(max_batch_size, dtype=i32, device=dev),
-            "custom_mask": torch.zeros(max_num_tokens * self.ctx.max_context_len // 8 + 8, dtype=torch.uint8,
-                                       device=dev),
-            "mask_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
-        }
+        """Fixed buffers the captured wrappers read (indptrs, page ids, last-page lengths, verify mask), one
+        set per distinct layer configuration of ``BuildContext.layers``."""
+        self._graph_limits = (max_batch_size, max_num_tokens)
+        self._graph_buffers = {}
+        for config in self._graph_configs():
+            self._graph_buffers_for(config)
+
+    def _graph_buffers_for(self, config: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+        assert self._graph_buffers is not None and self._graph_limits is not None
+        if config not in self._graph_buffers:
+            max_batch_size, max_num_tokens = self._graph_limits
+            max_pages = max_batch_size * md.num_pages_for(self.ctx.max_context_len, self.page_size)
+            dev, i32 = self.device, torch.int32
+            self._graph_buffers[config] = {
+                "qo_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+                "kv_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+                "kv_indices": torch.zeros(max_pages, dtype=i32, device=dev),
+                "kv_last_page_len": torch.ones(max_batch_size, dtype=i32, device=dev),
+                "custom_mask": torch.zeros(max_num_tokens * self.ctx.max_context_len // 8 + 8, dtype=torch.uint8,
+                                           device=dev),
+                "mask_indptr": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+            }
+        return self._graph_buffers[config]
+
+    def _graph_layers(self) -> dict[tuple[Any, ...], Any]:
+        """One layer per distinct configuration (window, soft-cap, scale, heads): what a graph is planned for."""
+        layers = tuple(self.ctx.layers or ()) or (_DefaultLayer(self.ctx),)
+        out: dict[tuple[Any, ...], Any] = {}
+        for layer in layers:
+            out.setdefault(self._plan_key(layer), layer)
+        return out
+
+    def _graph_configs(self) -> tuple[tuple[Any, ...], ...]:
+        return tuple(self._graph_layers())
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
         if self._graph_buffers is None:
@@ -207,22 +266,26 @@ class FlashInferBackend(PagedBackend):
         mode = batch.forward_mode
         if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise AttnplugError(f"flashinfer: CUDA-graph capture covers decode and target_verify, not {mode.value}")
-        bs, b = batch.batch_size, self._graph_buffers
+        bs = batch.batch_size
         key = (bs, mode.value)
-        if key not in self._graph_wrappers:
-            if mode is ForwardMode.DECODE:
-                wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._decode_tensor_cores(),
-                    paged_kv_indptr_buffer=b["kv_indptr"][: bs + 1], paged_kv_indices_buffer=b["kv_indices"],
-                    paged_kv_last_page_len_buffer=b["kv_last_page_len"][:bs])
+        kind = "decode" if mode is ForwardMode.DECODE else "verify"
+        wrappers = self._graph_wrappers.setdefault(key, {})
+        for config in self._graph_configs():
+            if config in wrappers:
+                continue
+            b = self._graph_buffers_for(config)
+            if kind == "decode":
+                graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"][: bs + 1],
+                             paged_kv_indices_buffer=b["kv_indices"],
+                             paged_kv_last_page_len_buffer=b["kv_last_page_len"][:bs])
             else:
-                wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, backend=self._prefill_backend(),
-                    qo_indptr_buf=b["qo_indptr"][: bs + 1],
-                    paged_kv_indptr_buf=b["kv_indptr"][: bs + 1], paged_kv_indices_buf=b["kv_indices"],
-                    paged_kv_last_page_len_buf=b["kv_last_page_len"][:bs], custom_mask_buf=b["custom_mask"],
-                    mask_indptr_buf=b["mask_indptr"][: bs + 1])
-            self._graph_wrappers[key] = wrapper
+                graph = dict(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"][: bs + 1],
+                             paged_kv_indptr_buf=b["kv_indptr"][: bs + 1], paged_kv_indices_buf=b["kv_indices"],
+                             paged_kv_last_page_len_buf=b["kv_last_page_len"][:bs], custom_mask_buf=b["custom_mask"],
+                             mask_indptr_buf=b["mask_indptr"][: bs + 1])
+            wrappers[config] = self._new_wrapper(kind, **graph)
+        # run(k_scale=, v_scale=) takes Python floats: a captured graph keeps the values it was captured with
+        self._graph_scales[key] = self._scales_now()
         self._graph_mode = key
         try:
             self.init_forward_metadata(batch)
@@ -234,6 +297,7 @@ class FlashInferBackend(PagedBackend):
         key = (batch.batch_size, batch.forward_mode.value)
         if key not in self._graph_wrappers:
             raise AttnplugError(f"flashinfer: no CUDA graph was captured for batch size {key[0]} ({key[1]})")
+        self.check_scales_since_capture(key)
         self._graph_mode = key
         try:
             self.init_forward_metadata(batch)
@@ -241,13 +305,27 @@ class FlashInferBackend(PagedBackend):
             self._graph_mode = None
         self._plan_for_graph(batch)  # plan() copies the new layout into the captured buffers
 
+    def _scales_now(self) -> tuple[tuple[float, float], ...]:
+        cache = self.cache
+        return tuple(cache.kv_scales(i) for i in range(cache.num_layers)) if cache.quantized else ()
+
+    def check_scales_since_capture(self, key: tuple[int, str]) -> None:
+        """Refuse a replay after the fp8 cache's KV scales changed: the captured ``run`` calls hold the
+        scales of capture time as constants, so the replay would dequantize with stale scales."""
+        then, now = self._graph_scales.get(key, ()), self._scales_now()
+        if then != now:
+            changed = [f"layer {i}: (k_scale, v_scale) {a} at capture, {b} now"
+                       for i, (a, b) in enumerate(zip(then, now)) if a != b] or [f"{then} at capture, {now} now"]
+            raise AttnplugError(f"flashinfer: the KV scales changed after the CUDA graph for batch size {key[0]} "
+                                f"({key[1]}) was captured ({'; '.join(changed)}); the graph passes the scales of "
+                                f"capture time to run(). Recapture the graphs after set_kv_scales")
+
     def _plan_for_graph(self, batch: Any) -> None:
-        """Plan the graph wrapper now (plan is host work: never inside the captured region)."""
-        layers = self.ctx.layers or ()
-        layer = layers[0] if layers else _DefaultLayer(self.ctx)
+        """Plan every captured configuration now (plan is host work: never inside the captured region)."""
         plans = self.forward_metadata(batch)
-        kind = "decode" if batch.forward_mode is ForwardMode.DECODE else "prefill"
-        self._wrapper(plans, layer, kind, _torch_dtype(self.ctx.dtype))
+        kind = "decode" if batch.forward_mode is ForwardMode.DECODE else "verify"
+        for layer in self._graph_layers().values():
+            self._wrapper(plans, layer, kind, _torch_dtype(self.ctx.dtype))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -256,11 +334,12 @@ class FlashInferBackend(PagedBackend):
 class _Plans:
     """Per-forward state: the layout and the wrappers planned for it (by kernel-argument key)."""
 
-    __slots__ = ("layout", "graph_wrapper", "planned")
+    __slots__ = ("layout", "graph_wrappers", "planned")
 
-    def __init__(self, layout: md.ForwardLayout, graph_wrapper: Any) -> None:
+    def __init__(self, layout: md.ForwardLayout, graph_wrappers: dict[tuple[Any, ...], Any] | None) -> None:
         self.layout = layout
-        self.graph_wrapper = graph_wrapper
+        #: captured forwards: the graph's wrapper per layer configuration (``None``: eager)
+        self.graph_wrappers = graph_wrappers
         self.planned: dict[tuple[Any, ...], Any] = {}
 
 

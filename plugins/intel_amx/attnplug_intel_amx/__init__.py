@@ -17,18 +17,23 @@ from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
 NAME = "intel_amx"
 LIBRARY = "sgl-kernel"
 AMX_FLAGS = ("amx_bf16", "amx_tile")
+#: extend_attention_cpu checks ``head_size % 32 == 0`` and ``head_size_v % 32 == 0`` (it transposes by
+#: 512-bit rows; sgl-kernel/csrc/cpu/extend.cpp); a layer runs extend and decode, so both ops live by it.
+HEAD_DIM_MULTIPLE = 32
+#: The head dims that rule allows, as the capabilities' list (up to 1024: MLA-sized dims included).
+HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, 1025, HEAD_DIM_MULTIPLE))
 
 CAPABILITIES = Capabilities(
     dtypes=("float16", "bfloat16"),  # the ops dispatch on the reduced floating types only
     kv_cache_dtypes=("float16", "bfloat16"),
     kv_cache_dtype_follows_model=True,  # the ops take q and the cache in one dtype
-    head_dims=None,
+    head_dims=HEAD_DIMS,  # multiples of 32 (the extend op's check); the V head dim: backend_reasons
     v_head_dim_differs=True,  # head_size_v is its own argument of both ops
     page_sizes=None,  # the ops read slots through req_to_token: any page size
     gqa=True,
     mqa=True,
-    # window (sliding_window_size + 1 keys) and sinks: newer sgl-kernel builds whose op schema has them;
-    # an older build refuses such layers in not_supported_reasons
+    # window (sliding_window_size + 1 keys) and sinks (in the query's dtype): newer sgl-kernel builds whose
+    # op schema has them; an older build refuses such layers in not_supported_reasons
     sliding_window=True,
     logit_softcap=True,  # logit_cap
     sinks=True,
@@ -65,7 +70,7 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             priority={"cpu": 30},
             library=LIBRARY,
             # no version floor: the CPU build is compiled from source and its version does not say which op
-            # arguments it has; the kernel module reads the ops' schema instead (window, sinks)
+            # arguments it has; the kernel module binds every call to the ops' schema instead
             min_library_version=None,
             description="sgl-kernel CPU decode/extend attention ops on Intel AMX",
         )

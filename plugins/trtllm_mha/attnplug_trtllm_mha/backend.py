@@ -20,7 +20,7 @@ import torch
 
 from attnplug import PagedBackend
 from attnplug.capabilities import support_reasons
-from attnplug.errors import BackendUnavailableError, NotSupportedError
+from attnplug.errors import AttnplugError, BackendUnavailableError, NotSupportedError
 from attnplug.kvcache import quantize
 
 from . import CAPABILITIES, LIBRARY, NAME
@@ -81,6 +81,11 @@ class TrtllmMHABackend(PagedBackend):
         self.max_seq_len = ctx.max_context_len
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph: dict[str, torch.Tensor] | None = None
+        #: the fp8 cache's per-layer (k_scale, v_scale) when the graphs were captured (bmm scales are floats,
+        #: constants of the captured launches); ``None``: nothing captured yet
+        self._captured_scales: tuple[tuple[float, float], ...] | None = None
+        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
+        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     # -- metadata ----------------------------------------------------------
     def build_metadata(self, batch: Any) -> TrtllmMetadata:
@@ -93,12 +98,52 @@ class TrtllmMHABackend(PagedBackend):
         # the metadata fields the captured kernels read, by name (see graph_metadata)
         self._graph = {"block_tables": z(max_batch_size, pages), "seq_lens": z(max_batch_size),
                        "cum_seq_lens_q": z(max_batch_size + 1), "cum_seq_lens_kv": z(max_batch_size + 1)}
+        self.prepare_sinks()
 
     def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+        self.prepare_sinks()  # outside the captured region: no host-to-device copy while capturing
+        now = self._scales_now()
+        if self._captured_scales is not None and self._captured_scales != now:
+            self._refuse_changed_scales("another graph was captured")
+        self._captured_scales = now
         self.graph_metadata(batch, self._graph)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+        if self._captured_scales is not None and self._captured_scales != self._scales_now():
+            self._refuse_changed_scales("the CUDA graphs were captured")
         self.graph_metadata(batch, self._graph)
+
+    def _scales_now(self) -> tuple[tuple[float, float], ...]:
+        cache = self.cache
+        return tuple(cache.kv_scales(i) for i in range(cache.num_layers)) if cache.quantized else ()
+
+    def _refuse_changed_scales(self, since: str) -> None:
+        """The captured launches hold ``bmm1_scale``/``bmm2_scale`` computed from the scales of capture time:
+        a replay after ``set_kv_scales`` would dequantize with stale scales, so it is refused."""
+        then, now = self._captured_scales or (), self._scales_now()
+        changed = [f"layer {i}: (k_scale, v_scale) {a} then, {b} now"
+                   for i, (a, b) in enumerate(zip(then, now)) if a != b] or [f"{then} then, {now} now"]
+        raise AttnplugError(f"{NAME}: the KV scales changed after {since} ({'; '.join(changed)}); the captured "
+                            f"kernels keep the bmm scales of capture time. Recapture the graphs after set_kv_scales")
+
+    # -- sinks ----------------------------------------------------------------
+    def device_sinks(self, layer: Any) -> torch.Tensor | None:
+        """``layer``'s sinks as the kernel reads them (float32, one per query head, on the device), converted ONCE per layer and kept:
+        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
+        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
+        if layer.sinks is None:
+            return None
+        key = (layer.layer_id, id(layer.sinks))
+        memo = self._sinks.get(key)
+        if memo is None or memo[0] is not layer.sinks:
+            kept = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=SINKS_DTYPE).contiguous()
+            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
+        return memo[1]
+
+    def prepare_sinks(self) -> None:
+        """Convert the sinks of every layer the build context lists (outside any captured region)."""
+        for layer in tuple(self.ctx.layers or ()):
+            self.device_sinks(layer)
 
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
@@ -114,7 +159,7 @@ class TrtllmMHABackend(PagedBackend):
             window_left=window_left(layer.sliding_window), out_dtype=q.dtype,
         )
         if layer.sinks is not None:
-            common["sinks"] = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=SINKS_DTYPE)
+            common["sinks"] = self.device_sinks(layer)
         if meta.decode:
             out = self.decode_kernel(max_seq_len=self.max_seq_len, **common)
         else:
