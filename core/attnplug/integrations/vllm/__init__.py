@@ -55,7 +55,26 @@ def register() -> bool:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _forget_selected_backends()
     return True
 
 
-__all__ = ["BACKEND_PATH", "ENV_ARGS", "ENV_SWITCH", "enabled", "register"]
+def unregister() -> None:
+    """Give vLLM its own ``CPU_ATTN`` / ``CUSTOM`` back (for engines built after this call)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM):
+        if member.is_overridden() and member.get_path() == BACKEND_PATH:
+            member.clear_override()
+    _forget_selected_backends()
+
+
+def _forget_selected_backends() -> None:
+    # vLLM memoises the backend class it selected per layer signature; an engine built after a change
+    # of registration must select again
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+
+
+__all__ = ["BACKEND_PATH", "ENV_ARGS", "ENV_SWITCH", "enabled", "register", "unregister"]

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import shlex
-import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -52,10 +51,10 @@ from . import ENV_ARGS
 
 logger = logging.getLogger("vllm.attnplug")
 
-#: the engines (vLLM configs) of this process and their attnplug state; weak: an engine that goes
-#: away takes its state with it. Not a backend choice: each engine resolves its own pair.
-_ENGINES: "weakref.WeakValueDictionary[int, EngineState]" = weakref.WeakValueDictionary()
-_KEEP: dict[int, "EngineState"] = {}
+#: the latest engines' attnplug states in this process (each vLLM config resolves its own pair: this is
+#: a lookup, not a backend choice); the oldest is dropped beyond a few
+_ENGINES: list["EngineState"] = []
+_KEEP_ENGINES = 4
 
 
 def describe(spec: LayerSpec) -> str:
@@ -176,19 +175,18 @@ def _tp_rank() -> int:
 def engine_state(vllm_config: Any = None) -> EngineState:
     """The attnplug state of the engine ``vllm_config`` belongs to (made, and the pair resolved, on first use)."""
     vllm_config = vllm_config if vllm_config is not None else get_current_vllm_config()
-    key = id(vllm_config)
-    state = _ENGINES.get(key)
-    if state is None or state.vllm_config is not vllm_config:
-        state = EngineState(vllm_config)
-        _ENGINES[key] = state
-        _KEEP.clear()  # one engine at a time is kept alive by this module; vLLM keeps its own
-        _KEEP[key] = state
+    for state in _ENGINES:
+        if state.vllm_config is vllm_config:
+            return state
+    state = EngineState(vllm_config)
+    _ENGINES.append(state)
+    del _ENGINES[:-_KEEP_ENGINES]
     return state
 
 
 def engine_states() -> list[EngineState]:
-    """The states of this process's engines (tests and ``served`` counters)."""
-    return list(_ENGINES.values())
+    """The states of this process's latest engines, oldest first (``served`` counters, ``rebuild``)."""
+    return list(_ENGINES)
 
 
 # -- vLLM's backend class ----------------------------------------------------------------------------
@@ -330,7 +328,11 @@ class Group:
 class AttnplugVllmMetadataBuilder(AttentionMetadataBuilder[AttnplugVllmMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.state = engine_state(vllm_config)
+        fc = vllm_config.compilation_config.static_forward_context
+        impl = fc[layer_names[0]].impl
+        if not isinstance(impl, AttnplugVllmImpl):
+            raise AttnplugError(f"vLLM layer {layer_names[0]} is not served by attnplug (impl {type(impl).__name__})")
+        self.state = impl.state
         self.group = Group(self.state, layer_names, vllm_config)
         self.state.groups.append(self.group)
         # the group's block size is known now (vLLM may pick another for sliding-window groups): check it
