@@ -26,20 +26,25 @@ def _common() -> dict[str, Any]:
 
 
 def configs() -> dict[str, Any]:
-    from transformers import GptOssConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, GptOssConfig, LlamaConfig, Qwen3Config
 
     return {
         "llama": LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=32, **_common()),
         "qwen3": Qwen3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
                              head_dim=64, **_common()),
-        # sliding windows on some layers: layer 0 slides (W=24), layer 1 attends to everything
-        "qwen2_sliding": Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                     num_key_value_heads=2, use_sliding_window=True, sliding_window=HF_WINDOW,
-                                     max_window_layers=1, layer_types=["sliding_attention", "full_attention"],
-                                     **_common()),
+        # sliding windows on some layers: layer 0 slides (W=24), layer 1 attends to everything (vLLM's
+        # Qwen2 refuses a window on some layers only); soft-caps off (vllm_cpu does not claim soft-cap)
+        "gemma2_sliding": Gemma2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                                       sliding_window=HF_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                       attn_logit_softcapping=None, final_logit_softcapping=None,
+                                       **{**_common(), "tie_word_embeddings": True}),  # vLLM's Gemma2 ties them
         "gpt_oss": GptOssConfig(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=32, num_local_experts=2, num_experts_per_tok=2, sliding_window=HF_WINDOW,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 128, "rope_theta": 150000.0},
                                 **_common()),
     }
 
