@@ -63,7 +63,10 @@ def save(name: str, root: Path, seed: int = 0) -> str:
         for pname, p in model.named_parameters():
             if p.dim() == 1 and "sinks" not in pname:  # norms stay at 1
                 continue
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            # Gemma2 ties the output to the input embedding and scales it by sqrt(hidden): at std 0.1 the
+            # residual stream keeps the input token and greedy decoding repeats it whatever attention does
+            std = 0.02 if name == "gemma2_sliding" and "embed_tokens" in pname else 0.1
+            p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(out)
     return str(out)
 
