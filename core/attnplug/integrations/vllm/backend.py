@@ -145,6 +145,9 @@ class EngineState:
             what = f"layer {layer_id}" + (f" ({describe(spec)})" if spec is not None else "")
             raise NotSupportedError(self.pair_label, [f"{what}: {r}" for r in reasons],
                                     what=f"this model ({self.arch}) in vLLM")
+        if not self.layers:
+            logger.info("attnplug rank %d: layer 0 served as %s (heads/KV heads per rank)", self.tp_rank,
+                        describe(spec))  # type: ignore[arg-type]
         self.layers.append(spec)  # type: ignore[arg-type]
         return spec  # type: ignore[return-value]
 
