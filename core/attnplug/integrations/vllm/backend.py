@@ -299,7 +299,7 @@ class Group:
         reasons = [f"layer {gid} ({describe(s)}): {r}" for gid, s in self.specs.items()
                    for r in backend.not_supported_reasons(s, ctx)]
         if reasons:
-            raise NotSupportedError(st.pair_label, reasons, what=f"this model's KV-cache group in vLLM")
+            raise NotSupportedError(st.pair_label, reasons, what="this model's KV-cache group in vLLM")
         self.ctx, self.backend = ctx, backend
 
     def batch(self, cm: CommonAttentionMetadata) -> ForwardBatch:
