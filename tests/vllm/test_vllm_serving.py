@@ -52,8 +52,12 @@ def test_greedy_tokens_equal_vllms_own_through_every_pair(name, reference, attnp
         # chunked prefill next to decodes makes mixed batches; each mode is served by its half
         assert {"decode", "mixed"} <= modes, served
         assert all(by == (d if mode == "decode" else p) for mode, by in served), served
-        # one ForwardBatch per scheduled batch and KV-cache group, shared by the group's layers
-        assert all(g.backend.metadata_builds >= 1 for g in state.groups if hasattr(g.backend, "metadata_builds"))
+        # one ForwardBatch (one init_forward_metadata) per scheduled batch and KV-cache group, shared by
+        # every layer of the group
+        for g in state.groups:
+            assert g.builds >= 1 and g.layer_calls == g.builds * len(g.layer_names), (g.builds, g.layer_calls)
+            if hasattr(g.backend, "metadata_builds"):  # a single backend (a split pair's halves count their own)
+                assert g.backend.metadata_builds == g.builds
 
 
 def test_the_kv_cache_attnplug_reads_is_the_one_vllm_allocated(attnplug_engine) -> None:

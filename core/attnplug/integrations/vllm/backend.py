@@ -266,9 +266,13 @@ class Group:
         self.specs = {i.spec.layer_id: dataclasses.replace(i.spec, layer_id=j) for j, i in enumerate(impls)}
         self.backend: Any = None
         self.kv_cache: PagedKVCache | None = None
+        #: scheduled batches this group's metadata was built for, and attention-layer calls served
+        self.builds = 0
+        self.layer_calls = 0
 
     def reset(self) -> None:
         self.backend, self.kv_cache = None, None
+        self.builds = self.layer_calls = 0
 
     def ensure_built(self) -> None:
         if self.backend is not None:
@@ -353,6 +357,7 @@ class AttnplugVllmMetadataBuilder(AttentionMetadataBuilder[AttnplugVllmMetadata]
         g.ensure_built()
         batch = g.batch(common_attn_metadata)
         g.backend.init_forward_metadata(batch)  # once per scheduled batch; every layer of the group reuses it
+        g.builds += 1
         served = backend_name_for_mode(batch.forward_mode, g.ctx.config, g.backend)
         self.state.served[batch.forward_mode.value, str(served)] += 1
         return AttnplugVllmMetadata(batch, g, common_attn_metadata.num_actual_tokens)
@@ -409,5 +414,6 @@ class AttnplugVllmImpl(AttentionImpl):
         g = attn_metadata.group
         spec = g.specs[self.spec.layer_id]
         out = g.backend.forward(query[:n], key[:n], value[:n], spec, attn_metadata.batch)
+        g.layer_calls += 1
         output[:n].copy_(out.view(n, *output.shape[1:]))
         return output
