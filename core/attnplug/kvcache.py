@@ -70,7 +70,11 @@ class PagedKVCache:
         max_requests: int = 64,
         max_context_len: int = 4096,
         layout: str | KVLayout = NHD,
+        buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """``buffers``: adopt memory a host engine allocated instead of allocating (one contiguous
+        tensor per layer of ``num_pages * page_size * num_kv_heads * (head_dim + v_head_dim)``
+        elements in ``dtype`` on ``device``; ``KVLayout.wrap`` views it in the layout, no copy)."""
         for field, value in (
             ("num_layers", num_layers), ("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim), ("page_size", page_size), ("max_requests", max_requests),
@@ -100,11 +104,24 @@ class PagedKVCache:
         problems = self.layout.geometry_reasons(self.geometry)
         if problems:
             raise ValueError(f"PagedKVCache: layout {self.layout.name!r} cannot hold this cache: {'; '.join(problems)}")
-        self._storage = [self.layout.allocate(self.geometry, self.dtype, self.device) for _ in range(num_layers)]
+        if buffers is None:
+            self._storage = [self.layout.allocate(self.geometry, self.dtype, self.device) for _ in range(num_layers)]
+        else:
+            self._storage = self._adopt(buffers)
         #: ``[max_requests, max_context_len]`` int64: slot of (request row, position); ``UNASSIGNED`` where none
         self.req_to_token = torch.full(
             (max_requests, max_context_len), UNASSIGNED, dtype=torch.int64, device=self.device
         )
+
+    def _adopt(self, buffers: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        buffers = list(buffers)
+        if len(buffers) != self.num_layers:
+            raise ValueError(f"PagedKVCache: {len(buffers)} buffers given for num_layers={self.num_layers}")
+        for i, b in enumerate(buffers):
+            if not isinstance(b, torch.Tensor) or b.dtype != self.dtype or b.device != self.device:
+                got = f"{b.dtype} on {b.device}" if isinstance(b, torch.Tensor) else type(b).__name__
+                raise ValueError(f"PagedKVCache: buffers[{i}] is {got}, expected {self.dtype} on {self.device}")
+        return [self.layout.wrap(self.geometry, b) for b in buffers]
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:

