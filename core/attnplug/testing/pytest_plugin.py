@@ -49,6 +49,8 @@ class SelectedBackend:
     version: str
     capabilities: Any
     requested_as: str
+    #: the level its publisher declares it was checked at (``BackendDescriptor.conformance_level``)
+    declared_level: str | None = None
 
 
 @dataclasses.dataclass
@@ -195,7 +197,8 @@ def _level(value: str | None) -> str:
 
 def _selected(reg: Any, name: str, requested_as: str) -> SelectedBackend:
     d = reg.get(name)
-    return SelectedBackend(name, d.distribution, d.version, d.capabilities, requested_as)
+    return SelectedBackend(name, d.distribution, d.version, d.capabilities, requested_as,
+                           getattr(d, "conformance_level", None))
 
 
 def _points_into_suite(arg: str, invocation_dir: Path) -> bool:
@@ -250,6 +253,9 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         lines.append(f"attnplug conformance: backend {b.name}{alias}, distribution {b.distribution} {b.version}, "
                      f"host {state.host.describe()}")
         lines.append(f"  claims: {b.capabilities.summary()}")
+        if b.declared_level and b.declared_level != state.level:
+            lines.append(f"  declares conformance level {b.declared_level} (BackendDescriptor.conformance_level); "
+                         f"this run checks {state.level}")
     lines.extend(f"  note: {n}" for n in state.notes)
     return lines
 
@@ -363,7 +369,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     try:
         return (yield)
     except BaseException as exc:
-        if info is None or isinstance(exc, (pytest.skip.Exception, KeyboardInterrupt)):
+        if info is None or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception, pytest.exit.Exception,
+                                            KeyboardInterrupt, SystemExit)):
             raise
         req = _requirement(getattr(exc, "attnplug_requirement", None), info)
         state.broken[item.nodeid] = req.id  # type: ignore[union-attr]
@@ -381,12 +388,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
     state = item.config.stash.get(STATE_KEY, None)
     if state is not None and item.nodeid in state.items:
         if rep.when == "call" and rep.failed and item.nodeid in state.broken:
-            _defer_if_newer(state, item, rep)
+            _defer_if_newer(state, item, rep, call)
         _record_outcome(state, item, rep, call)
     return rep
 
 
-def _defer_if_newer(state: ConformanceState, item: pytest.Item, rep: pytest.TestReport) -> None:
+def _clip(text: str, limit: int = 3000) -> str:
+    """``text`` cut to ``limit`` characters keeping both ends (a failure's guidance is at its end)."""
+    text = text.strip()
+    return text if len(text) <= limit else f"{text[:limit // 2]}\n[...]\n{text[-limit // 2:]}"
+
+
+def _defer_if_newer(state: ConformanceState, item: pytest.Item, rep: pytest.TestReport, call: Any) -> None:
     """A failure of a requirement newer than the checked level does not fail the run: it is reported as
     an expected failure ("would fail at level X") with the failure text kept for the summary and report."""
     from attnplug.testing.suite import requirements as R
@@ -394,11 +407,12 @@ def _defer_if_newer(state: ConformanceState, item: pytest.Item, rep: pytest.Test
     req = R.requirement(state.broken[item.nodeid])
     if not R.newer_than(req, state.level):
         return
-    text = getattr(rep, "longreprtext", "") or str(rep.longrepr)
+    excinfo = getattr(call, "excinfo", None)
+    text = excinfo.exconly() if excinfo is not None else (getattr(rep, "longreprtext", "") or str(rep.longrepr))
     rep.outcome = "skipped"
     rep.wasxfail = (f"would fail at conformance level {req.since} (checked at {state.level}): requirement "
                     f"{req.id!r}; see {R.DOC}#{req.anchor}")
-    rep.attnplug_would_fail = text.strip()[:2000]  # type: ignore[attr-defined]
+    rep.attnplug_would_fail = _clip(text)  # type: ignore[attr-defined]
 
 
 def _record_outcome(state: ConformanceState, item: pytest.Item, rep: pytest.TestReport, call: Any) -> None:
@@ -420,7 +434,7 @@ def _record_outcome(state: ConformanceState, item: pytest.Item, rep: pytest.Test
         elif rep.failed:
             excinfo = getattr(call, "excinfo", None)
             text = excinfo.exconly() if excinfo is not None else (getattr(rep, "longreprtext", "") or "")
-            state.outcomes[item.nodeid] = Outcome("failed", text.strip()[:2000], data,
+            state.outcomes[item.nodeid] = Outcome("failed", _clip(text), data,
                                                   state.broken.get(item.nodeid, ""))
         else:
             state.outcomes[item.nodeid] = Outcome("passed", "", data)
@@ -542,6 +556,7 @@ def build_report(state: ConformanceState, exitstatus: int) -> dict[str, Any]:
         backends.append({
             "backend": b.name,
             "requested_as": b.requested_as,
+            "declared_conformance_level": b.declared_level,
             "distribution": b.distribution,
             "version": b.version,
             "capabilities": b.capabilities.to_dict(),
