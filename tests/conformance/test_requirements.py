@@ -171,3 +171,15 @@ def test_descriptor_conformance_level_is_type_checked(value: object) -> None:
     d = BackendDescriptor(name="x", factory="m:f", conformance_level=value)  # type: ignore[arg-type]
     assert any("field 'conformance_level': expected a 'MAJOR.MINOR' str" in p for p in descriptor_problems(d))
     assert descriptor_problems(BackendDescriptor(name="x", factory="m:f", conformance_level="0.1")) == []
+
+
+def test_the_plugin_refuses_to_run_a_family_without_its_requirement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family merged without its line in REQUIREMENTS is a usage error naming it, before any case runs."""
+    from attnplug.testing import pytest_plugin
+    from attnplug.testing.suite import cases
+
+    assert pytest_plugin._level(None) == "0.2" and pytest_plugin._level("0.1") == "0.1"
+    monkeypatch.setitem(cases.GENERATORS, "bidirectional", lambda: [])
+    with pytest.raises(pytest.UsageError, match=r"conformance family 'bidirectional': conformance requirement "
+                                                r"'bidirectional' is not in .*REQUIREMENTS"):
+        pytest_plugin._level(None)
