@@ -179,7 +179,7 @@ def test_the_plugin_refuses_to_run_a_family_without_its_requirement(monkeypatch:
     from attnplug.testing.suite import cases
 
     assert pytest_plugin._level(None) == "0.2" and pytest_plugin._level("0.1") == "0.1"
-    monkeypatch.setitem(cases.GENERATORS, "bidirectional", lambda: [])
+    monkeypatch.setitem(cases.GENERATORS, "bidirectional", list)
     with pytest.raises(pytest.UsageError, match=r"conformance family 'bidirectional': conformance requirement "
                                                 r"'bidirectional' is not in .*REQUIREMENTS"):
         pytest_plugin._level(None)

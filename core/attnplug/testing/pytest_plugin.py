@@ -240,9 +240,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     state = config.stash.get(STATE_KEY, None)
     if state is None:
         return None
-    from attnplug.testing.suite import requirements as R
-
     import attnplug
+    from attnplug.testing.suite import requirements as R
 
     full = R.installed_level()
     newer = [lv for lv in R.levels() if R.level_key(lv) > R.level_key(state.level)]
