@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 from typing import Any, Callable, Mapping
 
 from .capabilities import Capabilities
@@ -49,6 +50,8 @@ class BackendDescriptor:
     ``kv_layout_factories``: KV-cache layouts this plugin defines, ``{name:
     "module:attr"}`` naming a ``kvlayout.KVLayout`` subclass (imported only when
     a cache is allocated in it; ``Registry.kv_layout``).
+    ``conformance_level``: the conformance level (``"MAJOR.MINOR"``) its publisher ran
+    ``pytest --backend=<name> --conformance-level=...`` at; ``attnplug doctor`` shows it.
     ``distribution`` and ``version`` are filled in by the registry. Every
     field's type is checked when the plugin registers the descriptor
     (``descriptor_problems``).
@@ -68,6 +71,8 @@ class BackendDescriptor:
     #: declared delegation); without it a factory may only answer names of its own distribution
     delegates_to: tuple[str, ...] = ()
     kv_layout_factories: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: the conformance level the publisher checked it at (docs/conformance.md#conformance-levels)
+    conformance_level: str | None = None
     distribution: str = ""
     version: str = ""
 
@@ -166,6 +171,7 @@ class BackendDescriptor:
             "library": self.library,
             "min_library_version": self.min_library_version,
             "description": self.description,
+            "conformance_level": self.conformance_level,
             "capabilities": self.capabilities.to_dict(),
         }
 
@@ -231,6 +237,9 @@ def descriptor_problems(d: "BackendDescriptor") -> list[str]:
             bad(field, "a str or None", value)
     if not isinstance(d.description, str):
         bad("description", "a str", d.description)
+    level = d.conformance_level
+    if level is not None and not (isinstance(level, str) and re.fullmatch(r"\d+\.\d+", level)):
+        bad("conformance_level", "a 'MAJOR.MINOR' str such as '0.1', or None", level)
     layouts = d.kv_layout_factories
     if not (isinstance(layouts, Mapping) and all(
             isinstance(k, str) and k and isinstance(v, str) and ":" in v for k, v in layouts.items())):

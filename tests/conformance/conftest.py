@@ -27,3 +27,25 @@ def wrong_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (info / "entry_points.txt").write_text(_ENTRY_POINTS)
     (info / "top_level.txt").write_text("attnplug_conformance_wrong\n")
     return site
+
+
+OUTSIDE = HERE / "outside_backend"
+
+
+@pytest.fixture(scope="session")
+def outside_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tests/conformance/outside_backend`` pip-installed (for real) into a folder: the outside
+    distribution ``attnplug-test-outside`` with backends ``outside_v01`` and ``outside_paged``."""
+    import subprocess
+    import sys
+
+    site = tmp_path_factory.mktemp("outside-site")
+    build = tmp_path_factory.mktemp("outside-src")
+    src = build / OUTSIDE.name
+    shutil.copytree(OUTSIDE, src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+           "--disable-pip-version-check", "--target", str(site), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"installing {OUTSIDE} failed:\n{proc.stdout}\n{proc.stderr}")
+    return site

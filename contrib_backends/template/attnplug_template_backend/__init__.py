@@ -47,5 +47,6 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             priority={},  # never a default: chosen only by name
             library="torch",
             description="template backend: per-request torch SDPA over the paged cache",
+            conformance_level="0.2",  # the level its CI checks (pyproject: --conformance-level)
         )
     )

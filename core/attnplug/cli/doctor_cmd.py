@@ -58,6 +58,8 @@ class BackendReport:
     seconds: float = 0.0
     #: the built backend's ``runtime_notes()`` (kernel paths chosen at run time)
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: the conformance level its publisher checked it at (``BackendDescriptor.conformance_level``)
+    conformance_level: str | None = None
 
     @property
     def max_error(self) -> float | None:
@@ -145,6 +147,7 @@ def check_backend(registry: Any, name: str, host: Any) -> BackendReport:
     desc = registry.get(name)
     avail = registry.availability(name, host)
     rep = BackendReport(name, desc.distribution, desc.version, avail.available, list(avail.reasons))
+    rep.conformance_level = getattr(desc, "conformance_level", None)
     if not avail:
         return rep
     import attnplug.testing.reference  # noqa: F401  (torch's import time is not the backend's)
@@ -276,17 +279,19 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"default pair: none: {d['explanation']}")
     else:
         lines.append(f"default pair: NOT RESOLVED: {d['error']}")
-    rows = [("backend", "distribution", "version", "available", "claims checked", "max error", "time", "result")]
+    rows = [("backend", "distribution", "version", "level", "available", "claims checked", "max error", "time",
+             "result")]
     for b in report["backends"]:
         avail = "yes" if b["available"] else "no: " + "; ".join(b["reasons"])
         modes = _claims_summary(b["modes"])
         err = "-" if b["max_error"] is None else f"{b['max_error']:.2e}"
         secs = "-" if not b["available"] else f"{b['seconds'] * 1000:.0f}ms"
         result = {"ok": "ok", "failed": "FAILED", "skipped": "-"}[b["status"]]
-        rows.append((b["name"], b["distribution"], b["version"], avail, modes, err, secs, result))
-    avail_col, cap = 3, 40  # the "why not" can be long: cut in the table, spelled out below it
+        rows.append((b["name"], b["distribution"], b["version"], b.get("conformance_level") or "-", avail, modes,
+                     err, secs, result))
+    avail_col, cap = 4, 40  # the "why not" can be long: cut in the table, spelled out below it
     rows = [r[:avail_col] + (_cut(r[avail_col], cap),) + r[avail_col + 1:] for r in rows]
-    claims_col = 4  # long too: cut in the table; a failing claim is spelled out below it
+    claims_col = 5  # long too: cut in the table; a failing claim is spelled out below it
     rows = [r[:claims_col] + (_cut(r[claims_col], 56),) + r[claims_col + 1:] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -296,6 +301,7 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {b['name']} unavailable: " + "; ".join(b["reasons"]))
         for note in b.get("notes", ()):
             lines.append(f"  {b['name']}: {note}")
+        lines.extend(_level_notes(b))
         if b["status"] == "failed":
             where = f" [{b['device']}, {b['dtype']}, page_size={b['page_size']}]" if b["device"] else ""
             if b["error"]:
@@ -308,6 +314,26 @@ def render(report: dict[str, Any]) -> str:
     lines.append("doctor: " + ("all checks passed" if report["ok"] else
                                "FAILED: " + (", ".join(report["failed"]) or "no default pair")))
     return "\n".join(lines)
+
+
+def _level_notes(b: dict[str, Any]) -> list[str]:
+    """What the installed attnplug requires beyond the level a backend was checked at."""
+    from attnplug.testing.suite import requirements as R
+
+    level = b.get("conformance_level")
+    if not level or not b["available"]:
+        return []
+    mine = R.installed_level()
+    if R.level_key(level) > R.level_key(mine):
+        return [f"  {b['name']}: checked at conformance level {level}, newer than this attnplug ({mine}): "
+                f"upgrade attnplug"]
+    newer = [r for r in R.REQUIREMENTS if R.newer_than(r, level)]
+    if not newer:
+        return []
+    since = sorted({r.since for r in newer}, key=R.level_key)
+    return [f"  {b['name']}: checked at conformance level {level}; this attnplug requires {mine}, adding "
+            f"{', '.join(r.id for r in newer)}: run pytest --backend={b['name']} to see which it meets "
+            f"({R.DOC}#{R.level_anchor(since[0])})"]
 
 
 def _claims_summary(modes: list[dict[str, Any]]) -> str:

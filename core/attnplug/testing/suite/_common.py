@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -14,5 +14,13 @@ def capabilities(name: str) -> Any:
     return default_registry().get(name).capabilities
 
 
-def fail(msg: str) -> None:
-    pytest.fail(msg, pytrace=False)
+def fail(msg: str, requirement: str | None = None) -> NoReturn:
+    """Fail this case with ``msg``. ``requirement``: the id in ``requirements.REQUIREMENTS`` this check
+    enforces when it is not the family's own (a requirement added to the family later); the pytest
+    plugin appends that requirement's contract, how to meet it and its docs anchor, and decides by its
+    level whether the failure fails the run (``--conformance-level``)."""
+    try:
+        pytest.fail(msg, pytrace=False)
+    except pytest.fail.Exception as exc:
+        exc.attnplug_requirement = requirement  # type: ignore[attr-defined]
+        raise

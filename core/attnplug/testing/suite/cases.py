@@ -194,6 +194,9 @@ class Case:
     kv_scales: tuple[float, float] | None = None
     #: ``BuildContext.max_workspace_bytes`` the backend is built with (None: the default, 4 GiB)
     max_workspace_bytes: int | None = None
+    #: the requirement a failure of this case names when it is not the family's own (``requirements.py``:
+    #: a case of a requirement added to an older family)
+    requirement: str | None = None
 
     @property
     def seed(self) -> int:
@@ -573,7 +576,10 @@ def gen_refusal(caps: Capabilities) -> list[Case]:
     """One case per dtype, KV-cache dtype, mode and optional feature the backend does not claim:
     it must refuse it in words (``not_supported_reasons``) and refuse a forward using it with
     ``attnplug.NotSupportedError`` naming it, writing nothing."""
-    return [Case("refusal", what, scenario("decode"), variant=what, numeric=False)
+    from .requirements import REFUSAL_VARIANTS_0_1
+
+    return [Case("refusal", what, scenario("decode"), variant=what, numeric=False,
+                 requirement=None if what in REFUSAL_VARIANTS_0_1 else "refusal.forward")
             for what in unclaimed_refusals(caps)]
 
 

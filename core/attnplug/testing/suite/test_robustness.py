@@ -98,20 +98,23 @@ def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type) 
 
 
 def _expect_refused(name: str, what: str, call: Callable[[], Any], problem: H.Problem, error: type,
-                    must_name: list[str]) -> str:
+                    must_name: list[str], requirement: str | None = None) -> str:
     """Run ``call`` (isolated); it must raise ``error`` whose message matches every regex of
-    ``must_name``, and leave the cache and ``req_to_token`` byte-identical. Returns the message."""
+    ``must_name``, and leave the cache and ``req_to_token`` byte-identical. Returns the message.
+    ``requirement``: the requirement id a failure names (default: the family's)."""
     r = _attempt_isolated(call, problem, error)
     msg = r["msg"]
     if r["raised"] is None:
-        fail(f"{name}: {what} was accepted (expected attnplug.{error.__name__})")
+        fail(f"{name}: {what} was accepted (expected attnplug.{error.__name__})", requirement)
     if r["raised"] != "expected":
-        fail(f"{name}: {what} raised {r['raised']}: {msg} (expected attnplug.{error.__name__})")
+        fail(f"{name}: {what} raised {r['raised']}: {msg} (expected attnplug.{error.__name__})", requirement)
     missing = [p for p in must_name if not re.search(p, msg, re.IGNORECASE)]
     if missing:
-        fail(f"{name}: {what}: the {error.__name__} must name {' and '.join(repr(p) for p in missing)}; got: {msg}")
+        fail(f"{name}: {what}: the {error.__name__} must name {' and '.join(repr(p) for p in missing)}; got: {msg}",
+             requirement)
     if r["changes"]:
-        fail(f"{name}: {what} was refused, but the refused call changed the KV cache: {'; '.join(r['changes'])}")
+        fail(f"{name}: {what} was refused, but the refused call changed the KV cache: {'; '.join(r['changes'])}",
+             requirement)
     return msg
 
 
@@ -227,6 +230,10 @@ def test_refusal(attnplug_case: Any) -> None:
     model = refusal_model_dtype(caps)
     device = H.device_for(caps)
     what = case.variant
+    # level 0.1 checked some variants in words only (``case.requirement`` is None for them, the family's
+    # own); every other variant, and the refused forward, is the newer ``refusal.forward``
+    words = case.requirement
+    forward = "refusal.forward"
     if what.startswith("dtype_"):
         dt = what[len("dtype_"):]
         problem = H.make_problem(_claimed_case(name, Case("refusal", what, scenario("decode"))), device)
@@ -237,10 +244,10 @@ def test_refusal(attnplug_case: Any) -> None:
         except ValueError:
             known = None  # the core's dtype names do not cover it: the forward check below still applies
         if known is not None and not backend.not_supported_reasons(problem.layers[0], ctx.replace(dtype=known)):
-            fail(f"{name} does not claim dtype {dt}, but not_supported_reasons() for a {dt} context is empty")
+            fail(f"{name} does not claim dtype {dt}, but not_supported_reasons() for a {dt} context is empty", words)
         q, k, v = (_as_dtype(t, dt) for t in problem.qkv[0])
         _expect_refused(name, f"a forward with q/k/v in unclaimed dtype {dt}", _forward(backend, problem, q, k, v),
-                        problem, NotSupportedError, [re.escape(dt)])
+                        problem, NotSupportedError, [re.escape(dt)], forward)
         return
     if what.startswith("kv_dtype_"):
         kv = what[len("kv_dtype_"):]
@@ -251,17 +258,17 @@ def test_refusal(attnplug_case: Any) -> None:
             _, backend = default_registry().build(name, ctx)
         except NotSupportedError as exc:
             if not re.search(re.escape(kv), str(exc)):
-                fail(f"{name}: building with unclaimed kv_cache_dtype {kv} was refused without naming it: {exc}")
+                fail(f"{name}: building with unclaimed kv_cache_dtype {kv} was refused without naming it: {exc}", words)
             return  # refused at build: the best place
         except AttnplugError as exc:
             fail(f"{name}: building with unclaimed kv_cache_dtype {kv} raised {type(exc).__name__}: {exc} "
-                 f"(expected attnplug.NotSupportedError)")
+                 f"(expected attnplug.NotSupportedError)", words)
         if not backend.not_supported_reasons(problem.layers[0], ctx):
             fail(f"{name} does not claim kv_cache_dtype {kv} with a {model} model, but not_supported_reasons() "
-                 f"for that context is empty")
+                 f"for that context is empty", words)
         q, k, v = problem.qkv[0]
         _expect_refused(name, f"a forward over a KV cache in unclaimed dtype {kv}", _forward(backend, problem, q, k, v),
-                        problem, NotSupportedError, [re.escape(kv)])
+                        problem, NotSupportedError, [re.escape(kv)], forward)
         return
     shape, feats, sc, pattern = _FEATURE[what]
     if what not in ("v_head_dim_differs", "mqa", "gqa"):
@@ -274,28 +281,28 @@ def test_refusal(attnplug_case: Any) -> None:
             raise
         if not re.search(pattern, str(exc)):
             fail(f"{name}: its KV layout {base.kv_layout!r} refused a cache for unclaimed {what} without naming "
-                 f"it: {exc}")
+                 f"it: {exc}", words)
         # in a layout that can hold it, the registry must refuse to build the backend, naming it too
         problem = H.make_problem(dataclasses.replace(base, features=feats, kv_layout="nhd"), device)
         try:
             default_registry().build(name, problem.context(name))
         except NotSupportedError as exc2:
             if not re.search(pattern, str(exc2)):
-                fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc2}")
+                fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc2}", words)
             return
-        fail(f"{name}: built over a cache for a layer using unclaimed {what}")
+        fail(f"{name}: built over a cache for a layer using unclaimed {what}", words)
     try:
         backend = H.build_backend(name, problem, check_support=False)
     except NotSupportedError as exc:  # refused at build (the context lists the layer): the best place
         if not re.search(pattern, str(exc)):
-            fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc}")
+            fail(f"{name}: building for a layer using unclaimed {what} was refused without naming it: {exc}", words)
         # a backend built without knowing the layers must still refuse the forward
         _, backend = default_registry().build(name, problem.context(name).replace(layers=()))
     layer = problem.layers[0]
     if not what.startswith("mode_") and not backend.not_supported_reasons(layer, problem.context(name)):
         fail(f"{name} does not claim {what}, but not_supported_reasons() for a layer using it is empty; "
-             f"a backend must refuse, in words, what it does not claim")
+             f"a backend must refuse, in words, what it does not claim", words)
     q, k, v = problem.qkv[0]
     _expect_refused(name, f"a forward using unclaimed {what}", _forward(backend, problem, q, k, v), problem,
-                    NotSupportedError, [pattern])
+                    NotSupportedError, [pattern], forward)
 
