@@ -18,6 +18,20 @@ raising at import) must be killed first, which proves the copy is what runs.
         --module plugins/torch_native/attnplug_torch_native/backend.py [--sample 60 --seed 1] \\
         [--pytest-args "-k 'float32 and ps16'"] [--lines 1-90,120-300] [--json mutants.json]
 
+Compiled kernels (``--mutants FILE.json``): the mutants are a curated list of realistic
+single-point bugs in a C/C++ source (``scripts/cpp_mutants.json`` for torch_native's fused
+kernel: ``{"source": path, "mutants": [{"id", "class", "find", "replace"[, "nth"][, "equivalent"]}]}``).
+Each is applied to the copy's source, then ``--build-check`` (a shell command run with the copy
+first on ``PYTHONPATH``) must succeed — it builds and loads the mutant; a failure counts as
+*did not compile*, apart from kills — and the suite runs. A mutant marked ``equivalent`` (with
+the argument why) is counted apart. The canary is a source that does not compile, which the
+build check must refuse. Give ``ATTNPLUG_TORCH_NATIVE_FUSED=on`` in the environment so a kernel
+that fails to build can never hide behind the eager path:
+
+    ATTNPLUG_TORCH_NATIVE_FUSED=on python scripts/mutate.py --backend torch_native \
+        --mutants scripts/cpp_mutants.json \
+        --build-check "python -c 'import sys, attnplug_torch_native.fused as f; sys.exit(f.load()[0] is None)'"
+
 Exit status 0 whatever the score (it is a measurement); 2 for bad arguments or a
 canary that survives.
 """
@@ -155,10 +169,53 @@ def mutants(source: str) -> list[tuple[Mutant, str]]:
     return out
 
 
-def _run(pkg_root: Path, args: list[str], timeout: float) -> tuple[str, float, str]:
+def _env(pkg_root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(pkg_root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def compiled_mutants(spec_path: Path) -> tuple[Path, list[tuple[Mutant, str]], dict[int, str]]:
+    """The curated mutants of a compiled source: (source path, [(mutant, mutated text)], {index:
+    why it is equivalent}). A ``find`` that does not occur (or not ``nth`` times) is an error:
+    the list is out of date with the source."""
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    source = Path(spec["source"])
+    if not source.is_absolute():
+        source = (Path.cwd() / source).resolve()
+    text = source.read_text(encoding="utf-8")
+    out: list[tuple[Mutant, str]] = []
+    equivalent: dict[int, str] = {}
+    for entry in spec["mutants"]:
+        find, nth = entry["find"], int(entry.get("nth", 0))
+        starts = [i for i in range(len(text)) if text.startswith(find, i)]
+        if len(starts) <= nth or ("nth" not in entry and len(starts) != 1):
+            raise SystemExit(f"mutant {entry['id']!r}: {find!r} occurs {len(starts)} time(s) in {source} "
+                             f"(expected {'at least ' + str(nth + 1) if 'nth' in entry else 'exactly once'}): "
+                             f"update {spec_path}")
+        at = starts[nth]
+        line = text.count("\n", 0, at) + 1
+        m = Mutant(len(out), line, entry.get("class", "compiled"), find.strip()[:100], entry["replace"].strip()[:100],
+                   detail=entry["id"])
+        if entry.get("equivalent"):
+            equivalent[m.index] = entry["equivalent"]
+        out.append((m, text[:at] + entry["replace"] + text[at + len(find):]))
+    return source, out, equivalent
+
+
+def _build_ok(pkg_root: Path, command: str, timeout: float) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(command, shell=True, env=_env(pkg_root), capture_output=True, text=True,
+                              timeout=timeout, cwd=pkg_root)
+    except subprocess.TimeoutExpired:
+        return False, f"build check timed out after {timeout:.0f} s"
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode == 0, (tail[-1] if tail else "")
+
+
+def _run(pkg_root: Path, args: list[str], timeout: float) -> tuple[str, float, str]:
+    env = _env(pkg_root)
     t0 = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
@@ -176,8 +233,12 @@ def _run(pkg_root: Path, args: list[str], timeout: float) -> tuple[str, float, s
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", required=True, help="backend name given to pytest --backend")
-    p.add_argument("--module", required=True, type=Path, help="the kernel module to mutate (a file of an "
+    p.add_argument("--module", type=Path, help="the kernel module to mutate (a file of an "
                    "importable package; its top-level package folder is copied)")
+    p.add_argument("--mutants", type=Path, default=None, help="a compiled source's curated mutant list (JSON, "
+                   "see above) instead of --module")
+    p.add_argument("--build-check", default="", help="with --mutants: a shell command that builds and loads "
+                   "the mutated source (non-zero: did not compile)")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments (e.g. a -k subset for speed)")
     p.add_argument("--sample", type=int, default=0, help="test only N mutants, drawn with --seed (0: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -186,15 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write every mutant and its outcome here")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     a = p.parse_args(argv)
-    module = a.module.resolve()
-    if not module.is_file():
-        p.error(f"--module {a.module}: no such file")
+    if (a.module is None) == (a.mutants is None):
+        p.error("give exactly one of --module (a Python kernel module) and --mutants (a compiled source's list)")
+    if a.mutants is not None and not a.build_check:
+        p.error("--mutants needs --build-check (the command that builds and loads the mutated source)")
+    equivalent: dict[int, str] = {}
+    if a.mutants is not None:
+        if not a.mutants.is_file():
+            p.error(f"--mutants {a.mutants}: no such file")
+        module, found, equivalent = compiled_mutants(a.mutants)
+        source = module.read_text(encoding="utf-8")
+    else:
+        module = a.module.resolve()
+        if not module.is_file():
+            p.error(f"--module {a.module}: no such file")
+        source = module.read_text(encoding="utf-8")
+        found = mutants(source)
     pkg = module.parent
     while (pkg.parent / "__init__.py").exists():
         pkg = pkg.parent
     rel = module.relative_to(pkg.parent)
-    source = module.read_text(encoding="utf-8")
-    found = mutants(source)
     if a.lines:
         spans = []
         for part in a.lines.split(","):
@@ -219,13 +291,23 @@ def main(argv: list[str] | None = None) -> int:
         def install(text: str) -> None:
             target.write_text(text, encoding="utf-8")
 
-        install(ast.unparse(ast.parse(source)))  # the clean module, as the mutants are written
+        compiled = a.mutants is not None
+        install(source if compiled else ast.unparse(ast.parse(source)))  # the clean module, as mutants are written
+        if compiled:
+            ok, why = _build_ok(root, a.build_check, 900)
+            if not ok:
+                print(f"the clean source does not build and load ({why}); fix that first", file=sys.stderr)
+                return 2
         clean, clean_s, last = _run(root, args, 3600)
         if clean != "survived":
             print(f"the clean module does not pass the suite ({clean}: {last}); fix that first", file=sys.stderr)
             return 2
-        install("raise RuntimeError('attnplug mutation canary')\n")
-        canary, _, _ = _run(root, args, 3600)
+        if compiled:  # the canary: a source that cannot compile must be refused by the build check
+            install(source + "\n#error attnplug mutation canary\n")
+            canary = "killed" if not _build_ok(root, a.build_check, 900)[0] else "survived"
+        else:
+            install("raise RuntimeError('attnplug mutation canary')\n")
+            canary, _, _ = _run(root, args, 3600)
         if canary == "survived":
             print(f"the canary survived: the suite does not import {rel} from the copy (is the package "
                   f"installed in a way that ignores PYTHONPATH?)", file=sys.stderr)
@@ -235,10 +317,19 @@ def main(argv: list[str] | None = None) -> int:
               f"(clean run {clean_s:.1f} s, timeout {timeout:.0f} s)", flush=True)
         for m, text in found:
             install(text)
-            m.outcome, m.seconds, m.detail = _run(root, args, timeout)
-            print(f"  #{m.index:4d} line {m.line:4d} {m.kind:7s} {m.outcome:8s} {m.seconds:5.1f}s "
+            name = m.detail
+            if m.index in equivalent:
+                m.outcome, m.detail = "equivalent", equivalent[m.index]
+            elif compiled and not (built := _build_ok(root, a.build_check, 900))[0]:
+                m.outcome, m.detail = "no-compile", built[1]
+            else:
+                m.outcome, m.seconds, m.detail = _run(root, args, timeout)
+            label = f"{name} " if compiled else ""
+            print(f"  #{m.index:4d} line {m.line:4d} {m.kind:7s} {m.outcome:8s} {m.seconds:5.1f}s {label}"
                   f"{m.before!r} -> {m.after!r}", flush=True)
     done = [m for m, _ in found]
+    equivalents = [m for m in done if m.outcome == "equivalent"]
+    no_compile = [m for m in done if m.outcome == "no-compile"]
     # a timeout is not a kill: a mutant that makes the suite hang (an endless loop) is caught only
     # if a real run would time out too, so timeouts are counted apart and listed for a look
     killed = [m for m in done if m.outcome in ("killed", "error")]
@@ -247,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     decided = len(killed) + len(survivors)
     rate = 100.0 * len(killed) / decided if decided else 100.0
     print(f"\nkill rate {rate:.1f}% ({len(killed)} of {decided} killed; {len(survivors)} survived; "
-          f"{len(timeouts)} timed out, not counted)")
+          f"{len(timeouts)} timed out, {len(equivalents)} equivalent, {len(no_compile)} did not compile: "
+          f"not counted)")
+    for m in equivalents:
+        print(f"  equivalent line {m.line}: {m.before!r} -> {m.after!r}: {m.detail}")
+    for m in no_compile:
+        print(f"  did not compile line {m.line}: {m.before!r} -> {m.after!r}: {m.detail}")
     for m in survivors:
         print(f"  survivor line {m.line}: {m.kind}: {m.before!r} -> {m.after!r}")
     for m in timeouts:

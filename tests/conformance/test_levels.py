@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 from _suite_runner import SuiteRun, run_pytest
 
+import attnplug
 from attnplug.testing.suite import requirements as R
 
 #: fewer hypothesis examples: the random family's verdict, not its depth, is what is tested here
 FAST = ["--conformance-examples=3"]
+#: the installed attnplug and its level (the default ``--conformance-level``)
+VERSION, CUR = attnplug.__version__, R.installed_level()
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +37,19 @@ def v01_at_its_level(outside_site: Path, tmp_path_factory: pytest.TempPathFactor
 def test_level_01_backend_passes_at_its_level_with_every_newer_requirement_reported(v01_at_its_level: SuiteRun) -> None:
     run = v01_at_its_level
     assert run.proc.returncode == 0, run.output[-5000:]
-    assert "attnplug conformance level 0.1 (attnplug 0.2.0 checks up to 0.2): failures of requirements new " \
+    assert f"attnplug conformance level 0.1 (attnplug {VERSION} checks up to {CUR}): failures of requirements new " \
            "since 0.2 are reported, not failed" in run.output
     r = run.report
-    assert r is not None and r["conformance_level"] == "0.1" and r["conformance_levels"] == ["0.1", "0.2"]
+    assert r is not None and r["conformance_level"] == "0.1" and r["conformance_levels"] == R.known_levels()
     cases = r["cases"]
     assert not [c["id"] for c in cases if c["outcome"] == "failed"]
     passed = [c for c in cases if c["outcome"] == "passed"]
     would = [c for c in cases if c["outcome"] == "would_fail"]
-    # every level-0.1 family it claims passes; what fails is a level-0.2 requirement only
+    # every level-0.1 family it claims passes; what fails is a newer requirement only
     assert {c["family"] for c in passed} >= {"protocol", "mode", "heads", "bad_input", "metadata_required",
                                              "kv_cache_write", "shared_metadata", "sequence", "refusal"}
-    assert would and all(c["since"] == "0.2" for c in would)
+    assert would and all(c["since"] != "0.1" for c in would)
+    would02 = [c for c in would if c["since"] == "0.2"]
     broken = {c["requirement"] for c in would}
     assert {"garbage", "rejected", "refusal.forward", "kv_none", "no_save", "unmapped_slot"} <= broken
     # the refusal family: its 0.1 variants pass in words; the forwards, and the newer variants, would fail
@@ -55,7 +59,7 @@ def test_level_01_backend_passes_at_its_level_with_every_newer_requirement_repor
     # each would-fail case keeps its failure text with the guidance
     for c in would:
         req = R.requirement(c["requirement"])
-        assert f"requirement {req.id!r} (conformance level 0.2): {req.contract}" in c["reason"], c
+        assert f"requirement {req.id!r} (conformance level {req.since}): {req.contract}" in c["reason"], c
         assert f"how to meet it: {req.how}" in c["reason"] and f"see docs/conformance.md#{req.anchor}" in c["reason"]
     garbage = next(c for c in would if c["family"] == "garbage")
     assert "non-finite values" in garbage["reason"]
@@ -66,8 +70,9 @@ def test_level_01_backend_passes_at_its_level_with_every_newer_requirement_repor
     assert s["failed"] == 0 and s["would_fail"] == len(would)
     assert run.summary_line("outside_v01").endswith(
         f"0 failed, {len(would)} would fail at a newer level (numeric cases: {s['numeric']})")
-    new = next(ln for ln in run.output.splitlines() if ln.startswith("attnplug conformance outside_v01 at level 0.1:"))
-    assert re.search(rf"new since 0\.2: {len(would)} cases would fail — .*garbage \(\d+\).*rejected \(22\).*"
+    new = next(ln for ln in run.output.splitlines()
+               if ln.startswith("attnplug conformance outside_v01 at level 0.1:") and "new since 0.2:" in ln)
+    assert re.search(rf"new since 0\.2: {len(would02)} cases would fail — .*garbage \(\d+\).*rejected \(22\).*"
                      rf"refusal\.forward \(\d+\).*; see docs/conformance\.md#level-0-2$", new), new
     for rid in broken:
         req = R.requirement(rid)
@@ -84,11 +89,11 @@ def test_level_01_backend_at_the_default_level_fails_newer_requirements_saying_h
     run = run_pytest(["--backend=outside_v01", "-k", "test_garbage and ps16 or test_rejected or test_refusal or "
                       "test_kv_none or test_mode and ps16 or test_bad_input"], tmp_path, outside_site, quiet=False)
     assert run.proc.returncode == 1, run.output[-5000:]
-    assert "attnplug conformance level 0.2 (attnplug 0.2.0 checks up to 0.2)\n" in run.output
+    assert f"attnplug conformance level {CUR} (attnplug {VERSION} checks up to {CUR})\n" in run.output
     r = run.report
-    assert r is not None and r["conformance_level"] == "0.2"
+    assert r is not None and r["conformance_level"] == CUR
     failed = [c for c in r["cases"] if c["outcome"] == "failed"]
-    assert failed and {c["since"] for c in failed} == {"0.2"}
+    assert failed and "0.1" not in {c["since"] for c in failed}
     assert {c["family"] for c in failed} == {"garbage", "rejected", "refusal", "kv_none"}
     assert all(c["outcome"] == "passed" for c in r["cases"] if c["family"] in ("mode", "bad_input")
                and c["outcome"] != "skipped")
@@ -97,11 +102,11 @@ def test_level_01_backend_at_the_default_level_fails_newer_requirements_saying_h
     blocks = re.split(r"\n_+ (?=test_\w+\[outside_v01-)", run.output.split("short test summary info")[0])[1:]
     assert len(blocks) == len(failed)
     for block in blocks:
-        assert re.search(r"requirement '[a-z_.]+' \(conformance level 0\.2\): ", block), block[-1500:]
+        assert re.search(r"requirement '[a-z_.]+' \(conformance level \d+\.\d+\): ", block), block[-1500:]
         assert "how to meet it: " in block and "see docs/conformance.md#req-" in block, block[-1500:]
     assert "how to meet it: subclass PagedBackend (init_forward_metadata runs PagedKVCache.check_batch" in run.output
     assert "see docs/conformance.md#req-garbage" in run.output
-    assert "at level 0.2: new since" not in run.output  # nothing is newer than the default level
+    assert f"at level {CUR}: new since" not in run.output  # nothing is newer than the default level
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +138,8 @@ def test_the_upgrade_at_the_old_level_says_it_meets_the_new_one(outside_site: Pa
 
 @pytest.mark.parametrize(("args", "error"), [
     (["--backend=outside_v01", "--conformance-level=0.9"],
-     "--conformance-level=0.9: unknown conformance level '0.9': attnplug 0.2.0 knows 0.1, 0.2; 0.9 is newer than "
-     "the installed attnplug 0.2.0: upgrade attnplug"),
+     f"--conformance-level=0.9: unknown conformance level '0.9': attnplug {VERSION} knows "
+     f"{', '.join(R.known_levels())}; 0.9 is newer than the installed attnplug {VERSION}: upgrade attnplug"),
     (["--backend=outside_v01", "--conformance-level=latest"], "unknown conformance level 'latest'"),
     (["--conformance-level=0.1"], "--conformance-level=0.1: needs --backend=NAME"),
 ])
@@ -153,8 +158,8 @@ def test_doctor_shows_the_level_each_backend_was_checked_at(outside_site: Path) 
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines() if ln.startswith("outside_")}
     header = next(ln.split() for ln in proc.stdout.splitlines() if ln.startswith("backend "))
     col = header.index("level")
-    assert rows["outside_v01"][col] == "0.1" and rows["outside_paged"][col] == "0.2"
-    assert ("  outside_v01: checked at conformance level 0.1; this attnplug requires 0.2, adding refusal.forward, "
+    assert rows["outside_v01"][col] == "0.1" and rows["outside_paged"][col] == CUR
+    assert (f"  outside_v01: checked at conformance level 0.1; this attnplug requires {CUR}, adding refusal.forward, "
             "kv_none, rejected, garbage") in proc.stdout
     assert "run pytest --backend=outside_v01 to see which it meets (docs/conformance.md#level-0-2)" in proc.stdout
     assert "outside_paged: checked at" not in proc.stdout

@@ -53,18 +53,26 @@ def test_every_family_has_its_requirement_and_nothing_else() -> None:
         assert r.anchor == "req-" + re.sub(r"[._]", "-", r.id)
 
 
+#: the installed level and the next one (a release adding requirements moves to it)
+CUR = R.installed_level()
+NEXT = f"{R.level_key(CUR)[0]}.{R.level_key(CUR)[1] + 1}"
+#: what ``parse_level`` lists as known, as the message prints it
+KNOWN = ", ".join(R.known_levels())
+
+
 def test_a_family_without_a_requirement_is_a_clear_error() -> None:
-    with pytest.raises(R.RequirementError, match=r"'bidirectional' is not in .*REQUIREMENTS.*one line there"):
-        R.for_family("bidirectional")
+    with pytest.raises(R.RequirementError, match=r"'synthetic_family' is not in .*REQUIREMENTS.*one line there"):
+        R.for_family("synthetic_family")
 
 
 def test_the_levels_are_the_git_history_of_the_suite() -> None:
-    """0.1: the families of the first suite (commit 016b324); 0.2: everything added since."""
+    """0.1: the families of the first suite (commit 016b324); 0.2: everything added until the
+    suite was versioned; each later level: what its release added (CHANGELOG.md)."""
     first = {"protocol", "metadata_required", "bad_input", "refusal", "mode", "heads", "v_head_dim", "feature",
              "cross_attention", "kv_cache_dtype", "kv_cache_write", "shared_metadata", "sequence", "determinism",
              "cuda_graph"}
     assert {r.id for r in R.REQUIREMENTS if r.since == "0.1"} == first
-    assert R.levels() == ["0.1", "0.2"]
+    assert R.levels()[:2] == ["0.1", "0.2"] and R.levels()[-1] == CUR
     # the variants 016b324's refusal family listed (checked in words only then)
     assert R.REFUSAL_VARIANTS_0_1 == {"sliding_window", "logit_softcap", "sinks", "cross_attention",
                                       "v_head_dim_differs", "mqa", "gqa", "dtype_float64"}
@@ -77,7 +85,7 @@ def test_version_policy_holds_for_this_checkout() -> None:
     assert R.policy_problems(version, CHANGELOG) == []
 
 
-_NEW = R.Requirement("bidirectional", "0.2", "non-causal attention", "honour LayerSpec.causal")
+_NEW = R.Requirement("synthetic_family", CUR, "a requirement made up for these tests", "meet it")
 
 
 def _bumped_changelog(version: str, ids: list[str], digest: str | None) -> str:
@@ -93,20 +101,22 @@ def _bumped_changelog(version: str, ids: list[str], digest: str | None) -> str:
 def test_policy_fails_when_the_table_changes_without_bump_and_changelog(change: str) -> None:
     table = R.REQUIREMENTS
     version, log = attnplug.__version__, CHANGELOG
-    new3 = dataclasses.replace(_NEW, since="0.3")
+    new = dataclasses.replace(_NEW, since=NEXT)
+    nv, cur, nxt = f"{NEXT}.0", re.escape(CUR), re.escape(NEXT)
     if change == "added_to_released_level":
-        table, want = table + (_NEW,), r"requirements of level 0\.2 changed: CHANGELOG\.md records digest .*never changes"
+        table, want = table + (_NEW,), rf"requirements of level {cur} changed: CHANGELOG\.md records digest .*never changes"
     elif change == "new_level_without_bump":
-        table, want = table + (new3,), r"'bidirectional' is at level 0\.3, newer than attnplug 0\.2\.0: bump"
+        table, want = table + (new,), (rf"'synthetic_family' is at level {nxt}, newer than attnplug "
+                                       rf"{re.escape(version)}: bump")
     elif change == "bump_without_changelog":
-        table, version, want = table + (new3,), "0.3.0", r"no '## 0\.3\.0' entry"
+        table, version, want = table + (new,), nv, rf"no '## {nxt}\.0' entry"
     elif change == "changelog_without_digest":
-        table, version = table + (new3,), "0.3.0"
-        log, want = _bumped_changelog("0.3.0", ["bidirectional"], None), r"0\.3\.0' Conformance section lacks"
+        table, version = table + (new,), nv
+        log, want = _bumped_changelog(nv, ["synthetic_family"], None), rf"{nxt}\.0' Conformance section lacks"
     elif change == "changelog_missing_the_id":
-        table, version = table + (new3,), "0.3.0"
-        log = _bumped_changelog("0.3.0", [], R.digest("0.3", table))
-        want = r"does not name requirement `bidirectional`"
+        table, version = table + (new,), nv
+        log = _bumped_changelog(nv, [], R.digest(NEXT, table))
+        want = r"does not name requirement `synthetic_family`"
     elif change == "removed_from_0_1":
         table, want = tuple(r for r in table if r.id != "sequence"), r"requirements of level 0\.1 changed"
     else:
@@ -118,11 +128,11 @@ def test_policy_fails_when_the_table_changes_without_bump_and_changelog(change: 
 
 def test_policy_passes_a_proper_bump() -> None:
     """The procedure docs/conformance.md gives: a new level, the version bumped to it, a changelog entry."""
-    table = R.REQUIREMENTS + (dataclasses.replace(_NEW, since="0.3"),)
-    log = _bumped_changelog("0.3.0", ["bidirectional"], R.digest("0.3", table))
-    assert R.policy_problems("0.3.0", log, table) == []
-    patch = "# Changelog\n\n## 0.3.1\n\n- a fix\n\n" + log.split("\n", 2)[2]
-    assert R.policy_problems("0.3.1", patch, table) == []
+    table = R.REQUIREMENTS + (dataclasses.replace(_NEW, since=NEXT),)
+    log = _bumped_changelog(f"{NEXT}.0", ["synthetic_family"], R.digest(NEXT, table))
+    assert R.policy_problems(f"{NEXT}.0", log, table) == []
+    patch = f"# Changelog\n\n## {NEXT}.1\n\n- a fix\n\n" + log.split("\n", 2)[2]
+    assert R.policy_problems(f"{NEXT}.1", patch, table) == []
 
 
 def test_rewording_a_requirement_is_not_a_new_requirement() -> None:
@@ -130,12 +140,15 @@ def test_rewording_a_requirement_is_not_a_new_requirement() -> None:
     assert R.policy_problems(attnplug.__version__, CHANGELOG, table) == []
 
 
+_V = re.escape(attnplug.__version__)
+
+
 @pytest.mark.parametrize(("value", "error"), [
-    ("0.9", r"unknown conformance level '0\.9': attnplug 0\.2\.0 knows 0\.1, 0\.2; 0\.9 is newer than the "
-            r"installed attnplug 0\.2\.0: upgrade attnplug"),
+    ("0.9", rf"unknown conformance level '0\.9': attnplug {_V} knows {re.escape(KNOWN)}; 0\.9 is newer than the "
+            rf"installed attnplug {_V}: upgrade attnplug"),
     ("latest", r"unknown conformance level 'latest'.*a level is MAJOR\.MINOR"),
     ("0.2.0", r"unknown conformance level '0\.2\.0'.*MAJOR\.MINOR"),
-    ("0.0", r"unknown conformance level '0\.0': attnplug 0\.2\.0 knows 0\.1, 0\.2$"),
+    ("0.0", rf"unknown conformance level '0\.0': attnplug {_V} knows {re.escape(KNOWN)}$"),
     ("", r"unknown conformance level ''"),
 ])
 def test_bad_level_values_say_what_is_accepted(value: str, error: str) -> None:
@@ -178,8 +191,8 @@ def test_the_plugin_refuses_to_run_a_family_without_its_requirement(monkeypatch:
     from attnplug.testing import pytest_plugin
     from attnplug.testing.suite import cases
 
-    assert pytest_plugin._level(None) == "0.2" and pytest_plugin._level("0.1") == "0.1"
-    monkeypatch.setitem(cases.GENERATORS, "bidirectional", list)
-    with pytest.raises(pytest.UsageError, match=r"conformance family 'bidirectional': conformance requirement "
-                                                r"'bidirectional' is not in .*REQUIREMENTS"):
+    assert pytest_plugin._level(None) == CUR and pytest_plugin._level("0.1") == "0.1"
+    monkeypatch.setitem(cases.GENERATORS, "synthetic_family", list)
+    with pytest.raises(pytest.UsageError, match=r"conformance family 'synthetic_family': conformance requirement "
+                                                r"'synthetic_family' is not in .*REQUIREMENTS"):
         pytest_plugin._level(None)

@@ -102,9 +102,20 @@ def scenario(name: str, page_size: int = 16) -> Scenario:
         "mixed_long": lambda: Scenario(name, "mixed", (2047, 1500, 0), (1, 600, 5)),
         # -- under a small workspace limit (the ``workspace`` family): ragged decodes, one at position 0 --
         "decode_workspace": lambda: Scenario(name, "decode", (200, 3, 130, 0, 64, 90), (1,) * 6),
+        # -- the ``chunked`` family: enough new tokens over long enough prefixes that a backend
+        # working in query chunks under a workspace limit cuts each request into several --
+        # six long decodes: 6 x 8 heads x 128 values, thousands of rounded outputs
+        "decode_rounding": lambda: Scenario(name, "decode", (300, 41, 700, 129, 64, 250), (1,) * 6),
+        "extend_chunky": lambda: Scenario(name, "extend", (200, 37, 0), (12, 9, 16)),
+        "verify_chunky": lambda: Scenario(name, "target_verify", (150, 40), (8, 8), draft=8, custom_mask=True),
+        "mixed_chunky": lambda: Scenario(name, "mixed", (180, 0, 61), (1, 14, 10)),
+        "draft_extend_chunky": lambda: Scenario(name, "draft_extend", (120, 33), (6, 6)),
         "cross_decode_workspace": lambda: Scenario(name, "decode", (130, 3, 70, 90), (1,) * 4,
                                                    encoder=(129, 0, 70, 65)),
     }
+    if name.startswith("decode_batch") and name[len("decode_batch"):].isdigit():  # the odd_heads family
+        n = int(name[len("decode_batch"):])
+        return Scenario(name, "decode", (37, 90, 5, 64, 130, 17)[:n], (1,) * n)
     try:
         return table[name]()
     except KeyError:
@@ -197,6 +208,13 @@ class Case:
     #: the requirement a failure of this case names when it is not the family's own (``requirements.py``:
     #: a case of a requirement added to an older family)
     requirement: str | None = None
+    #: torch threads the build and forward run with (None: as the session has them); a kernel that
+    #: splits work by thread count must give the reference's answer at every count
+    threads: int | None = None
+    #: how q/k are drawn besides the noise: ``""`` plain; ``"far_below"`` every score a query has is
+    #: hundreds below zero; ``"max_first"`` each request's first key scores far above the rest (the
+    #: row maximum sits only in the first key block); see ``harness.shape_scores``
+    scores: str = ""
 
     @property
     def seed(self) -> int:
@@ -583,6 +601,93 @@ def gen_refusal(caps: Capabilities) -> list[Case]:
             for what in unclaimed_refusals(caps)]
 
 
+#: (query-chunk) workspace limits of the ``chunked`` family, per thread the case runs with: small
+#: enough that a backend cutting a request's queries to fit answers in chunks of one, a few and
+#: about half of its queries
+CHUNK_LIMITS: tuple[int, ...] = (16 << 10, 24 << 10, 40 << 10)
+CHUNK_FEATURES: tuple[str, ...] = ("window2", "window5", "sinks", "softcap", "softcap_window")
+
+
+def gen_chunked() -> list[Case]:
+    """Window, sinks, soft-cap and the verify mask where a backend works in query chunks: the
+    ``*_chunky`` scenarios under workspace limits that force several chunks per request, at one and
+    two threads. A chunk applying the window, causal order or mask with its own offset instead of
+    the request's fails here (``workspace`` semantics: answer, or refuse naming the limit)."""
+    out = []
+    for name in ("verify_chunky", "extend_chunky", "mixed_chunky", "draft_extend_chunky"):
+        every = name == "verify_chunky"  # the mask: every feature at every limit; the others sampled
+        for fname in (CHUNK_FEATURES + ("plain",)) if every else ("window5", "sinks", "softcap_window"):
+            feat = FEATURES.get(fname, Features())
+            for threads in (1, 2):
+                for limit in CHUNK_LIMITS if every else CHUNK_LIMITS[:1]:
+                    dt = "bfloat16" if limit == CHUNK_LIMITS[1] else "float32"
+                    out.append(_case("chunked", scenario(name), dt, 16, fname, f"t{threads}", f"ws{limit >> 10}k",
+                                     features=feat, threads=threads, max_workspace_bytes=limit * threads))
+    return out
+
+
+#: head dims beyond 64/128/256: multiples of 16 but not of 32 (80, 112), of 32 but not 64 (96),
+#: and one of 8 only (72): a fast path admitted for the wrong class of dims fails here
+HEAD_DIM_CLASSES: tuple[int, ...] = (72, 80, 96, 112)
+
+
+def gen_head_dim_class() -> list[Case]:
+    """Every dtype at head dims 72/80/96/112 in decode, extend over a prefix and target-verify."""
+    out = []
+    for d in HEAD_DIM_CLASSES:
+        for name in ("decode", "extend_prefix", "target_verify_custom_mask"):
+            for dt in DTYPES:
+                out.append(_case("head_dim_class", scenario(name), dt, 16, f"d{d}", shape=Shape(f"gqa4d{d}", 8, 2, d)))
+    return out
+
+
+def gen_score_range() -> list[Case]:
+    """Rows whose every score is hundreds below zero (a running maximum started at 0 instead of
+    -inf underflows every exponential), and rows whose maximum sits only in the first key block
+    (a maximum not carried across blocks rescales wrongly), in decode, extend, verify and mixed,
+    float32 (16-bit scores of that size are not representable to the tolerance) and, for the
+    first-block maximum, bfloat16; with sinks and a soft-cap too."""
+    out = []
+    for variant in ("far_below", "max_first"):
+        for name in ("decode", "extend_prefix", "target_verify_custom_mask", "mixed"):
+            dts = ("float32", "bfloat16") if variant == "max_first" else ("float32",)
+            for dt in dts:
+                out.append(_case("score_range", scenario(name), dt, 16, variant, scores=variant))
+            out.append(_case("score_range", scenario(name), "float32", 16, variant, "sinks", scores=variant,
+                             features=Features(sinks=True)))
+        out.append(_case("score_range", scenario("decode"), "float32", 16, variant, "t1", scores=variant, threads=1))
+    out.append(_case("score_range", scenario("decode"), "float32", 16, "max_first", "softcap", scores="max_first",
+                     features=Features(logit_cap=30.0)))
+    return out
+
+
+def gen_rounding() -> list[Case]:
+    """16-bit outputs rounded to nearest: over thousands of elements the mean signed error, in units
+    of the output's last place, is near zero (truncation toward zero sits near -1/2)."""
+    out = []
+    for dt in ("float16", "bfloat16"):
+        for name in ("decode_rounding", "extend_prefix", "target_verify_custom_mask"):
+            out.append(_case("rounding", scenario(name), dt, 16, shape=Shape("gqa4d128", 8, 2, 128)))
+    return out
+
+
+#: odd KV-head counts: (name, heads, kv heads)
+ODD_HEADS: tuple[tuple[str, int, int], ...] = (("kv3g2", 6, 3), ("kv5g1", 5, 5), ("kv7g2", 14, 7), ("kv3g3", 9, 3))
+
+
+def gen_odd_heads() -> list[Case]:
+    """Odd KV-head counts at decode batches of 1 to 6 requests, at one and two threads: a kernel that
+    splits KV heads across work items unevenly (or by thread count) fails here."""
+    out = []
+    for lname, h, kv in ODD_HEADS:
+        for n in range(1, 7):
+            for threads in (1, 2):
+                dt = "bfloat16" if n == 3 else "float32"
+                out.append(_case("odd_heads", scenario(f"decode_batch{n}"), dt, 16, lname, f"t{threads}",
+                                 shape=Shape(lname, h, kv, 64), threads=threads))
+    return out
+
+
 GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "mode": gen_mode,
     "heads": gen_heads,
@@ -610,6 +715,11 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "random": gen_random,
     "kv_layout": lambda: [],  # generated per backend: cases_for -> gen_kv_layout
     "workspace": gen_workspace,
+    "chunked": gen_chunked,
+    "head_dim_class": gen_head_dim_class,
+    "score_range": gen_score_range,
+    "rounding": gen_rounding,
+    "odd_heads": gen_odd_heads,
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:

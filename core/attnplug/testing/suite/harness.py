@@ -10,6 +10,7 @@ built through the real registry (``default_registry().build``) with a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
@@ -172,8 +173,77 @@ def make_problem(
     if case.garbage:
         fill_garbage(problem, GARBAGE_VALUES[case.garbage], stale_new=not case.save_kv_cache)
     problem.qkv = [make_qkv(problem, layer) for layer in layers]
+    if case.scores:
+        shape_scores(problem, case.scores)
     problem.before = problem.snapshot()
     return problem
+
+
+#: ``shape_scores``: the score along the shared direction: every score near -FAR_BELOW, and the
+#: first key's score near +FIRST_LEAD (the rest spread a few units around zero)
+FAR_BELOW = 300.0
+FIRST_LEAD = 20.0
+
+
+def shape_scores(problem: Problem, how: str) -> None:
+    """Give every query and every key a request reads a shared direction ``u`` (unit, random):
+    ``"far_below"``: q = a·u + noise, k = -a·u + noise for every owned key and new token, so
+    every score is hundreds below zero while their spread stays that of the noise;
+    ``"max_first"``: q = b·u + noise and each request's first key (position 0: in the cache, or
+    its first new token) k = b·u, so that key's score leads the rest by about 20, and the row
+    maximum sits in the first key block only."""
+    gen, cache = problem.gen, problem.cache
+    sc = problem.case.scenario
+    for i, layer in enumerate(problem.layers):
+        q, k, v = problem.qkv[i]
+        d = layer.head_dim
+        u = torch.randn(d, generator=gen, dtype=torch.float64)
+        u /= u.norm()
+        scale = layer.scaling
+        a = b = ((FAR_BELOW if how == "far_below" else FIRST_LEAD) / scale) ** 0.5
+        qd = q.dtype
+        q64 = q.to(torch.float64) * 0.5 + b * u
+        problem.qkv[i] = (q64.to(qd), k, v)
+        if how == "far_below":
+            own = torch.tensor(problem.owned, dtype=torch.int64, device=cache.device)
+            if own.numel():
+                k0, v0 = cache.read_kv(i, own)
+                k_new = (k0.to(torch.float64) * 0.5 - a * u).to(k0.dtype if not cache.quantized else torch.float32)
+                cache.set_kv(i, own, k_new, v0, stored=not cache.quantized)
+            if k is not None:
+                problem.qkv[i] = (q64.to(qd), (k.to(torch.float64) * 0.5 - a * u).to(k.dtype), v)
+        else:
+            firsts = []
+            for r, p, e in zip(problem.req_rows, sc.prefix, sc.extend):
+                if p > 0:  # the first key is cached
+                    firsts.append(int(cache.req_to_token[r, 0]))
+            if firsts:
+                slots = torch.tensor(firsts, dtype=torch.int64, device=cache.device)
+                k0, v0 = cache.read_kv(i, slots)
+                lead = (b * u).to(k0.dtype).expand_as(k0).contiguous()
+                cache.set_kv(i, slots, lead, v0, stored=True)
+            if k is not None:
+                k2 = k.clone()
+                t = 0
+                for p, e in zip(sc.prefix, sc.extend):
+                    if p == 0 and e > 0:  # the first key is this request's first new token
+                        k2[t] = (b * u).to(k.dtype)
+                    t += e
+                problem.qkv[i] = (q64.to(qd), k2, v)
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Any:
+    """Run with ``n`` torch threads (``None``: unchanged); restored on exit."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def fill_garbage(problem: Problem, value: float, *, stale_new: bool) -> None:

@@ -29,12 +29,14 @@ from . import harness as H
 from ._common import capabilities, fail
 
 
-def _check_one_forward(bound: Any, record: Any) -> None:
+def _check_one_forward(bound: Any, record: Any) -> tuple[H.Problem, Any]:
     name, case = bound.backend, bound.case
     problem = H.make_problem(case, H.device_for(capabilities(name)))
-    backend = H.build_backend(name, problem)
-    out = H.run(backend, problem)
+    with H.threads(case.threads):
+        backend = H.build_backend(name, problem)
+        out = H.run(backend, problem)
     _check_result(name, problem, out, record)
+    return problem, out
 
 
 def _check_result(name: str, problem: H.Problem, out: Any, record: Any) -> None:
@@ -121,32 +123,93 @@ def test_workspace(attnplug_case: Any, attnplug_record: Any) -> None:
     worked in pieces that fit), or the build or forward raised ``attnplug.ResourceLimitError``
     naming ``max_workspace_bytes`` and nothing was written. A backend claiming deterministic
     output must also give the same bits as without the limit (the pieces are a batch split)."""
-    name, case = attnplug_case.backend, attnplug_case.case
+    _check_under_limit(attnplug_case, attnplug_record)
+
+
+def test_chunked(attnplug_case: Any, attnplug_record: Any) -> None:
+    """``workspace``'s check where the limit cuts each request's queries into chunks: windows,
+    sinks, soft-cap and the verify mask stay those of the request, at one and two threads."""
+    _check_under_limit(attnplug_case, attnplug_record)
+
+
+def _check_under_limit(bound: Any, record: Any) -> None:
+    name, case = bound.backend, bound.case
     problem = H.make_problem(case, H.device_for(capabilities(name)))
     limit = f"max_workspace_bytes={case.max_workspace_bytes}"
     r2t = problem.cache.req_to_token.clone()
-    try:
-        backend = H.build_backend(name, problem)
-        out = H.run(backend, problem)
-    except ResourceLimitError as exc:
-        if "max_workspace_bytes" not in str(exc):
-            fail(f"{name}: the ResourceLimitError under {limit} must name max_workspace_bytes; got: {exc}")
-        changes = H.cache_changes(problem.before, problem, r2t)
-        if changes:
-            fail(f"{name}: a {case.scenario.mode} forward refused under {limit} changed the KV cache: "
-                 + "; ".join(changes))
-        attnplug_record(refused=str(exc)[:200])
-        return
-    _check_result(name, problem, out, attnplug_record)
-    if not capabilities(name).deterministic:
-        return
-    for (kb, vb), (k0, v0) in zip(zip(problem.cache.k_buffers, problem.cache.v_buffers), problem.before):
-        kb.copy_(k0)
-        vb.copy_(v0)
-    _, free = default_registry().build(name, problem.context(name).replace(max_workspace_bytes=4 << 30))
-    whole = H.run(free, problem)
+    with H.threads(case.threads):
+        try:
+            backend = H.build_backend(name, problem)
+            out = H.run(backend, problem)
+        except ResourceLimitError as exc:
+            if "max_workspace_bytes" not in str(exc):
+                fail(f"{name}: the ResourceLimitError under {limit} must name max_workspace_bytes; got: {exc}")
+            changes = H.cache_changes(problem.before, problem, r2t)
+            if changes:
+                fail(f"{name}: a {case.scenario.mode} forward refused under {limit} changed the KV cache: "
+                     + "; ".join(changes))
+            record(refused=str(exc)[:200])
+            return
+        _check_result(name, problem, out, record)
+        if not capabilities(name).deterministic:
+            return
+        for (kb, vb), (k0, v0) in zip(zip(problem.cache.k_buffers, problem.cache.v_buffers), problem.before):
+            kb.copy_(k0)
+            vb.copy_(v0)
+        _, free = default_registry().build(name, problem.context(name).replace(max_workspace_bytes=4 << 30))
+        whole = H.run(free, problem)
     if not torch.equal(out, whole):
         diff = float((out.double() - whole.double()).abs().max())
-        attnplug_record(max_abs_err=diff, tolerance=EXACT.to_dict())
+        record(max_abs_err=diff, tolerance=EXACT.to_dict())
         fail(f"{name} claims deterministic output, but a {case.scenario.mode} forward under {limit} differs "
              f"from the same forward without the limit (max abs difference {diff:.3g})")
+
+
+def test_head_dim_class(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Head dims 72/80/96/112 (multiples of 8, 16 and 32 but not of 64) in every dtype."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_score_range(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Every score hundreds below zero, or the row maximum in the first key block only."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+def test_odd_heads(attnplug_case: Any, attnplug_record: Any) -> None:
+    """Odd KV-head counts over decode batches of 1-6 requests, at one and two threads."""
+    _check_one_forward(attnplug_case, attnplug_record)
+
+
+#: ``rounding``: the largest mean signed error, in units of the output's last place, that a 16-bit
+#: output rounded to nearest may show over the case's elements (rounded to nearest: about 0 +- 0.01
+#: at thousands of elements; truncated toward zero: about -0.5; scaled by a common factor one
+#: 16-bit ulp off: about +-0.25)
+ROUNDING_BIAS_ULPS = 0.1
+#: elements the bias is averaged over must number at least this many
+ROUNDING_MIN_ELEMENTS = 1000
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7}
+
+
+def rounding_bias(out: Any, ref: Any, dtype: str) -> tuple[float, int]:
+    """Mean of sign(ref) * (out - ref) / ulp(ref) over the normal-range elements, and their count."""
+    got, ref = out.detach().double().cpu().flatten(), ref.double().cpu().flatten()
+    sel = ref.abs() > 2.0 ** -12  # away from subnormals and from values the tolerance's atol covers anyway
+    got, ref = got[sel], ref[sel]
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs())) - _MANTISSA_BITS[dtype])
+    err = torch.sign(ref) * (got - ref) / ulp
+    return (float(err.mean()) if err.numel() else 0.0), int(err.numel())
+
+
+def test_rounding(attnplug_case: Any, attnplug_record: Any) -> None:
+    """A 16-bit output within tolerance element by element AND unbiased on average: its mean
+    signed error, in ulps of the output dtype, is within ``ROUNDING_BIAS_ULPS`` of zero."""
+    name, case = attnplug_case.backend, attnplug_case.case
+    problem, out = _check_one_forward(attnplug_case, attnplug_record)
+    bias, n = rounding_bias(out, H.expected_output(problem, 0), case.dtype)
+    attnplug_record(rounding_bias_ulps=bias, rounding_elements=n)
+    if n < ROUNDING_MIN_ELEMENTS:
+        fail(f"rounding case {case.id} has only {n} elements to average (needs {ROUNDING_MIN_ELEMENTS})")
+    if abs(bias) > ROUNDING_BIAS_ULPS:
+        fail(f"{name}: {case.dtype} outputs are biased: mean signed error {bias:+.3f} ulp over {n} elements "
+             f"(round-to-nearest gives about 0; |bias| must be <= {ROUNDING_BIAS_ULPS}). Truncating the float32 "
+             f"result, or scaling it by a rounded common factor, does this")
