@@ -205,6 +205,7 @@ _FEATURE = {  # feature -> (layer shape, layer features, scenario, regex the err
     "logit_softcap": (DEFAULT_SHAPE, Features(logit_cap=30.0), "decode", r"logit.?cap|soft.?cap"),
     "sinks": (DEFAULT_SHAPE, Features(sinks=True), "decode", r"sink"),
     "cross_attention": (DEFAULT_SHAPE, Features(cross_attention=True), "cross_decode", r"cross"),
+    "bidirectional": (DEFAULT_SHAPE, Features(bidirectional=True), "extend_prefix", r"bidirectional"),
     "v_head_dim_differs": (Shape("dv32", 8, 2, 64, 32), Features(), "decode", r"v_head_dim"),
     "mqa": (Shape("mqa", 8, 1, 64), Features(), "decode", r"MQA|num_kv_heads"),
     "gqa": (Shape("gqa4", 8, 2, 64), Features(), "decode", r"GQA|group"),
