@@ -37,7 +37,7 @@ from attnplug.resolution import resolve, trace
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
-from .layers import describe, layer_specs
+from .layers import ModelNotServedError, derive, describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,11 @@ class TransformersRunner:
                                 f"give one page size")
         if config.dtype is None:
             config = config.replace(dtype=dtype_name(next(model.parameters()).dtype))
-        self.layers = layer_specs(model)
+        #: the layer specs from a probe forward (what every attention call passes), and notes where the
+        #: module or config says something the forward does not pass
+        self.derivation = derive(self.model)
+        self.layers = self.derivation.specs
+        self.notes: tuple[str, ...] = self.derivation.notes
         # the model's layers take part in the choice: a backend that does not claim one is not picked.
         # When the halves you chose cannot serve them, the pair is resolved without them and refused
         # below by _refuse_unsupported_layers, which names every layer and the half at fault.
@@ -105,19 +109,27 @@ class TransformersRunner:
         odd = [s.layer_id for s in self.layers
                if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (first.num_kv_heads, first.head_dim, first.v_head_dim)]
         if odd:
-            raise NotSupportedError("attnplug", [f"layers {odd} have KV shapes that differ from layer 0's; "
-                                                 f"one PagedKVCache needs the same shape in every layer"])
+            raise ModelNotServedError(model, [f"layers {odd} have KV shapes (KV heads, head dims) that differ from "
+                                              f"layer 0's; one PagedKVCache needs the same shape in every layer"],
+                                      "serve a model whose layers share one KV shape")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         num_pages = num_pages or max_requests * -(-max_context_len // page_size)
         # one cache serves both halves: in the layout and KV dtype resolution chose for the pair
         kv_dtype = kv_dtype_name(self.config.kv_cache_dtype, self.dtype)
-        self.kv_cache = PagedKVCache(
-            num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
-            device=self.device, max_requests=max_requests, max_context_len=max_context_len,
-            layout=self.registry.kv_layout(self.config.kv_layout or "nhd"),
-        )
+        layout = self.config.kv_layout or "nhd"
+        try:
+            self.kv_cache = PagedKVCache(
+                num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
+                head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
+                device=self.device, max_requests=max_requests, max_context_len=max_context_len,
+                layout=self.registry.kv_layout(layout),
+            )
+        except ValueError as exc:  # the layout cannot hold this shape (a head dim it is not built for)
+            self._refuse_by_capabilities()
+            raise NotSupportedError(self._pair_text(), [
+                f"layer {s.layer_id} ({describe(s)}): the {layout!r} KV layout cannot hold it: {exc}"
+                for s in self.layers]) from exc
         self.cache = AttnplugCache(self.kv_cache, [s.sliding_window is not None for s in self.layers], max_requests)
         self.ctx = BuildContext(
             config=self.config, host=self.registry.host, device=str(self.device), dtype=self.dtype,
@@ -141,14 +153,31 @@ class TransformersRunner:
     def pair(self) -> tuple[str | None, str | None]:
         return self.config.attention_backends()
 
+    def _pair_text(self) -> str:
+        p, d = self.pair
+        return str(p) if p == d else f"{p} (prefill) / {d} (decode)"
+
     def _refuse_unsupported_layers(self) -> None:
         reasons = []
         for spec in self.layers:
             for r in self.backend.not_supported_reasons(spec, self.ctx):
                 reasons.append(f"layer {spec.layer_id} ({describe(spec)}): {r}")
         if reasons:
-            p, d = self.pair
-            raise NotSupportedError(p if p == d else f"{p} (prefill) / {d} (decode)", reasons)
+            raise NotSupportedError(self._pair_text(), reasons)
+
+    def _refuse_by_capabilities(self) -> None:
+        """Before a backend is built: each layer against the declared capabilities of each half."""
+        from attnplug.capabilities import support_reasons
+
+        p, d = self.pair
+        halves = [("", p)] if p == d else [("prefill half: ", p), ("decode half: ", d)]
+        reasons = []
+        for spec in self.layers:
+            for label, name in halves:
+                caps = self.registry.get(str(name)).capabilities
+                reasons += [f"layer {spec.layer_id} ({describe(spec)}): {label}{r}" for r in support_reasons(caps, spec)]
+        if reasons:
+            raise NotSupportedError(self._pair_text(), reasons)
 
     # -- requests -------------------------------------------------------------
     def release(self, rid: Any) -> None:
