@@ -71,6 +71,10 @@ SPEC_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "is_causal"})
 
 #: the name of the recording function registered with transformers' AttentionInterface.
 PROBE_NAME = "attnplug_probe"
+#: the same with a mask function (the mask probe: the mask the model's own mask code means, per layer)
+PROBE_MASK_NAME = "attnplug_probe_masks"
+#: tokens of the mask probe: windows up to this many keys are checked against the model's mask
+MASK_PROBE_TOKENS = 24
 #: tokens the probe forward runs on, and the shift of the second run's positions (``position_ids`` check).
 PROBE_TOKENS = 4
 PROBE_SHIFT = 7
@@ -143,6 +147,8 @@ class Call:
     is_causal: bool
     #: the query and key (for the position check of the second run)
     qk: tuple[Any, Any]
+    #: the boolean mask transformers' mask functions built for this layer (the mask probe only)
+    mask: Any = None
 
 
 class _Recorder:
@@ -162,26 +168,43 @@ class _Recorder:
             scaling=None if scaling is None else float(scaling), dropout=float(dropout or 0.0),
             has_mask=attention_mask is not None, kwargs=dict(kwargs), is_causal=bool(is_causal),
             qk=(query.detach().float().clone(), key.detach().float().clone()),
+            mask=attention_mask.detach().clone() if hasattr(attention_mask, "detach") else None,
         ))
         b, h, t = query.shape[0], query.shape[1], query.shape[2]
         return torch.zeros(b, t, h, value.shape[-1], dtype=query.dtype, device=query.device), None
 
 
-def probe(model: Any, shift: int = 0) -> list[Call]:
-    """Run ``model`` once on ``PROBE_TOKENS`` tokens at positions ``shift …`` with the recording attention
-    function; the model's attention implementation is restored afterwards. Refuses (``ModelNotServedError``)
-    a model that does not take an attention implementation through ``AttentionInterface``."""
+def _bool_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA mask function, never skipped: the boolean mask the model's mask functions mean."""
+    from transformers.masking_utils import sdpa_mask
+
+    for k in ("allow_is_causal_skip", "allow_is_bidirectional_skip", "allow_torch_fix"):
+        kwargs.pop(k, None)
+    return sdpa_mask(*args, allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+
+
+def probe(model: Any, shift: int = 0, tokens: int = PROBE_TOKENS, masks: bool = False) -> list[Call]:
+    """Run ``model`` once on ``tokens`` tokens at positions ``shift …`` with the recording attention
+    function; the model's attention implementation is restored afterwards. With ``masks``, the recording
+    implementation also has a mask function, so each call records the mask the model builds (else the
+    model builds none through transformers' mask functions, as under ``"attnplug"``). Refuses
+    (``ModelNotServedError``) a model that does not take an attention implementation through
+    ``AttentionInterface``."""
     import torch
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     recorder = _Recorder()
-    AttentionInterface.register(PROBE_NAME, recorder)
+    name = PROBE_MASK_NAME if masks else PROBE_NAME
+    AttentionInterface.register(name, recorder)
+    if masks:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _bool_mask)
     config = model.config
     before = config._attn_implementation
     training = model.training
     try:
-        model.set_attn_implementation(PROBE_NAME)
-        if config._attn_implementation != PROBE_NAME:
+        model.set_attn_implementation(name)
+        if config._attn_implementation != name:
             raise ModelNotServedError(model, [
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
                 f"(attn_implementation stays {config._attn_implementation!r}; its attention is computed inside "
@@ -191,12 +214,12 @@ def probe(model: Any, shift: int = 0) -> list[Call]:
         model.eval()
         param = next(model.parameters())
         vocab = int(getattr(config, "vocab_size", 0) or 0) or 1000
-        ids = (torch.arange(PROBE_TOKENS, device=param.device) % max(1, vocab - 1) + 1)[None]
-        positions = torch.arange(shift, shift + PROBE_TOKENS, device=param.device)[None]
+        ids = (torch.arange(tokens, device=param.device) % max(1, vocab - 1) + 1)[None]
+        positions = torch.arange(shift, shift + tokens, device=param.device)[None]
         with torch.inference_mode():
             model(input_ids=ids, position_ids=positions, use_cache=False)
     finally:
-        if config._attn_implementation == PROBE_NAME:
+        if config._attn_implementation == name:
             model.set_attn_implementation(before)
         model.train(training)
     return recorder.calls
@@ -275,7 +298,39 @@ def derive(model: Any) -> Derivation:
         raise ModelNotServedError(model, reasons, "the layers named cannot be expressed as attnplug LayerSpecs; "
                                                   "run this model with transformers' own attention")
     _check_positions(model, calls)
+    _check_masks(model, specs)
     return Derivation(tuple(specs), tuple(calls), tuple(notes))
+
+
+def _check_masks(model: Any, specs: Sequence[LayerSpec]) -> None:
+    """The mask transformers' mask functions build for each layer (``MASK_PROBE_TOKENS`` tokens) must be the
+    one its spec implies (causal or bidirectional, window): a window or causality that lives in the model's
+    mask but not in its attention arguments (which is all that reaches attnplug) is refused by layer."""
+    import torch
+
+    calls = probe(model, tokens=MASK_PROBE_TOKENS, masks=True)
+    n = MASK_PROBE_TOKENS
+    pos = torch.arange(n)
+    reasons = []
+    for c in calls:
+        i = c.layer_idx
+        if c.mask is None or not isinstance(i, int) or not 0 <= i < len(specs) or c.mask.dtype != torch.bool:
+            continue
+        got = c.mask.reshape(-1, n, c.mask.shape[-1])[0, :, -n:].cpu()
+        spec = specs[i]
+        want = torch.ones(n, n, dtype=torch.bool) if spec.uses_bidirectional else pos[None, :] <= pos[:, None]
+        if spec.sliding_window is not None:
+            want &= (pos[:, None] - pos[None, :]).abs() <= spec.sliding_window
+        if not torch.equal(got, want):
+            q, k = (int(x) for x in (got != want).nonzero()[0])
+            seen = int(got[-1].sum())
+            reasons.append(
+                f"layer {i}: the model's own mask is not what its attention arguments say (mask: query {q} "
+                f"{'sees' if got[q, k] else 'does not see'} key {k}, the last of {n} queries sees {seen} keys; "
+                f"arguments: sliding_window={c.kwargs.get('sliding_window')}, is_causal={c.is_causal}); attnplug, "
+                f"like transformers' flash-attention path, receives only the arguments")
+    if reasons:
+        raise ModelNotServedError(model, reasons, "run this model with transformers' own attention (eager or sdpa)")
 
 
 def _spec(i: int, c: Call, config: Any) -> tuple[LayerSpec | None, list[str], list[str]]:
