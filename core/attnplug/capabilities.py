@@ -51,6 +51,8 @@ class Capabilities:
     logit_softcap: bool = False
     sinks: bool = False
     cross_attention: bool = False
+    #: non-causal self-attention (``LayerSpec.causality == "bidirectional"``: encoders, embedding models)
+    bidirectional: bool = False
     speculative_verify: bool = False
     draft_extend: bool = False
     cuda_graph: bool = False
@@ -97,7 +99,7 @@ class Capabilities:
         flags = [
             name
             for name in (
-                "sliding_window", "logit_softcap", "sinks", "cross_attention", "speculative_verify",
+                "sliding_window", "logit_softcap", "sinks", "cross_attention", "bidirectional", "speculative_verify",
                 "draft_extend", "cuda_graph", "deterministic",
             )
             if getattr(self, name)
@@ -175,6 +177,8 @@ def layer_reasons(caps: Capabilities, layer: LayerSpec) -> list[str]:
         reasons.append("attention sinks are not claimed")
     if layer.is_cross_attention and not caps.cross_attention:
         reasons.append("cross-attention is not claimed")
+    if getattr(layer, "uses_bidirectional", False) and not caps.bidirectional:
+        reasons.append("bidirectional (non-causal) attention is not claimed")
     return reasons
 
 

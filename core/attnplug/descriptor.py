@@ -248,7 +248,7 @@ def descriptor_problems(d: "BackendDescriptor") -> list[str]:
 
 
 _BOOL_CAPS = ("v_head_dim_differs", "gqa", "mqa", "sliding_window", "logit_softcap", "sinks", "cross_attention",
-              "speculative_verify", "draft_extend", "cuda_graph", "deterministic")
+              "bidirectional", "speculative_verify", "draft_extend", "cuda_graph", "deterministic")
 
 
 def capabilities_problems(caps: Capabilities) -> list[str]:

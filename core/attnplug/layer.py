@@ -7,6 +7,12 @@ import math
 from typing import Any
 
 
+#: ``LayerSpec.causality`` values: causal (the default) and bidirectional (non-causal self-attention).
+CAUSAL = "causal"
+BIDIRECTIONAL = "bidirectional"
+CAUSALITIES: tuple[str, ...] = (CAUSAL, BIDIRECTIONAL)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class LayerSpec:
     """One attention layer.
@@ -25,6 +31,10 @@ class LayerSpec:
     joins every softmax denominator and contributes no value (gpt-oss style).
     ``is_cross_attention``: queries attend, without a causal mask, to the
     ``encoder_lens[i]`` cached tokens at the start of the request's slots.
+    ``causality``: ``"causal"`` (the default: a query at position ``p`` sees
+    keys ``j <= p``) or ``"bidirectional"`` (encoders, embedding models: every
+    key of its request, cached and new, ``|p - j| <= sliding_window`` with a
+    window; a feature backends declare as ``Capabilities.bidirectional``).
     """
 
     layer_id: int
@@ -37,6 +47,7 @@ class LayerSpec:
     sliding_window: int | None = None
     sinks: Any = None
     is_cross_attention: bool = False
+    causality: str = "causal"
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
@@ -57,6 +68,12 @@ class LayerSpec:
             raise ValueError(
                 f"LayerSpec.sinks has shape {tuple(getattr(self.sinks, 'shape', ()))}, expected ({self.num_heads},)"
             )
+        if self.causality not in CAUSALITIES:
+            raise ValueError(f"LayerSpec.causality={self.causality!r} (expected one of {', '.join(CAUSALITIES)})")
+
+    @property
+    def uses_bidirectional(self) -> bool:
+        return self.causality == BIDIRECTIONAL
 
     @property
     def gqa_group_size(self) -> int:

@@ -10,7 +10,7 @@ from attnplug.testing.suite import cases as C
 from attnplug.testing.tolerances import TOLERANCES, tolerance_for
 
 EVERYTHING = Capabilities(v_head_dim_differs=True, sliding_window=True, logit_softcap=True, sinks=True,
-                          cross_attention=True, speculative_verify=True, draft_extend=True, deterministic=True,
+                          cross_attention=True, bidirectional=True, speculative_verify=True, draft_extend=True, deterministic=True,
                           kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
                           kv_layouts=None)
 
@@ -45,6 +45,7 @@ def test_unclaimed_features_are_skipped_with_the_cores_reason() -> None:
         "sliding_window=5 is not claimed",
         "logit_cap=2.0 is not claimed",
         "cross-attention is not claimed",
+        "bidirectional (non-causal) attention is not claimed",
         "forward mode target_verify is not claimed",
         "forward mode draft_extend is not claimed",
         "deterministic (batch-invariant) output is not claimed",

@@ -67,10 +67,13 @@ def test_running_out_of_pages_or_rows_says_so_and_leaves_the_cache_as_it_was():
 def test_a_ragged_batch_has_no_single_sequence_length():
     runner = _runner()
     runner.cache.begin_forward({"a": 3, "b": 5})
-    with pytest.raises(AttnplugError, match="ragged batch of 2 requests: there is no single sequence length"):
+    with pytest.raises(AttnplugError, match=r"ragged batch of 2 requests with cached lengths \[3, 5\]: there is no "
+                                            r"single sequence length"):
         runner.cache.get_seq_length()
     runner.cache.begin_forward({"a": 3})
     assert runner.cache.get_seq_length() == 3
+    runner.cache.begin_forward({"a": 0, "b": 0})  # every request with the same cached length: that one
+    assert runner.cache.get_seq_length() == 0
 
 
 def test_page_pool_refuses_foreign_pages():

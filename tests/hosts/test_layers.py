@@ -38,7 +38,8 @@ def test_window_translation_rejects_nonsense():
 def test_an_unserved_layer_type_is_refused_by_name():
     model = models.build("llama")
     model.config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(NotSupportedError, match="layer 1: layer type 'chunked_attention'"):
+    with pytest.raises(NotSupportedError, match=r"model family 'llama' \(LlamaForCausalLM\): layers \[1\] are of "
+                                                r"type 'chunked_attention' \(config.layer_types\): chunked local"):
         layer_specs(model)
 
 

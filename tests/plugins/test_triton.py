@@ -978,7 +978,7 @@ _AOT = textwrap.dedent("""
         consts = dict(D=d, DV=dv, G=g, BLOCK_M=t.block_m, BLOCK_R=t.block_r, BLOCK_N=t.block_n, BLOCK_D=p2(d),
                       BLOCK_DV=p2(dv), STORE_PARTIALS=decode, IS_CROSS=cross, HAS_WINDOW=not cross,
                       HAS_CAP=not cross, HAS_SINKS=True, HAS_MASK=not decode, FP32_DOT=dt == "fp32",
-                      KV_SCALED=kv.startswith("fp8"))
+                      KV_SCALED=kv.startswith("fp8"), IS_CAUSAL=cross or dt != "fp32")  # fp32: bidirectional
         types = {n: "*" + dt for n in ("Q", "K_new", "V_new", "Out")}
         types.update({"K_cache": "*" + kv, "V_cache": "*" + kv, "Req_to_token": "*i64", "Part_acc": "*fp32",
                       "Part_m": "*fp32", "Part_l": "*fp32", "Sinks": "*fp32", "Mask": "*u8", "Req": "*i64",

@@ -13,6 +13,9 @@ Semantics (the contract every backend must match):
   with a sliding window ``W``, ``j >= p - W``. In target-verify, draft token
   ``a`` sees the whole prefix and draft token ``b`` iff ``mask[a, b]``
   (causal when no mask is given); the window applies by position as well.
+* Bidirectional self-attention (``layer.causality == "bidirectional"``): a
+  query at position ``p`` sees every key ``j`` of its request (cached and
+  new), and with a window ``W`` only ``|p - j| <= W``.
 * Cross-attention: a query sees the ``encoder_lens[i]`` cached keys at
   positions ``0 …`` without a causal mask; nothing is written.
 * Scores are ``scaling * q·k``, then ``cap * tanh(s / cap)`` with a soft-cap;
@@ -113,15 +116,22 @@ def reference_attention(
             qpos = torch.arange(p0 + a0, p0 + a1)
             # keys outside [lo, hi) are hidden from every row of this chunk (causality, window): skipped
             lo, hi = 0, n_keys
+            bidir = getattr(layer, "causality", "causal") == "bidirectional" and not layer.is_cross_attention
             if not layer.is_cross_attention:
                 hi = min(n_keys, p0 + a1)
                 if layer.sliding_window is not None:
                     lo = max(0, p0 + a0 - layer.sliding_window)
+                if bidir:  # keys after the query too: all of them, or up to the window past the last row
+                    hi = n_keys if layer.sliding_window is None else min(n_keys, p0 + a1 + layer.sliding_window)
             kp = kpos[lo:hi]
             if layer.is_cross_attention:
                 visible = torch.ones(na, hi - lo, dtype=torch.bool)
             else:
                 visible = kp[None, :] <= qpos[:, None]
+                if bidir:
+                    visible = torch.ones_like(visible)
+                    if layer.sliding_window is not None:
+                        visible &= kp[None, :] <= qpos[:, None] + layer.sliding_window
                 if layer.sliding_window is not None:
                     visible &= kp[None, :] >= qpos[:, None] - layer.sliding_window
                 if mask_rows is not None:

@@ -27,6 +27,8 @@ CAPABILITIES = Capabilities(
     logit_softcap=True,
     sinks=True,
     cross_attention=True,
+    # non-causal layers run the eager paths (the fused CPU kernel masks causally)
+    bidirectional=True,
     speculative_verify=True,
     draft_extend=True,
     cuda_graph=False,

@@ -566,6 +566,8 @@ class TorchNativeBackend(PagedBackend):
             return f"a {cache.dtype} cache under a {q.dtype} model (the fused kernel reads the model dtype or fp8)"
         if layer.head_dim % 16 or layer.v_head_dim % 16:
             return f"head dims {layer.head_dim}/{layer.v_head_dim} (the fused kernel takes multiples of 16)"
+        if layer.uses_bidirectional:
+            return "a bidirectional layer (the fused kernel masks causally)"
         return None
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
@@ -715,6 +717,7 @@ class TorchNativeBackend(PagedBackend):
         cd = self._compute_dtype(q)
         cross = layer.is_cross_attention
         window = None if cross else layer.sliding_window
+        bidir = layer.uses_bidirectional and not cross
         manual = bool(layer.logit_cap) or layer.sinks is not None
         sinks = self._sinks(layer, q.device)
         r2t = self.cache.req_to_token
@@ -750,7 +753,9 @@ class TorchNativeBackend(PagedBackend):
                     k1 = p + a1 - lo
                     if window is not None:
                         k0 = max(0, p + a0 - window - lo)
-                mask = None if cross else self._mask(p, lo, a0, a1, k0, k1, window, custom, q.device)
+                    if bidir:  # later new tokens too: all of them, or up to the window past the last query
+                        k1 = n if window is None else min(n, p + a1 + window - lo)
+                mask = None if cross else self._mask(p, lo, a0, a1, k0, k1, window, custom, q.device, bidir)
                 qc = q[t0 + a0:t0 + a1].transpose(0, 1).to(cd).contiguous()  # [H, c, D]
                 if manual:
                     o = self._attend_manual(qc, K[:, k0:k1], V[:, k0:k1], mask, layer, sinks, cd)
@@ -776,12 +781,16 @@ class TorchNativeBackend(PagedBackend):
         return head
 
     def _mask(self, p: int, lo: int, a0: int, a1: int, k0: int, k1: int, window: int | None,
-              custom: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """``[a1-a0, k1-k0]`` bool: True where query ``a`` (position ``p+a``) sees key ``lo+j``."""
+              custom: torch.Tensor | None, device: torch.device, bidir: bool = False) -> torch.Tensor:
+        """``[a1-a0, k1-k0]`` bool: True where query ``a`` (position ``p+a``) sees key ``lo+j``
+        (causal, or with ``bidir`` every key within the window on both sides)."""
         self._note_chunk((a1 - a0) * (k1 - k0))
         qpos = torch.arange(p + a0, p + a1, device=device)[:, None]
         kpos = torch.arange(lo + k0, lo + k1, device=device)[None, :]
-        mask = kpos <= qpos
+        if bidir:
+            mask = kpos <= qpos + (window if window is not None else k1 + lo)
+        else:
+            mask = kpos <= qpos
         if window is not None:
             mask &= kpos >= qpos - window
         if custom is not None:

@@ -48,6 +48,7 @@ CAPABILITIES = Capabilities(
     logit_softcap=True,
     sinks=True,
     cross_attention=True,
+    bidirectional=True,  # IS_CAUSAL=False: the kernel's key range reaches past the query
     speculative_verify=True,  # incl. the custom (tree) mask
     draft_extend=True,
     # Not claimed: the metadata holds host-side grid sizes and per-forward tensors, not

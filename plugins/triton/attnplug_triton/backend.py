@@ -318,7 +318,7 @@ class TritonBackend(PagedBackend):
             BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
             STORE_PARTIALS=decode, IS_CROSS=cross, HAS_WINDOW=window is not None and not cross,
             HAS_CAP=bool(cap), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-            FP32_DOT=fp32_dot, KV_SCALED=cache.quantized,
+            FP32_DOT=fp32_dot, KV_SCALED=cache.quantized, IS_CAUSAL=cross or not layer.uses_bidirectional,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if decode:

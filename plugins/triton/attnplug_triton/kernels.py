@@ -16,8 +16,8 @@ order:
   ``encoder_lens`` for cross-attention);
 * the new tokens, positions ``P …``, read from this forward's ``k``/``v``
   arguments (so the result does not depend on whether, or in which dtype,
-  they were written to the cache), under the causal mask, the target-verify
-  custom mask and the sliding window.
+  they were written to the cache), under the causal mask (or none for a
+  bidirectional layer), the target-verify custom mask and the sliding window.
 
 Scores are ``scale * q·k`` accumulated in float32 (``tl.dot`` in the input
 dtype for fp16/bf16, IEEE fp32 for fp32), optionally soft-capped, and reduced
@@ -108,6 +108,7 @@ def _attn_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     STORE_PARTIALS: tl.constexpr, IS_CROSS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr, KV_SCALED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr = True,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -150,6 +151,10 @@ def _attn_kernel(
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(P + a0 - window, 0)
+        if not IS_CAUSAL:  # bidirectional: later new tokens too, up to the window past the block's last row
+            hi = P + E
+            if HAS_WINDOW:
+                hi = tl.minimum(hi, P + a_last + window)
     s_lo = split * split_len
     s_hi = s_lo + split_len
     lo = tl.maximum(lo, s_lo)
@@ -196,7 +201,11 @@ def _attn_kernel(
                 V_new + t[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :],
                 mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
             ).to(q.dtype)
-            visible = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            visible = row_ok[:, None] & k_ok[None, :]
+            if IS_CAUSAL:
+                visible = visible & (kpos[None, :] <= qpos[:, None])
+            elif HAS_WINDOW:
+                visible = visible & (kpos[None, :] <= qpos[:, None] + window)
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= qpos[:, None] - window)
             if HAS_MASK:

@@ -57,6 +57,7 @@ CAPABILITIES = Capabilities(
     logit_softcap=False,
     sinks=True,  # s_aux
     cross_attention=True,  # causal=False over the encoder_lens cached tokens
+    bidirectional=True,  # causal=False over the request's own keys
     # TARGET_VERIFY needs a per-request tree mask; the op's dynamic_causal is a per-sequence
     # causal offset, which cannot express one, so verify is not claimed
     speculative_verify=False,

@@ -16,7 +16,8 @@ per-layer structural checks and the KV write; this module adds the kernel:
 * **compute**: ``cpu_attention_with_kv_cache`` into a fresh output. Its queries are the last
   ``q_len`` positions of each request (bottom-right causal), its window counts the query itself
   (a ``LayerSpec`` window ``W`` is passed as ``W + 1``), soft-cap 0 and window -1 mean off, sinks
-  go in as float32 ``s_aux``. Cross-attention runs with ``causal=False`` over the encoder tokens.
+  go in as float32 ``s_aux``. Cross-attention runs with ``causal=False`` over the encoder tokens,
+  bidirectional layers with ``causal=False`` over the request's own keys.
 
 Two things the op does not guarantee are done here:
 
@@ -81,6 +82,7 @@ class ForwardMeta:
         self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), cache.page_table(batch).contiguous(),
                                list(batch.seq_lens_cpu), [], causal=True)
         self.cross_keys: _Keys | None = None
+        self._bidir: _Keys | None = None
         if batch.encoder_lens is not None:
             enc = [int(x) for x in batch.encoder_lens.tolist()]
             self.cross_keys = _Keys(qsl, torch.as_tensor(enc, dtype=_INT32, device=dev),
@@ -110,6 +112,12 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
+
+    def bidirectional_keys(self) -> _Keys:
+        """The self-attention keys with ``causal=False`` (bidirectional layers), made once per forward."""
+        if self._bidir is None:
+            self._bidir = dataclasses.replace(self.self_keys, causal=False, tails=None)
+        return self._bidir
 
     def tail_slots(self, keys: _Keys) -> torch.Tensor:
         """Slots of each request's last page past its keys that no request of this batch owns."""
@@ -244,6 +252,8 @@ class VllmCpuBackend(PagedBackend):
         cache = self.cache
         cross = layer.is_cross_attention
         keys = meta.cross_keys if cross else meta.self_keys
+        if not cross and layer.uses_bidirectional:  # the same keys, without the causal mask
+            keys = meta.bidirectional_keys()
         if keys is None:
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")

@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "AttnplugCache": "cache",
     "PagePool": "cache",
     "layer_specs": "layers",
+    "derive": "layers",
+    "ModelNotServedError": "layers",
     "attnplug_sliding_window": "layers",
     "TransformersRunner": "runner",
     "Chunk": "runner",

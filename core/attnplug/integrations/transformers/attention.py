@@ -101,12 +101,19 @@ def _check_layer_kwargs(layer: LayerSpec, module: Any, scaling: float | None, dr
     if scaling is not None and not math.isclose(scaling, layer.scaling, rel_tol=1e-6):
         raise AttnplugError(f"layer {lid}: the model passes scaling={scaling}, the LayerSpec has {layer.scaling}")
     window = kwargs.get("sliding_window")
-    if window is not None and attnplug_sliding_window(window) != layer.sliding_window:
+    if attnplug_sliding_window(window) != layer.sliding_window:
         raise AttnplugError(f"layer {lid}: the model passes sliding_window={window} (transformers: {window} keys), "
-                            f"the LayerSpec has sliding_window={layer.sliding_window} (expected {window - 1})")
+                            f"the LayerSpec has sliding_window={layer.sliding_window} "
+                            f"(expected {None if window is None else window - 1})")
     cap = kwargs.get("softcap")
     if (cap or None) != (layer.logit_cap or None):
         raise AttnplugError(f"layer {lid}: the model passes softcap={cap}, the LayerSpec has logit_cap={layer.logit_cap}")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if bool(is_causal) != (layer.causality == "causal"):
+        raise AttnplugError(f"layer {lid}: the model's attention is {'causal' if is_causal else 'bidirectional'} "
+                            f"(is_causal={is_causal}), the LayerSpec has causality={layer.causality!r}")
     sinks = kwargs.get("s_aux")
     if (sinks is None) != (layer.sinks is None):
         raise AttnplugError(f"layer {lid}: the model passes sinks={'yes' if sinks is not None else 'none'}, "

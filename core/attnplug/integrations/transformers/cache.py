@@ -188,9 +188,10 @@ class AttnplugCache(Cache):
     def single_length(self) -> int:
         """transformers asks for "the" cached length only when it derives positions itself;
         with a ragged batch there is none, so the runner always passes ``position_ids``."""
-        if len(self._active) == 1:
-            return next(iter(self._active.values()))
+        lengths = set(self._active.values())
+        if len(lengths) == 1:  # one request, or every request with the same cached length (e.g. none)
+            return next(iter(lengths))
         raise AttnplugError(
-            f"AttnplugCache holds a ragged batch of {len(self._active)} requests: there is no single "
-            f"sequence length; pass position_ids (TransformersRunner.forward does)"
+            f"AttnplugCache holds a ragged batch of {len(self._active)} requests with cached lengths "
+            f"{sorted(lengths)}: there is no single sequence length; pass position_ids (TransformersRunner.forward does)"
         )

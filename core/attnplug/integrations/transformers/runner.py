@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -37,7 +38,11 @@ from attnplug.resolution import resolve, trace
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
-from .layers import describe, layer_specs
+from .layers import ModelNotServedError, derive, describe
+
+
+#: what a runner is built for; the build-time rehearsal runs the forwards the task needs
+TASKS = ("generate", "encode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,13 @@ class TransformersRunner:
         max_requests: int = 16,
         max_context_len: int = 2048,
         num_pages: int | None = None,
+        task: str = "generate",
     ) -> None:
+        if task not in TASKS:
+            raise ValueError(f"TransformersRunner(task={task!r}): expected one of {', '.join(TASKS)}")
+        #: ``"generate"`` (cached prefixes, decode, continuous batching) or ``"encode"`` (``encode()``:
+        #: one prefix-free forward per call, nothing cached after it)
+        self.task = task
         if isinstance(config, argparse.Namespace):
             config = config_from_args(config)
         config = config or AttentionConfig()
@@ -94,7 +105,11 @@ class TransformersRunner:
                                 f"give one page size")
         if config.dtype is None:
             config = config.replace(dtype=dtype_name(next(model.parameters()).dtype))
-        self.layers = layer_specs(model)
+        #: the layer specs from a probe forward (what every attention call passes), and notes where the
+        #: module or config says something the forward does not pass
+        self.derivation = derive(self.model)
+        self.layers = self.derivation.specs
+        self.notes: tuple[str, ...] = self.derivation.notes
         # the model's layers take part in the choice: a backend that does not claim one is not picked.
         # When the halves you chose cannot serve them, the pair is resolved without them and refused
         # below by _refuse_unsupported_layers, which names every layer and the half at fault.
@@ -105,19 +120,27 @@ class TransformersRunner:
         odd = [s.layer_id for s in self.layers
                if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (first.num_kv_heads, first.head_dim, first.v_head_dim)]
         if odd:
-            raise NotSupportedError("attnplug", [f"layers {odd} have KV shapes that differ from layer 0's; "
-                                                 f"one PagedKVCache needs the same shape in every layer"])
+            raise ModelNotServedError(model, [f"layers {odd} have KV shapes (KV heads, head dims) that differ from "
+                                              f"layer 0's; one PagedKVCache needs the same shape in every layer"],
+                                      "serve a model whose layers share one KV shape")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         num_pages = num_pages or max_requests * -(-max_context_len // page_size)
         # one cache serves both halves: in the layout and KV dtype resolution chose for the pair
         kv_dtype = kv_dtype_name(self.config.kv_cache_dtype, self.dtype)
-        self.kv_cache = PagedKVCache(
-            num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
-            device=self.device, max_requests=max_requests, max_context_len=max_context_len,
-            layout=self.registry.kv_layout(self.config.kv_layout or "nhd"),
-        )
+        layout = self.config.kv_layout or "nhd"
+        try:
+            self.kv_cache = PagedKVCache(
+                num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
+                head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
+                device=self.device, max_requests=max_requests, max_context_len=max_context_len,
+                layout=self.registry.kv_layout(layout),
+            )
+        except ValueError as exc:  # the layout cannot hold this shape (a head dim it is not built for)
+            self._refuse_by_capabilities()
+            raise NotSupportedError(self._pair_text(), [
+                f"layer {s.layer_id} ({describe(s)}): the {layout!r} KV layout cannot hold it: {exc}"
+                for s in self.layers]) from exc
         self.cache = AttnplugCache(self.kv_cache, [s.sliding_window is not None for s in self.layers], max_requests)
         self.ctx = BuildContext(
             config=self.config, host=self.registry.host, device=str(self.device), dtype=self.dtype,
@@ -130,16 +153,60 @@ class TransformersRunner:
         # layer is then checked against the built pair here, naming the layer and the half at fault
         self.backend = self.registry.build_pair(self.ctx.replace(layers=()))
         self._refuse_unsupported_layers()
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         register_attention()
+        before = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         if model.config._attn_implementation != ATTENTION_NAME:
             raise AttnplugError(f"{type(model).__name__} did not accept attn_implementation={ATTENTION_NAME!r} "
                                 f"(it has {model.config._attn_implementation!r}); it must use AttentionInterface")
         self.steps: list[StepRecord] = []
+        self._rehearse(before, task)
+
+    def _rehearse(self, before: str, task: str) -> None:
+        """One ragged extend and one mixed forward over two throw-away requests, before any real one: a
+        model whose forward cannot run packed and ragged through the cache (it asks the cache for a single
+        length, builds its own mask, ...) is refused here, naming the failure, instead of at its first
+        forward. The requests are released and the step records cleared; the model is switched back to
+        ``before`` when refused."""
+        a, b = _Rehearsal("a"), _Rehearsal("b")
+        vocab = max(2, int(getattr(self.model.config, "vocab_size", 2) or 2))
+        two = self.kv_cache.req_to_token.shape[0] >= 2  # a cache of one row rehearses one request
+        try:
+            self.forward([Chunk(a, (1 % vocab, 2 % vocab))] + ([Chunk(b, (3 % vocab,))] if two else []))
+            if task == "generate":  # cached prefixes of different lengths, a decode and an extend at once
+                self.forward([Chunk(a, (1 % vocab,), decode=True)] + ([Chunk(b, (2 % vocab, 1 % vocab))] if two else []))
+        except Exception as exc:  # noqa: BLE001 - any failure of the rehearsal is the refusal's reason
+            self.model.set_attn_implementation(before)
+            text = " ".join(str(exc).split())[:300]
+            reasons = [f"a rehearsal forward over a ragged batch through the paged cache failed: "
+                       f"{type(exc).__name__}: {text}"]
+            if f"without {FORWARD_KWARG}=" in text:
+                reasons.append(f"{type(self.model).__name__} does not pass the keyword arguments of its forward down "
+                               f"to its attention calls, so the attention function cannot receive the batch")
+            elif "no single sequence length" in text:
+                reasons.append(f"{type(self.model).__name__} asks its cache for one sequence length "
+                               f"(cache.get_seq_length()); a ragged batch with cached prefixes of different lengths "
+                               f"has none")
+            remedy = "run this model with transformers' own attention"
+            if task == "generate" and any(s.uses_bidirectional for s in self.layers):
+                reasons.append("its attention is bidirectional (is_causal=False: an encoder, which recomputes "
+                               "every token instead of caching K/V)")
+                remedy = "serve it with TransformersRunner(..., task='encode') and runner.encode(sequences)"
+            raise ModelNotServedError(self.model, reasons, remedy) from exc
+        finally:
+            for rid in (a, b):
+                if rid in self.cache.requests:
+                    self.cache.release(rid)
+            self.steps.clear()
 
     @property
     def pair(self) -> tuple[str | None, str | None]:
         return self.config.attention_backends()
+
+    def _pair_text(self) -> str:
+        p, d = self.pair
+        return str(p) if p == d else f"{p} (prefill) / {d} (decode)"
 
     def _refuse_unsupported_layers(self) -> None:
         reasons = []
@@ -147,8 +214,21 @@ class TransformersRunner:
             for r in self.backend.not_supported_reasons(spec, self.ctx):
                 reasons.append(f"layer {spec.layer_id} ({describe(spec)}): {r}")
         if reasons:
-            p, d = self.pair
-            raise NotSupportedError(p if p == d else f"{p} (prefill) / {d} (decode)", reasons)
+            raise NotSupportedError(self._pair_text(), reasons)
+
+    def _refuse_by_capabilities(self) -> None:
+        """Before a backend is built: each layer against the declared capabilities of each half."""
+        from attnplug.capabilities import support_reasons
+
+        p, d = self.pair
+        halves = [("", p)] if p == d else [("prefill half: ", p), ("decode half: ", d)]
+        reasons = []
+        for spec in self.layers:
+            for label, name in halves:
+                caps = self.registry.get(str(name)).capabilities
+                reasons += [f"layer {spec.layer_id} ({describe(spec)}): {label}{r}" for r in support_reasons(caps, spec)]
+        if reasons:
+            raise NotSupportedError(self._pair_text(), reasons)
 
     # -- requests -------------------------------------------------------------
     def release(self, rid: Any) -> None:
@@ -160,6 +240,25 @@ class TransformersRunner:
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Run one forward over ``chunks`` (one per request); returns ``[len(chunks), vocab]``
         float32 logits of each request's last new token."""
+        return self._forward(chunks, keep_all=False)
+
+    @torch.inference_mode()
+    def encode(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """One ``EXTEND`` forward over ``sequences`` as a ragged packed batch, with no cache that outlives
+        it (encoders, embedding models; bidirectional layers see their whole sequence): per sequence, the
+        float32 outputs of every token, ``[len, vocab]`` logits (``[len, hidden]`` last hidden states for
+        a model without a head). The requests' rows and pages are released when it returns."""
+        rids = [_Rehearsal(f"encode {i}") for i in range(len(sequences))]
+        chunks = [Chunk(rid, tuple(seq)) for rid, seq in zip(rids, sequences)]
+        try:
+            out = self._forward(chunks, keep_all=True)
+        finally:
+            for rid in rids:
+                if rid in self.cache.requests:
+                    self.cache.release(rid)
+        return list(out.split([len(c.tokens) for c in chunks]))
+
+    def _forward(self, chunks: Sequence[Chunk], keep_all: bool) -> torch.Tensor:
         if not chunks:
             raise ValueError("forward needs at least one Chunk (an idle step runs no model)")
         if len({c.rid for c in chunks}) != len(chunks):
@@ -178,7 +277,7 @@ class TransformersRunner:
                 prefix[c.rid] = self.cache.length(c.rid)
                 slots.append(self.cache.extend(c.rid, len(c.tokens)))  # pages mapped before the forward
             batch = self._batch(mode, chunks, prefix, torch.cat(slots))
-            logits = self._run(chunks, prefix, batch)
+            logits = self._run(chunks, prefix, batch, keep_all)
         except BaseException:
             for rid, length in prefix.items():
                 if rid in self.cache.requests:
@@ -199,7 +298,8 @@ class TransformersRunner:
         return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
                                    out_cache_loc, mode=mode)
 
-    def _run(self, chunks: Sequence[Chunk], prefix: dict[Any, int], batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, chunks: Sequence[Chunk], prefix: dict[Any, int], batch: ForwardBatch,
+             keep_all: bool = False) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
         positions = batch.positions.to(dev)
@@ -207,15 +307,31 @@ class TransformersRunner:
         self.backend.init_forward_metadata(batch)  # once per forward, shared by every layer
         fwd = Forward(self.backend, batch, self.layers)
         self.cache.begin_forward(prefix)
-        out = self.model(
-            input_ids=ids[None], position_ids=positions[None], cache=self.cache, use_cache=True,
-            logits_to_keep=last, **{FORWARD_KWARG: fwd},
-        )
+        kw: dict[str, Any] = {FORWARD_KWARG: fwd}
+        if self._takes_logits_to_keep and not keep_all:
+            kw["logits_to_keep"] = last
+        out = self.model(input_ids=ids[None], position_ids=positions[None], cache=self.cache, use_cache=True, **kw)
         self.cache.end_forward()
         if fwd.calls != len(self.layers):
             raise AttnplugError(f"the model made {fwd.calls} attention calls through attnplug in one forward, "
                                 f"expected {len(self.layers)} (one per layer)")
-        return out.logits[0].float()
+        logits = getattr(out, "logits", None)
+        if logits is None:  # a model without a head: its last hidden states
+            logits = out.last_hidden_state
+        logits = logits[0]
+        if not keep_all and logits.shape[0] != len(chunks):
+            logits = logits[last]
+        return logits.float()
+
+
+class _Rehearsal:
+    """A throw-away request id of the build-time rehearsal."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<rehearsal {self.name}>"
 
 
 def _cumsum(xs: Any) -> list[int]:

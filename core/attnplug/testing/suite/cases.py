@@ -161,6 +161,8 @@ class Features:
     cross_attention: bool = False
     #: softmax scale; ``None`` is the default 1/sqrt(head_dim)
     scaling: float | None = None
+    #: non-causal self-attention (``LayerSpec.causality="bidirectional"``)
+    bidirectional: bool = False
 
 
 FEATURES: dict[str, Features] = {
@@ -174,7 +176,15 @@ FEATURES: dict[str, Features] = {
     "sinks": Features(sinks=True),
     "window_sinks": Features(sliding_window=5, sinks=True),
     "softcap_window": Features(sliding_window=8, logit_cap=2.0),
+    # non-causal self-attention: queries see later new tokens too (window: |p - j| <= W both ways)
+    "bidirectional": Features(bidirectional=True),
+    "bidirectional_window": Features(sliding_window=3, bidirectional=True),
+    "bidirectional_softcap_sinks": Features(logit_cap=2.0, sinks=True, bidirectional=True),
 }
+
+#: Scenarios the bidirectional features run in: ragged extends (with and without a cached prefix),
+#: decode and a mixed batch (speculative modes have their own masks and are not combined with it).
+BIDIRECTIONAL_SCENARIOS: tuple[str, ...] = ("extend_noprefix", "extend_prefix", "extend_ragged", "decode", "mixed")
 
 
 # -- cases -------------------------------------------------------------------
@@ -269,9 +279,12 @@ def gen_feature() -> list[Case]:
     """Sliding window, logit soft-cap and sinks, alone and combined, across modes."""
     out = []
     for fname, feat in FEATURES.items():
-        for name in ("extend_prefix", "decode", "target_verify_custom_mask", "draft_extend", "mixed"):
+        names = BIDIRECTIONAL_SCENARIOS if feat.bidirectional else (
+            "extend_prefix", "decode", "target_verify_custom_mask", "draft_extend", "mixed")
+        for name in names:
             for dt in DTYPES:
-                out.append(_case("feature", scenario(name), dt, 16, fname, features=feat))
+                out.append(_case("feature", scenario(name), dt, 16, fname, features=feat,
+                                 requirement="feature.bidirectional" if feat.bidirectional else None))
     return out
 
 
@@ -596,9 +609,17 @@ def gen_refusal(caps: Capabilities) -> list[Case]:
     ``attnplug.NotSupportedError`` naming it, writing nothing."""
     from .requirements import REFUSAL_VARIANTS_0_1
 
-    return [Case("refusal", what, scenario("decode"), variant=what, numeric=False,
-                 requirement=None if what in REFUSAL_VARIANTS_0_1 else "refusal.forward")
+    def req(what: str) -> str | None:
+        if what in REFUSAL_VARIANTS_NEWER:
+            return REFUSAL_VARIANTS_NEWER[what]
+        return None if what in REFUSAL_VARIANTS_0_1 else "refusal.forward"
+
+    return [Case("refusal", what, scenario("decode"), variant=what, numeric=False, requirement=req(what))
             for what in unclaimed_refusals(caps)]
+
+
+#: refusal variants a later level added, with their requirement (words and forward alike)
+REFUSAL_VARIANTS_NEWER: dict[str, str] = {"bidirectional": "refusal.bidirectional"}
 
 
 #: (query-chunk) workspace limits of the ``chunked`` family, per thread the case runs with: small
@@ -798,6 +819,7 @@ def case_layer(case: Case, layer_id: int = 0) -> LayerSpec:
         layer_id=layer_id, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads, head_dim=sh.head_dim,
         v_head_dim=sh.v_dim, scaling=f.scaling, logit_cap=f.logit_cap, sliding_window=f.sliding_window,
         sinks=(0.0,) * sh.num_heads if f.sinks else None, is_cross_attention=f.cross_attention,
+        causality="bidirectional" if f.bidirectional else "causal",
     )
 
 
@@ -842,6 +864,7 @@ REFUSALS: dict[str, Callable[[Capabilities], bool]] = {
     "logit_softcap": lambda c: c.logit_softcap,
     "sinks": lambda c: c.sinks,
     "cross_attention": lambda c: c.cross_attention,
+    "bidirectional": lambda c: c.bidirectional,
     "v_head_dim_differs": lambda c: c.v_head_dim_differs,
     "mqa": lambda c: c.mqa,
     "gqa": lambda c: c.gqa,

@@ -115,6 +115,7 @@ def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Gener
         sliding_window=features.sliding_window,
         sinks=sinks,
         is_cross_attention=features.cross_attention,
+        causality="bidirectional" if features.bidirectional else "causal",
     )
 
 

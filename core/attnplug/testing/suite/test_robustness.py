@@ -208,6 +208,7 @@ _FEATURE = {  # feature -> (layer shape, layer features, scenario, regex the err
     "logit_softcap": (DEFAULT_SHAPE, Features(logit_cap=30.0), "decode", r"logit.?cap|soft.?cap"),
     "sinks": (DEFAULT_SHAPE, Features(sinks=True), "decode", r"sink"),
     "cross_attention": (DEFAULT_SHAPE, Features(cross_attention=True), "cross_decode", r"cross"),
+    "bidirectional": (DEFAULT_SHAPE, Features(bidirectional=True), "extend_prefix", r"bidirectional"),
     "v_head_dim_differs": (Shape("dv32", 8, 2, 64, 32), Features(), "decode", r"v_head_dim"),
     "mqa": (Shape("mqa", 8, 1, 64), Features(), "decode", r"MQA|num_kv_heads"),
     "gqa": (Shape("gqa4", 8, 2, 64), Features(), "decode", r"GQA|group"),
@@ -233,7 +234,8 @@ def test_refusal(attnplug_case: Any) -> None:
     # level 0.1 checked some variants in words only (``case.requirement`` is None for them, the family's
     # own); every other variant, and the refused forward, is the newer ``refusal.forward``
     words = case.requirement
-    forward = "refusal.forward"
+    # a variant a later level added names its own requirement for the words and the forward alike
+    forward = case.requirement if case.requirement not in (None, "refusal.forward") else "refusal.forward"
     if what.startswith("dtype_"):
         dt = what[len("dtype_"):]
         problem = H.make_problem(_claimed_case(name, Case("refusal", what, scenario("decode"))), device)
