@@ -138,7 +138,10 @@ class _Chain:
                 return self.registry.canonical(value, self.host)
             except UnknownBackendError as exc:
                 flag = "--" + field.replace("_", "-")
-                raise UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}") from None
+                err = UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}")
+                #: not the user's mistake: the name's plugin failed to load or was set aside
+                err.plugin_fault = self.registry.removed_by_plugin_fault(value)  # type: ignore[attr-defined]
+                raise err from None
         try:
             return self.registry.canonical(value, self.host)
         except PluginError:
