@@ -182,23 +182,28 @@ def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None
         except Exception as exc:  # a backend that cannot be built for a claimed case fails as a whole
             rep.error = f"build: {type(exc).__name__}: {exc}"
             return
-        rep.notes.extend(n for n in runtime_notes_of(backend) if n not in rep.notes)
+        rep.notes.extend(n for n in runtime_notes_of(backend, rep.distribution) if n not in rep.notes)
         try:
-            rep.modes.append(_check_case(label, case, backend, problem, H))
+            rep.modes.append(_check_case(label, case, backend, problem, H, rep))
         except Exception as exc:  # a claimed case that raises is a failed claim
             rep.modes.append(ModeResult(f"{label} ({case.scenario.name})", False,
                                         error=f"{type(exc).__name__}: {exc}"))
 
 
-def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any) -> ModeResult:
+def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any, rep: BackendReport) -> ModeResult:
     import torch
 
+    from attnplug.isolation import call_plugin_code, output_note
     from attnplug.testing.reference import expected_cache_after
     from attnplug.testing.tolerances import tolerance_for
 
     where = f"{label} ({case.scenario.name})"
     tol = tolerance_for(case.dtype)
-    out = H.run(backend, problem)
+    # the backend's code runs isolated: what it prints stays out of the report (noted once), and a
+    # SystemExit or a KeyboardInterrupt it raises itself fails this case naming its distribution
+    out, printed = call_plugin_code(rep.distribution, f"the forward of {where}", H.run, backend, problem)
+    if printed.strip() and not any("wrote to stdout" in n for n in rep.notes):
+        rep.notes.append(output_note(rep.distribution, f"the forward of {where}", printed))
     layer = problem.layers[0]
     want = (problem.batch.num_tokens, layer.num_heads, layer.v_head_dim)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
