@@ -147,3 +147,115 @@ def test_the_suite_fails_cases_whose_backend_exits_and_goes_on(test_dists_site, 
         data = json.loads(report.read_text())
         failed = [c for c in data["cases"] if c["outcome"] == "failed"]
         assert len(failed) > 1, "the suite stopped at the first case"
+
+
+# -- item 14: doctor on a plain install, without pytest ---------------------------------------------------------
+BLOCK_PYTEST = r'''
+import sys
+class NoPytest:
+    """A plain install: pytest (and _pytest) cannot be imported."""
+    def find_spec(self, name, path=None, target=None):
+        if name in ("pytest", "_pytest") or name.startswith(("pytest.", "_pytest.")):
+            raise ImportError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, NoPytest())
+from attnplug.cli.main import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.parametrize("args", [["--backend", "torch_native"], ["--json", "--backend", "torch_native",
+                                                                  "--backend", "template_sdpa"]])
+def test_doctor_needs_no_pytest(args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
+    proc = subprocess.run([sys.executable, "-c", BLOCK_PYTEST, "doctor", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+    clean(proc, 0)
+    assert "pytest" not in proc.stdout and "pytest" not in proc.stderr
+    if "--json" in args:
+        data = json.loads(proc.stdout)
+        assert data["ok"] and [b["status"] for b in data["backends"]] == ["ok", "ok"]
+    else:
+        assert proc.stdout.rstrip().endswith("doctor: all checks passed")
+
+
+# -- item 15: a name conflict removed the backends: doctor says so, and fails when none usable remains -----------
+def test_doctor_under_a_name_conflict_that_leaves_nothing_says_so_and_fails(test_dists_site):
+    plugins = f"{DIST},attnplug-torch-native"
+    proc = run(test_dists_site, "doctor", mode="conflict_torch_native", plugins=plugins)
+    clean(proc, 1)
+    assert ("backend name 'torch_native' is registered by two distributions: 'attnplug-test-hostile' and "
+            "'attnplug-torch-native'") in proc.stdout
+    assert "default pair: none: name conflicts removed 'torch_native'" in proc.stdout
+    assert "no installed backend declares a default priority" not in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1] == (
+        "doctor: FAILED: no usable backend: name conflicts removed 'torch_native'; uninstall one distribution of "
+        "each, or filter one with ATTNPLUG_DISABLE_PLUGINS")
+    data = json.loads(run(test_dists_site, "doctor", "--json", mode="conflict_torch_native", plugins=plugins).stdout)
+    assert data["ok"] is False and data["backends"] == [] and "torch_native" in data["no_usable_backend"]
+    assert "name conflicts removed 'torch_native'" in data["default_pair"]["explanation"]
+
+
+def test_doctor_under_a_name_conflict_with_a_usable_backend_left_says_so_and_passes(test_dists_site):
+    plugins = f"{DIST},attnplug-torch-native,attnplug-template-backend"
+    proc = run(test_dists_site, "doctor", "--json", mode="conflict_torch_native", plugins=plugins)
+    data = json.loads(proc.stdout)
+    assert [b["name"] for b in data["backends"]] == ["template_sdpa"] and data["backends"][0]["status"] == "ok"
+    assert data["no_usable_backend"] is None
+    if not data["default_pair"]["ok"]:
+        assert "name conflicts removed 'torch_native'" in data["default_pair"]["explanation"]
+    clean(proc, 0)
+
+
+# -- item 13: a malformed resolution-hook result sets that plugin aside; resolution goes on --------------------
+HOOK_FAULTS = {
+    "check_config_str": "hook attnplug_check_config returned 'this is one problem, not one per character' (str); "
+                        "expected a list of str or None",
+    "check_config_dict": "hook attnplug_check_config returned {'problem': 'x'} (dict); expected a list of str or None",
+    "check_config_systemexit": "hook attnplug_check_config raised SystemExit: 13",
+    "rule_bad_stage": "resolution rule 'hostile_rule': stage='sideways' (expected one of ('force', 'fallback'))",
+    "rule_returns_str": "resolution rule 'hostile_rule' returned 'attention_backend=hostile_ok'; it must return a "
+                        "dict of fields",
+    "rule_unknown_field": "force_rules rule 'hostile_rule' declared unknown field 'no_such_field'",
+    "override_list": "resolution rule 'HostileForCausalLM: as_a_list' returned ['attention_backend', 'hostile_ok']; "
+                     "it must return a dict of fields",
+    "override_raises": "resolution rule 'HostileForCausalLM: exits' raised SystemExit: 12",
+    "override_arch_int": "attnplug_arch_overrides: arch must be a name or names, got 7",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HOOK_FAULTS))
+def test_a_malformed_resolution_hook_sets_its_plugin_aside_and_resolution_goes_on(test_dists_site, mode):
+    arch = ["--arch", "HostileForCausalLM"] if mode.startswith("override") else []
+    args = ["resolve", "--json", *arch]
+    for extra in ([], ["--attention-backend", "fake_triton"]):
+        proc = run(test_dists_site, *args, *extra, mode=mode)
+        clean(proc, 0)
+        data = json.loads(proc.stdout)
+        assert data["ok"] is True and data["pair"] == {"prefill": "fake_triton", "decode": "fake_triton"}, data["error"]
+        assert list(data["set_aside"]) == [DIST] and HOOK_FAULTS[mode] in data["set_aside"][DIST]
+    text = run(test_dists_site, *[a for a in args if a != "--json"], mode=mode)
+    clean(text, 0)
+    assert f"plugin {DIST} set aside (its resolution hook broke the contract; resolved without it): " in text.stdout
+    # asking for the set-aside plugin's backend by name: a plugin fault (1), naming it
+    named = run(test_dists_site, "resolve", *arch, "--attention-backend", "hostile_ok", mode=mode)
+    clean(named, 1)
+    assert f"belongs to plugin '{DIST}', which was set aside" in named.stdout
+
+
+@pytest.mark.parametrize("mode", sorted(HOOK_FAULTS))
+def test_list_shows_a_plugin_with_a_malformed_resolution_hook_set_aside(test_dists_site, mode):
+    proc = run(test_dists_site, "list", "--json", mode=mode)
+    clean(proc, 0)
+    data = json.loads(proc.stdout)
+    record = next(p for p in data["plugins"] if p["distribution"] == DIST)
+    assert record["status"] == "failed" and HOOK_FAULTS[mode] in record["error"], record
+    assert [b["name"] for b in data["backends"]] == ["fake_triton"]
+    human = run(test_dists_site, "list", mode=mode)
+    assert f"plugin {DIST} 0.3.0 (hostile): failed: " in human.stdout
+
+
+def test_a_well_behaved_plugin_is_not_set_aside_by_list(test_dists_site):
+    data = json.loads(run(test_dists_site, "list", "--json").stdout)
+    assert next(p for p in data["plugins"] if p["distribution"] == DIST)["status"] == "loaded"
+    assert [b["name"] for b in data["backends"]] == ["fake_triton", "hostile_ok"]
