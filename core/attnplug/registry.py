@@ -423,12 +423,12 @@ class Registry:
         return None
 
     def removed_by_plugin_fault(self, name: str) -> bool:
-        """Whether ``name`` is missing because its plugin failed to load or was set aside (a plugin at
-        fault), rather than misspelt or filtered out."""
+        """Whether ``name`` may be missing because a plugin failed to load or was set aside (a plugin at
+        fault), rather than misspelt or filtered out: its plugin was set aside, or some plugin failed
+        before registering anything (its names are unknown, so ``name`` may be one of them)."""
         if name in self._set_aside:
             return True
-        key = norm(name)
-        return any(key in p.keys() and p.status == "failed" for p in self.plugins)
+        return any(p.status == "failed" and not p.backends for p in self.plugins)
 
     def _unknown_message(self, name: str, host: HostInfo) -> str:
         self.settle(host)
