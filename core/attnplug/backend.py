@@ -143,13 +143,32 @@ class AttentionBackend:
         return None
 
 
-def runtime_notes_of(backend: AttentionBackend) -> list[str]:
-    """``backend.runtime_notes()`` as strings; a hook that raises becomes a note saying so (a
-    plugin's failure never ends the command that asked)."""
+def runtime_notes_of(backend: AttentionBackend, distribution: str | None = None) -> list[str]:
+    """``backend.runtime_notes()`` as strings, run as plugin code (``isolation.call_plugin``): a hook
+    that raises anything (``SystemExit`` and a ``KeyboardInterrupt`` it raises itself included; a real
+    Ctrl-C still stops), returns something other than a list of str (a bare string is one fault, never
+    one note per character), or prints, becomes one note saying so, naming ``distribution`` when
+    given. A plugin's failure never ends the command that asked, nor reaches its stdout."""
+    from .errors import PluginError
+    from .isolation import call_plugin, describe_exception
+
+    who = f"plugin distribution {distribution!r}: " if distribution else ""
     try:
-        return [str(n) for n in backend.runtime_notes()]
-    except Exception as exc:  # a third-party hook: report, do not propagate
-        return [f"runtime_notes() raised {type(exc).__name__}: {exc}"]
+        notes, printed = call_plugin(distribution or "?", "runtime_notes()", backend.runtime_notes)
+    except PluginError as exc:
+        return [f"{who}runtime_notes() raised {describe_exception(exc.__cause__ or exc)}"]
+    extra = [f"{who}runtime_notes() wrote to stdout (kept out of the output): {_short(printed.strip())}"] \
+        if printed.strip() else []
+    if notes is None:
+        return extra
+    if isinstance(notes, (list, tuple)) and all(isinstance(n, str) for n in notes):
+        return list(notes) + extra
+    return [f"{who}runtime_notes() returned {_short(notes)} ({type(notes).__name__}); expected a list of str"] + extra
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class MetadataGuard:

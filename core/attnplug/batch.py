@@ -159,7 +159,22 @@ class ForwardBatch:
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
         self.req_pool_indices_cpu = rows
         self.__dict__.pop("_derived_memo", None)  # derived kernel inputs follow the fields validated now
+        self.__dict__["_validated"] = {f: (getattr(self, f), _version(getattr(self, f))) for f in _INDEX_FIELDS}
         return self
+
+    def changed_since_validate(self) -> str | None:
+        """The first index field (``extend_prefix_lens``, ``seq_lens`` …) replaced or written in place
+        since the last ``validate()``, else ``None`` (also when never validated). Cheap (no reduction,
+        no sync: torch's per-tensor version counter), so it runs per layer: the host copies and the
+        metadata built from them describe the validated values, never the new ones."""
+        snap = self.__dict__.get("_validated")
+        if snap is None:
+            return None
+        for field, (tensor, version) in snap.items():
+            now = getattr(self, field)
+            if now is not tensor or (version is not None and _version(now) != version):
+                return field
+        return None
 
     # -- derived kernel inputs (built on first use from the validated host copies, memoised per device) --
     @property
@@ -217,6 +232,19 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, l
                          f"for layer {layer.layer_id}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ShapeError(f"layer {layer.layer_id}: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+#: the fields ``validate`` derives host copies and kernel inputs from
+_INDEX_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens", "extend_seq_lens",
+                 "positions", "encoder_lens", "spec_custom_mask")
+
+
+def _version(t: Any) -> int | None:
+    """``t``'s in-place write counter (``None`` for ``None`` and for inference tensors, which keep none)."""
+    try:
+        return None if t is None else int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def _expect_1d(name: str, t: Any, n: int) -> None:

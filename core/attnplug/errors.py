@@ -43,6 +43,8 @@ class BackendConflictError(PluginError):
     def __init__(self, name: str, first: str, second: str, what: str = "backend name") -> None:
         self.name = name
         self.distributions = (first, second)
+        #: ``"backend name"`` or ``"alias"``
+        self.what = what
         AttnplugError.__init__(
             self,
             f"{what} {name!r} is registered by two distributions: {first!r} and {second!r}; "

@@ -138,6 +138,56 @@ def _watching_sigint() -> Iterator[None]:
             _sigint_previous = None
 
 
+@contextlib.contextmanager
+def watch_sigint() -> Iterator[Callable[[], bool]]:
+    """Count SIGINTs around code that calls plugin code many times without ``call_plugin`` (a timing
+    loop, a conformance test); yields ``interrupted()``: whether a real Ctrl-C arrived since."""
+    before = _sigint_count
+    with _watching_sigint():
+        yield lambda: _sigint_count != before
+
+
+def guarded(distribution: str, what: str, fn: Callable[..., T], interrupted: Callable[[], bool]) -> Callable[..., T]:
+    """``fn`` for a hot loop (no per-call cost): an ordinary ``Exception`` passes through as it is,
+    while ``SystemExit``, ``GeneratorExit`` and a ``KeyboardInterrupt`` that is not a real Ctrl-C
+    (``interrupted()`` from ``watch_sigint``) become a ``PluginError`` naming ``distribution``."""
+
+    def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            raise
+        except KeyboardInterrupt as exc:
+            if interrupted():
+                raise
+            raise PluginError(distribution, f"{what} raised {describe_exception(exc)}") from exc
+        except (SystemExit, GeneratorExit) as exc:
+            raise PluginError(distribution, f"{what} raised {describe_exception(exc)}") from exc
+
+    return call
+
+
+@contextlib.contextmanager
+def captured_stdout() -> Iterator[list[str]]:
+    """What this thread writes to ``sys.stdout`` inside the block, kept out of the program's output
+    (joined: ``"".join(buf)``); other threads' writes pass through."""
+    with _captured_stdout() as buf:
+        yield buf
+
+
+def call_plugin_code(distribution: str, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, str]:
+    """``call_plugin`` for a caller that reports a plugin's ordinary exceptions itself (``doctor``,
+    ``bench``): an ``Exception`` is re-raised as it is (its class and message are the report), while
+    ``SystemExit``, ``GeneratorExit`` and a ``KeyboardInterrupt`` that is not a real Ctrl-C become a
+    ``PluginError`` naming ``distribution``; stdout is kept out of the program's output and returned."""
+    try:
+        return call_plugin(distribution, what, fn, *args, **kwargs)
+    except PluginError as exc:
+        if isinstance(exc.__cause__, Exception):
+            raise exc.__cause__ from None
+        raise
+
+
 def describe_exception(exc: BaseException) -> str:
     """``"SystemExit: 9"``, ``"KeyboardInterrupt"``: the class and message in words."""
     text = str(exc)

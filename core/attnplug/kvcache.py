@@ -25,6 +25,7 @@ stored × scale (``read_kv(..., dequantize=True)``, ``dequantize``).
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -174,6 +175,8 @@ class PagedKVCache:
 
     def check_slots(self, loc: torch.Tensor, field: str = "out_cache_loc") -> None:
         """Every slot in ``loc`` is in ``[0, num_slots)``; the error names ``field``, the value and the bound."""
+        if not isinstance(loc, torch.Tensor):
+            raise ShapeError(f"{field} is a {type(loc).__name__}, expected an integer tensor of slot indices")
         if loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
             raise ShapeError(f"{field} has dtype {loc.dtype}, expected an integer tensor of slot indices")
         if loc.numel() == 0:
@@ -200,7 +203,9 @@ class PagedKVCache:
         if req.dtype.is_floating_point or req.dtype == torch.bool:
             raise ShapeError(f"req_pool_indices has dtype {req.dtype}, expected an integer tensor")
         rows = req.tolist()
-        if rows != getattr(b, "req_pool_indices_cpu", rows) or b.seq_lens.tolist() != b.seq_lens_cpu:
+        changed = getattr(b, "changed_since_validate", None)
+        if (rows != getattr(b, "req_pool_indices_cpu", rows) or b.seq_lens.tolist() != b.seq_lens_cpu
+                or (changed is not None and changed() is not None)):
             # the tensors changed after validate() (an engine reusing a batch object): the host copies
             # backends read are stale, so derive and check them again rather than trust them
             b.validate()
@@ -280,8 +285,8 @@ class PagedKVCache:
 
     def read_kv(self, layer_id: int, slots: torch.Tensor | None = None, *,
                 dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """K ``[n, num_kv_heads, head_dim]`` and V ``[n, num_kv_heads, v_head_dim]`` of ``slots`` (every slot
-        when ``None``), token-major, as new tensors, whatever the layout. Slots are bounds-checked.
+        """K ``[n, num_kv_heads, head_dim]`` and V ``[n, num_kv_heads, v_head_dim]`` of ``slots`` (an integer
+        tensor or a list of ints; every slot when ``None``), token-major, as new tensors, whatever the layout. Slots are bounds-checked.
 
         The stored values, in the cache dtype; ``dequantize=True`` returns float32 values (stored ×
         the layer's scale for an fp8 cache)."""
@@ -289,6 +294,7 @@ class PagedKVCache:
         if slots is None:
             slots = torch.arange(self.num_slots, device=self.device)
         else:
+            slots = _slot_indices(slots, "read_kv slots")
             self.check_slots(slots, "slots")
             slots = slots.to(device=self.device, dtype=torch.int64).reshape(-1)
         k, v = self.layout.read(self._storage[layer_id], self.geometry, slots)
@@ -500,3 +506,16 @@ class PageAllocator:
             raise RuntimeError(f"out of KV-cache pages: asked for {n}, {len(self._free)} free")
         out, self._free = self._free[:n], self._free[n:]
         return out
+
+
+def _slot_indices(slots: Any, field: str) -> torch.Tensor:
+    """``slots`` as a tensor: a tensor as given, a list/tuple/range of ints as int64; anything else a
+    ``ShapeError`` naming ``field`` and what it got."""
+    if isinstance(slots, torch.Tensor):
+        return slots
+    if isinstance(slots, (list, tuple, range)):
+        bad = [s for s in slots if isinstance(s, bool) or not hasattr(s, "__index__")]
+        if not bad:
+            return torch.tensor([operator.index(s) for s in slots], dtype=torch.int64)
+        raise ShapeError(f"{field}: {bad[0]!r} ({type(bad[0]).__name__}) is not a slot index (expected ints)")
+    raise ShapeError(f"{field} is a {type(slots).__name__}, expected an integer tensor or a list of ints")

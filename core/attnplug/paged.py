@@ -220,6 +220,12 @@ class PagedBackend(AttentionBackend):
     def check_forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
         """Structural checks of one layer's call (no reductions, no device sync)."""
         cache = self.cache
+        changed = batch.changed_since_validate() if hasattr(batch, "changed_since_validate") else None
+        if changed is not None:
+            raise ShapeError(
+                f"{self.name}: ForwardBatch.{changed} changed after init_forward_metadata (the metadata describes "
+                f"the old values); call init_forward_metadata(batch) again after changing a batch"
+            )
         cache.check_layer_id(layer.layer_id)
         if q.dtype not in self._claimed_torch:
             raise NotSupportedError(

@@ -422,6 +422,14 @@ class Registry:
                 return f"backend {name!r} comes from plugin {p.distribution!r} ({p.name}), which failed to load: {p.error}"
         return None
 
+    def removed_by_plugin_fault(self, name: str) -> bool:
+        """Whether ``name`` may be missing because a plugin failed to load or was set aside (a plugin at
+        fault), rather than misspelt or filtered out: its plugin was set aside, or some plugin failed
+        before registering anything (its names are unknown, so ``name`` may be one of them)."""
+        if name in self._set_aside:
+            return True
+        return any(p.status == "failed" and not p.backends for p in self.plugins)
+
     def _unknown_message(self, name: str, host: HostInfo) -> str:
         self.settle(host)
         avail = [n for n in self.names() if self.availability(n, host)]

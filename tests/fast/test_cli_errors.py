@@ -138,7 +138,7 @@ def test_each_subcommand_turns_bad_arguments_into_one_line(args, env, status, fr
 
 def test_a_resolution_error_names_the_draft_field():
     proc = attnplug("resolve", "--speculative-draft-attention-backend", "no_such_backend")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a bad flag value (issue 26: it was 1)
     assert ("speculative_draft_attention_backend='no_such_backend' (flag --speculative-draft-attention-backend): "
             "unknown attention backend 'no_such_backend'") in proc.stdout
 

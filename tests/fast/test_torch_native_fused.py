@@ -833,7 +833,10 @@ def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build,
     lib, why = fused.load()
     assert why is None and lib is not None
     built = fused.library_path(fused.compiler())  # type: ignore[arg-type]
-    assert [p.name for p in fresh_build.iterdir()] == [built.name] and leftovers(fresh_build) == []
+    assert sorted(p.name for p in fresh_build.iterdir()) == [built.name, fused.sidecar_path(built).name]
+    assert leftovers(fresh_build) == []
+    assert stat.S_IMODE(os.stat(built).st_mode) == 0o755  # usable from a cache shared between users
+    assert fused.verify(built) is None
     stamp = os.stat(built).st_mtime_ns
     fused.load.cache_clear()
     again, why = fused.load()

@@ -30,6 +30,7 @@ from ..batch import ForwardBatch
 from ..config import AttentionConfig
 from ..context import BuildContext
 from ..dtypes import torch_dtype
+from ..errors import NotSupportedError
 from ..kvcache import PageAllocator, PagedKVCache
 from ..layer import LayerSpec
 from ..modes import ForwardMode
@@ -112,7 +113,12 @@ class PagedProblem:
         if registry is not None:
             caps = registry.get(registry.canonical(name, host)).capabilities
             if not caps.reads_layout(cache.layout.name):
-                cache = self.cache_for(registry.kv_layout(caps.kv_layouts[0]))  # type: ignore[index]
+                layout = registry.kv_layout(caps.kv_layouts[0])  # type: ignore[index]
+                reasons = layout.geometry_reasons(cache.geometry)
+                if reasons:  # e.g. a head dim the layout's kernel is not compiled for: not claimed, skipped
+                    raise NotSupportedError(registry.canonical(name, host), reasons,
+                                            what=f"this problem (its KV layout {layout.name!r} cannot hold it)")
+                cache = self.cache_for(layout)
         return BuildContext(
             config=AttentionConfig(attention_backend=name), host=host, device=str(self.device), dtype=p.dtype,
             kv_cache_dtype=p.cache_dtype, num_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.head_dim,

@@ -72,6 +72,13 @@ def prepare(spec: Spec) -> Prepared:
                                       f"(claims: {', '.join(claimed)})")
             if name not in names:
                 names.append(name)
+    try:
+        free = available_memory(device)
+    except (RuntimeError, AssertionError):  # pragma: no cover - the device cannot say: the run will
+        free = 1 << 62
+    if (spec.bandwidth_mib << 20) > free // 2:
+        raise BenchUsageError(f"--bandwidth-mib {spec.bandwidth_mib}: the tensor summed would take more than half "
+                              f"the free memory of {device} ({free >> 20} MiB free)")
     return Prepared(spec, device, names, notes)
 
 
@@ -193,7 +200,8 @@ def _skip_reason(p: Problem, spec: Spec, device: Any) -> str:
 def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[str, Any]:
     import torch
 
-    from ..errors import AttnplugError
+    from ..errors import AttnplugError, PluginError
+    from ..isolation import call_plugin_code, captured_stdout, guarded, output_note, watch_sigint
     from ..registry import default_registry
     from .problem import PagedProblem
     from .timing import CLOCKS, interleaved_median_ms, median_ms
@@ -203,23 +211,36 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     reg = default_registry()
     loop = prob.loop_call()
     expected = loop()
-    calls, built, diffs, row_notes = {}, {}, {}, []
+    calls, built, diffs, row_notes, dists = {}, {}, {}, [], {}
     for name in prep.backends:
+        dist = dists[name] = reg.get(name).distribution
         try:
             ctx = prob.context(name, reg.host, reg)
             _, backend = reg.build(name, ctx)
-            reasons = backend.not_supported_reasons(prob.layer, ctx)
+            # the backend's own code runs isolated: a SystemExit or a KeyboardInterrupt it raises itself
+            # is its failure (naming its distribution), and what it prints stays out of the results
+            reasons, printed = call_plugin_code(dist, "not_supported_reasons()", backend.not_supported_reasons,
+                                                prob.layer, ctx)
             if reasons:
                 raise AttnplugError("; ".join(reasons))
-            call = prob.backend_call(backend)
-            out = call()
+            call, printed2 = call_plugin_code(dist, "init_forward_metadata()", prob.backend_call, backend)
+            out, printed3 = call_plugin_code(dist, "forward()", call)
+            for text in (printed, printed2, printed3):
+                if text.strip():
+                    row_notes.append(output_note(dist, f"{name}'s first call", text))
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(expected.shape):
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"forward returned {got}, expected a tensor of shape {tuple(expected.shape)}")
+            diffs[name] = float((out.float() - expected.float()).abs().max())
+        except PluginError as exc:  # the plugin broke the contract (raised SystemExit …): its row fails
+            row_notes.append(f"{name}: failed ({exc})")
+            continue
         except AttnplugError as exc:  # not claimed for this problem (dtype, head dim, …): a note, not a failure
             row_notes.append(f"{name}: skipped ({exc})")
             continue
         except Exception as exc:  # a backend that breaks is reported on its row; the other rows still run
             row_notes.append(f"{name}: failed ({type(exc).__name__}: {exc})")
             continue
-        diffs[name] = float((out.float() - expected.float()).abs().max())
         calls[name], built[name] = call, backend
     floor_kind, floor = prob.floor_call()
     floor_diff = float((prob.floor_tokens(floor()).float() - expected.float()).abs().max())
@@ -227,7 +248,24 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     calls[FLOOR] = floor
     best: dict[str, float] = {}
     clock = CLOCKS[spec.clock]
-    ms = interleaved_median_ms(calls, spec.repeats, spec.warmup, prob.sync, flush, best, clock)
+    while True:  # a backend that breaks the contract during the timed calls loses its row; the rest are timed
+        with watch_sigint() as interrupted, captured_stdout() as printed_buf:
+            timed = {n: guarded(dists[n], "forward()", c, interrupted) if n in built else c for n, c in calls.items()}
+            try:
+                best.clear()
+                ms = interleaved_median_ms(timed, spec.repeats, spec.warmup, prob.sync, flush, best, clock)
+                failed = None
+            except PluginError as exc:
+                failed = next((n for n in built if dists[n] == exc.distribution), None)
+                if failed is None:
+                    raise
+                row_notes.append(f"{failed}: failed ({exc})")
+                del calls[failed], built[failed]
+        if "".join(printed_buf).strip():
+            row_notes.append(output_note(", ".join(sorted({dists[n] for n in built})) or "?", "the timed calls",
+                                         "".join(printed_buf)))
+        if failed is None:
+            break
     kv = p.kv_bytes()
     target, need_loop = GOALS[p.mode]
     rows = []
@@ -260,7 +298,7 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
             validation.append({"backend": name, "init_forward_metadata_ms": meta, "bounds_checks_ms": checks,
                                "checks_in_init_forward_metadata": isinstance(backend, PagedBackend),
                                "forward_ms": ms[name], "checks_over_forward": checks / ms[name]})
-    runtime = {name: runtime_notes_of(backend) for name, backend in built.items()}
+    runtime = {name: runtime_notes_of(backend, dists[name]) for name, backend in built.items()}
     del prob, calls, built
     return {"problem": p.to_dict(), "label": p.label(), "kv_bytes": kv, "floor_method": floor_kind,
             "rows": rows, "validation": validation, "notes": row_notes, "torch_threads": torch.get_num_threads(),

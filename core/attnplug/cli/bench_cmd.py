@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--repeats", metavar="N", help="timed calls per row; the median is reported (default: 10)")
     a("--warmup", metavar="N", help="untimed calls first (default: 2)")
     a("--device", default="cpu", help="torch device (default: cpu)")
-    a("--threads", metavar="N", help="torch CPU threads for the run (default: torch's own choice; --quick: 1)")
+    a("--threads", metavar="N", help="torch CPU threads for the run, 1 to this machine's CPU count (default: torch's "
+      "own choice; --quick: 1)")
     a("--seed", default="0", metavar="N", help="page scatter and data seed (default: 0)")
     a("--clock", choices=("wall", "cpu"), default="wall",
       help="what a call's time is: wall (default) or cpu, the CPU time of the timing thread; cpu needs "
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--warm", action="store_true", help="do not flush the CPU caches before each timed call (default: flush, "
       "as in a real forward where the other layers ran in between)")
     a("--max-kv-gib", metavar="GIB", help=f"skip problems whose K/V exceed this (default: {DEFAULT_MAX_KV_GIB:g})")
-    a("--bandwidth-mib", metavar="MIB", help="size of the tensor summed to measure read bandwidth (default: 512)")
+    a("--bandwidth-mib", metavar="MIB", help="size of the tensor summed to measure read bandwidth, 1 to "
+      f"{MAX_BANDWIDTH_MIB} and at most half the free memory (default: 512)")
     a("--quick", action="store_true", help="a tiny sweep (every mode, small shapes, 3 repeats, one thread) for "
       "CI; flags given explicitly still apply")
     a("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout, instead of the table)")
@@ -106,8 +108,10 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         seed=_one("--seed", args.seed, minimum=0),
         warm=bool(args.warm),
         max_kv_gib=max_kv,
-        bandwidth_mib=_one("--bandwidth-mib", value["bandwidth_mib"]),
-        threads=_one("--threads", value["threads"]) if value["threads"] is not None else None,
+        bandwidth_mib=_bounded("--bandwidth-mib", value["bandwidth_mib"], MAX_BANDWIDTH_MIB,
+                               f"the cap on the tensor summed, {MAX_BANDWIDTH_MIB} MiB"),
+        threads=_bounded("--threads", value["threads"], max_threads(), "this machine's CPU count")
+        if value["threads"] is not None else None,
         clock=_clock(args, device, value["threads"]),
     )
 
@@ -134,6 +138,24 @@ def check_output_path(flag: str, path: str | None) -> None:
     if not path or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise BenchUsageError(f"{flag} {path!r}: cannot write there (expected a file path in an existing, "
                               f"writable folder)")
+
+
+#: the largest ``--bandwidth-mib`` (64 GiB); ``prepare`` also refuses one above half the free memory
+MAX_BANDWIDTH_MIB = 65536
+
+
+def max_threads() -> int:
+    """The largest ``--threads``: this machine's CPU count (``os.cpu_count()``)."""
+    import os
+
+    return os.cpu_count() or 1
+
+
+def _bounded(flag: str, text: str, cap: int, what: str) -> int:
+    value = _one(flag, text)
+    if value > cap:
+        raise BenchUsageError(f"{flag} {text!r}: {value} is above {cap} ({what})")
+    return value
 
 
 def _one(flag: str, text: str, minimum: int = 1) -> int:

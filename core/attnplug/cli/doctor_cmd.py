@@ -8,8 +8,10 @@ and every claimed dtype), built by the suite's own harness and compared with
 the float64 reference. A backend that ignores a claimed feature fails with
 that feature named. Exit status 1 when a backend that claims availability
 fails (build error, forward error, wrong KV-cache write, error above
-tolerance) or when the default pair fails to resolve although some
-installed backend volunteers as a default here; with none volunteering,
+tolerance), when the default pair fails to resolve although some
+installed backend volunteers as a default here, or when a name conflict
+(two distributions registering one name) removed backends and none usable
+remains (said in words: the conflict removed them); with none volunteering,
 doctor explains that and still checks every backend.
 
 torch is imported inside ``check_backend`` only (``attnplug doctor --help``
@@ -185,23 +187,28 @@ def _run_checks(registry: Any, name: str, host: Any, rep: BackendReport) -> None
         except Exception as exc:  # a backend that cannot be built for a claimed case fails as a whole
             rep.error = f"build: {type(exc).__name__}: {exc}"
             return
-        rep.notes.extend(n for n in runtime_notes_of(backend) if n not in rep.notes)
+        rep.notes.extend(n for n in runtime_notes_of(backend, rep.distribution) if n not in rep.notes)
         try:
-            rep.modes.append(_check_case(label, case, backend, problem, H))
+            rep.modes.append(_check_case(label, case, backend, problem, H, rep))
         except Exception as exc:  # a claimed case that raises is a failed claim
             rep.modes.append(ModeResult(f"{label} ({case.scenario.name})", False,
                                         error=f"{type(exc).__name__}: {exc}"))
 
 
-def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any) -> ModeResult:
+def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any, rep: BackendReport) -> ModeResult:
     import torch
 
+    from attnplug.isolation import call_plugin_code, output_note
     from attnplug.testing.reference import expected_cache_after
     from attnplug.testing.tolerances import tolerance_for
 
     where = f"{label} ({case.scenario.name})"
     tol = tolerance_for(case.dtype)
-    out = H.run(backend, problem)
+    # the backend's code runs isolated: what it prints stays out of the report (noted once), and a
+    # SystemExit or a KeyboardInterrupt it raises itself fails this case naming its distribution
+    out, printed = call_plugin_code(rep.distribution, f"the forward of {where}", H.run, backend, problem)
+    if printed.strip() and not any("wrote to stdout" in n for n in rep.notes):
+        rep.notes.append(output_note(rep.distribution, f"the forward of {where}", printed))
     layer = problem.layers[0]
     want = (problem.batch.num_tokens, layer.num_heads, layer.v_head_dim)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
@@ -236,17 +243,28 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
     backends = [check_backend(registry, n, host) for n in names]
     failed = [b.name for b in backends if b.status == "failed"]
     default_failure = not res.ok
+    usable = [b.name for b in backends if b.status == "ok"]
+    conflicted = sorted(n for n, e in registry.conflicts.items() if getattr(e, "what", "") == "backend name")
+    no_usable = None
     if not res.ok:
         ranked = [n for n in registry.names() if registry.get(n).priority_on(host) is not None]
         if not any(registry.availability(n, host) for n in ranked):
             # Nothing installed volunteers as a default here (e.g. only a third-party backend that
-            # is chosen by name): that is a fact about this install, not a broken backend.
+            # is chosen by name): that is a fact about this install, not a broken backend -- unless a
+            # name conflict removed the backends that would
             default_failure = False
-            usable = [b.name for b in backends if b.status == "ok"]
-            default["explanation"] = (
-                f"no installed backend declares a default priority for a {host.platform} host"
-                + (f"; choose one by name, e.g. --attention-backend {usable[0]}" if usable else "")
-            )
+            choose = f"; choose one by name, e.g. --attention-backend {usable[0]}" if usable else ""
+            if conflicted:
+                default["explanation"] = (
+                    f"name conflicts removed {', '.join(repr(n) for n in conflicted)} (each registered by two "
+                    f"distributions; see the conflicts above), and no backend that remains declares a default "
+                    f"priority for a {host.platform} host{choose}")
+            else:
+                default["explanation"] = (
+                    f"no installed backend declares a default priority for a {host.platform} host{choose}")
+    if conflicted and not usable:
+        no_usable = (f"no usable backend: name conflicts removed {', '.join(repr(n) for n in conflicted)}; uninstall "
+                     f"one distribution of each, or filter one with ATTNPLUG_DISABLE_PLUGINS")
     return {
         "host": host.to_dict(),
         "host_line": host.describe(),
@@ -258,7 +276,8 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
         "default_pair": default,
         "backends": [b.to_dict() for b in backends],
         "failed": failed,
-        "ok": not failed and not default_failure,
+        "no_usable_backend": no_usable,
+        "ok": not failed and not default_failure and no_usable is None,
     }
 
 
@@ -312,7 +331,8 @@ def render(report: dict[str, Any]) -> str:
     if not report["backends"]:
         lines.append(report.get("empty_hint") or "no backends found")
     lines.append("doctor: " + ("all checks passed" if report["ok"] else
-                               "FAILED: " + (", ".join(report["failed"]) or "no default pair")))
+                               "FAILED: " + (", ".join(report["failed"]) or report.get("no_usable_backend")
+                                             or "no default pair")))
     return "\n".join(lines)
 
 

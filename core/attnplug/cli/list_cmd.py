@@ -18,6 +18,11 @@ def collect(registry: Any) -> dict[str, Any]:
     # first ask every probe and priority function: a plugin that answers with the wrong type is
     # set aside (its record says why), so the table below only lists what is still registered
     registry.settle(host)
+    # and every resolution hook (the default resolution, once per declared architecture): a plugin whose
+    # hook raises or answers with a malformed value is set aside and listed as failed, with the reason
+    from ..resolution.chain import vet_hooks
+
+    vet_hooks(registry, host)
     backends = []
     for name in registry.names():
         desc = registry.get(name)

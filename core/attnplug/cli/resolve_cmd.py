@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from attnplug.resolution import collect_arch_overrides, collect_resolution_rules, trace
     from attnplug.resolution.explain import overrides_table
 
-    from attnplug.errors import AttnplugError
+    from attnplug.errors import AttnplugError, UnknownBackendError
 
     registry = default_registry()
     if args.list_overrides:
@@ -78,4 +78,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2, sort_keys=True, default=str))
     else:
         print(result.explain())
-    return 0 if result.ok else 1
+    if result.ok:
+        return 0
+    # a name the user gave that no plugin registers is a bad flag value (2); one whose plugin broke
+    # is the plugin's fault, and a resolution that fails its checks is a failed check (1)
+    err = result.error
+    return 2 if isinstance(err, UnknownBackendError) and not getattr(err, "plugin_fault", False) else 1

@@ -13,7 +13,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..config import AttentionConfig
-from ..errors import AttnplugError, BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
+from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableError, ConfigError, PluginError,
+                      UnknownBackendError)
 from ..host import HostInfo
 from .explain import Candidate, Resolution
 from .passes import (
@@ -78,12 +79,50 @@ def trace(
     config = AttentionConfig() if config is None else config
     host = host or registry.host
     registry.settle(host)  # a plugin with a malformed probe/priority is set aside before the passes
-    chain = _Chain(config, arch, host, registry, tuple(layers))
+    set_aside: dict[str, str] = {}
+    while True:
+        chain = _Chain(config, arch, host, registry, tuple(layers))
+        try:
+            chain.run(passes)
+        except PluginError as exc:
+            if not _sets_aside(registry, exc):
+                chain.error = exc
+            else:
+                # a plugin's hook raised or answered with a malformed value (check_config returning a
+                # str, a rule with an unknown stage, an override returning a list): the contract sets
+                # that plugin aside, and resolution runs again for everyone else
+                registry.set_aside(exc.distribution, exc.detail)
+                set_aside[exc.distribution] = exc.detail
+                continue
+        except (AttnplugError, ValueError) as exc:
+            chain.error = exc
+        break
+    result = chain.result()
+    return dataclasses.replace(result, set_aside=set_aside) if set_aside else result
+
+
+def vet_hooks(registry: "Registry", host: HostInfo | None = None) -> dict[str, str]:
+    """Ask every resolution hook now, the way ``Registry.settle`` asks every probe: the default
+    resolution once, then once per architecture the plugins declare overrides for (what ``attnplug
+    resolve [--arch A]`` does), so a plugin whose hook breaks the contract is set aside before
+    ``attnplug list`` shows the table. Returns ``{distribution: why}`` of the plugins set aside."""
+    host = host or registry.host
+    found = dict(trace(AttentionConfig(), host=host, registry=registry).set_aside)
     try:
-        chain.run(passes)
-    except (AttnplugError, ValueError) as exc:
-        chain.error = exc
-    return chain.result()
+        archs = sorted({a for o in collect_arch_overrides(registry) for a in o.archs})
+    except AttnplugError:  # pragma: no cover - the trace above set a raising collector aside
+        archs = []
+    for arch in archs:
+        found.update(trace(AttentionConfig(), arch=arch, host=host, registry=registry).set_aside)
+    return found
+
+
+def _sets_aside(registry: "Registry", exc: PluginError) -> bool:
+    """Whether ``exc`` is a loaded plugin breaking the hook contract (set it aside), rather than a
+    name conflict or a plugin that is already out."""
+    if isinstance(exc, BackendConflictError):
+        return False
+    return any(p.distribution == exc.distribution and p.status == "loaded" for p in registry.plugins)
 
 
 class _Chain:
@@ -138,7 +177,10 @@ class _Chain:
                 return self.registry.canonical(value, self.host)
             except UnknownBackendError as exc:
                 flag = "--" + field.replace("_", "-")
-                raise UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}") from None
+                err = UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}")
+                #: not the user's mistake: the name's plugin failed to load or was set aside
+                err.plugin_fault = self.registry.removed_by_plugin_fault(value)  # type: ignore[attr-defined]
+                raise err from None
         try:
             return self.registry.canonical(value, self.host)
         except PluginError:

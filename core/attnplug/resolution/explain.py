@@ -54,6 +54,9 @@ class Resolution:
     candidates: tuple[Candidate, ...] = ()
     conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     error: BaseException | None = None
+    #: distribution -> why: plugins whose resolution hook broke the contract during this resolution
+    #: (raised, or answered with a malformed value); set aside, and the chain ran again without them
+    set_aside: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def pair(self) -> tuple[str | None, str | None]:
@@ -127,6 +130,7 @@ def to_dict(res: "Resolution") -> dict[str, Any]:
                       for r, f, v, why in res.overruled()],
         "candidates": [c.to_dict() for c in res.candidates],
         "rejected": rejected_reasons(res),
+        "set_aside": dict(res.set_aside),
     }
 
 
@@ -142,6 +146,8 @@ def explain_text(res: "Resolution") -> str:
     else:
         lines.append(f"resolution FAILED: {type(res.error).__name__}: {res.error}")
         lines.append(f"pair so far: prefill={prefill} decode={decode}")
+    for dist, why in res.set_aside.items():
+        lines.append(f"plugin {dist} set aside (its resolution hook broke the contract; resolved without it): {why}")
     lines.append("")
     lines.append("pinned (set by you; no pass may change them): " + _fields(res.pinned))
     lines.append("")

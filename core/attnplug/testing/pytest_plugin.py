@@ -350,6 +350,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                                 item.name.split("[", 1)[0], False, "protocol")
 
 
+# -- running ---------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """A suite case runs the backend's code as ``isolation`` runs plugin code: a ``SystemExit``, a
+    ``GeneratorExit`` or a ``KeyboardInterrupt`` the backend raises itself (from its factory, forward,
+    metadata or notes) fails that case with a ``PluginError`` naming the distribution, and the suite
+    goes on; a real Ctrl-C still stops it."""
+    state = item.config.stash.get(STATE_KEY, None)
+    info = state.items.get(item.nodeid) if state is not None else None
+    if info is None:
+        return (yield)
+    from attnplug.errors import PluginError
+    from attnplug.isolation import describe_exception, watch_sigint
+
+    with watch_sigint() as interrupted:
+        try:
+            return (yield)
+        except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+            if isinstance(exc, KeyboardInterrupt) and interrupted():
+                raise
+            dist = next((b.distribution for b in state.backends if b.name == info.backend), "?")
+            raise PluginError(dist, f"backend {info.backend!r} raised {describe_exception(exc)} during "
+                              f"{item.name}") from exc
+
+
 # -- results ---------------------------------------------------------------------------
 def _requirement(req_id: str | None, info: CaseInfo) -> Any:
     from attnplug.testing.suite import requirements as R

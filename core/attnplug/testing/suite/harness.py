@@ -14,8 +14,25 @@ import contextlib
 import dataclasses
 from typing import Any, Sequence
 
-import pytest
 import torch
+
+try:
+    import pytest
+except ImportError:  # `attnplug doctor` uses this harness on a plain install, where pytest may be absent
+
+    class _WithoutPytest:
+        """What the harness needs of pytest where it is not installed: ``fail`` and ``skip`` raise plain
+        errors (doctor reports them as the case's failure), never an ImportError for the whole backend."""
+
+        @staticmethod
+        def fail(reason: str = "", pytrace: bool = True) -> Any:
+            raise AssertionError(reason)
+
+        @staticmethod
+        def skip(reason: str = "") -> Any:
+            raise RuntimeError(f"skipped: {reason}")
+
+    pytest = _WithoutPytest()  # type: ignore[assignment]
 
 from ...batch import ForwardBatch
 from ...config import AttentionConfig

@@ -32,6 +32,8 @@ FACTORY = "attnplug_test_hostile.kernel:make"
 
 
 def _descriptors():
+    if MODE == "conflict_torch_native":  # the name attnplug-torch-native registers: neither keeps it
+        return [BackendDescriptor(name="torch_native", factory=FACTORY, capabilities=CAPS, priority={"cpu": 1})]
     kw = dict(name="hostile_ok", factory=FACTORY, capabilities=CAPS, priority={"cpu": 1})
     if MODE == "priority_str":
         kw["priority"] = {"cpu": "high"}
@@ -74,9 +76,33 @@ def attnplug_register_backends(register):
 
 
 @hookimpl
+def attnplug_arch_overrides(register):
+    if MODE == "override_list":
+        register("HostileForCausalLM", lambda host, config: ["attention_backend", "hostile_ok"], name="as_a_list")
+    if MODE == "override_raises":
+        register("HostileForCausalLM", lambda host, config: sys.exit(12), name="exits")
+    if MODE == "override_arch_int":
+        register(7, lambda host, config: {})
+
+
+@hookimpl
+def attnplug_resolution_rules(register):
+    if MODE == "rule_bad_stage":
+        register("hostile_rule", "sideways", lambda host, config, registry: {})
+    if MODE == "rule_returns_str":
+        register("hostile_rule", "fallback", lambda host, config, registry: "attention_backend=hostile_ok")
+    if MODE == "rule_unknown_field":
+        register("hostile_rule", "force", lambda host, config, registry: {"no_such_field": 1})
+
+
+@hookimpl
 def attnplug_check_config(config, host):
     if MODE == "check_config_str":
         return "this is one problem, not one per character"
+    if MODE == "check_config_dict":
+        return {"problem": "x"}
+    if MODE == "check_config_systemexit":
+        sys.exit(13)
     if MODE == "check_config_print":
         print("chatter from check_config")
     return None
