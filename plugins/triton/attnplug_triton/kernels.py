@@ -61,6 +61,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _round(x, dtype: tl.constexpr):
+    """float32 ``x`` in ``dtype``, rounded to nearest even. A GPU's conversion does that already;
+    Triton's interpreter truncates a float32 -> bfloat16 cast (every output half an ulp low on
+    average: the suite's ``rounding`` family), so for bfloat16 the rounding is done on the bits
+    first (add 0x7FFF plus the kept lowest bit, clear the low half: exactly bf16-representable,
+    so any conversion after it is exact; NaN kept as it is)."""
+    if dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        x = tl.where(x != x, x, u.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
 def _attend_block(
     q, k, v, acc, m_i, l_i, visible, scale, cap,
     HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -89,7 +103,7 @@ def _attend_block(
     if FP32_DOT:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(_round(p, v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
@@ -176,8 +190,8 @@ def _attn_kernel(
             mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
         )
         if KV_SCALED:  # an fp8 cache: dequantize this block only (stored * scale, in float32)
-            k = k.to(tl.float32) * k_scale
-            v = v.to(tl.float32) * v_scale
+            k = _round(k.to(tl.float32) * k_scale, q.dtype)
+            v = _round(v.to(tl.float32) * v_scale, q.dtype)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         visible = row_ok[:, None] & k_ok[None, :]
@@ -226,7 +240,7 @@ def _attn_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-            out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+            _round(out, Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV),
         )
     else:
         t_row = q_start + tok
@@ -276,7 +290,7 @@ def _combine_kernel(
     if HAS_SINKS:
         den = den + tl.exp(sink - m_safe)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], _round(out, Out.dtype.element_ty),
              mask=tile_ok)
 
 
