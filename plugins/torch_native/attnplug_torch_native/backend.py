@@ -89,7 +89,8 @@ import torch
 import torch.nn.functional as F
 
 from attnplug import ForwardMode, PagedBackend
-from attnplug.errors import BackendUnavailableError
+from attnplug.errors import BackendUnavailableError, ResourceLimitError, ShapeError
+from attnplug.paged import format_bytes
 
 from . import CAPABILITIES, NAME
 from . import fused as kernel
@@ -597,11 +598,29 @@ class TorchNativeBackend(PagedBackend):
             args.kn, args.kn_st, args.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
             args.vn, args.vn_st, args.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
         args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
+        if self.cache.quantized:  # the scales as they are now (set_kv_scales between layers is honoured)
+            args.k_scale, args.v_scale = self.cache.kv_scales(layer.layer_id)
         rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
-        if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
-            raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
-                               f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
+        if rc != 0:
+            self._fused_failed(rc, prep[1], layer, meta)
         return True
+
+    def _fused_failed(self, rc: int, kept: tuple[Any, ...], layer: Any, meta: ForwardMeta) -> None:
+        """Raise the error the kernel's return code ``rc`` stands for (its record is in ``kept[-1]``)."""
+        code, work_row, pos, value = list(kept[-1])
+        if rc == kernel.RC_BAD_SLOT:
+            i = kept[-2][work_row]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
+                f"which is out of range (expected 0 <= slot < num_slots={self.cache.num_slots}); req_to_token "
+                f"changed after init_forward_metadata checked it (layer {layer.layer_id}); nothing was written")
+        if rc == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(
+                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {format_bytes(value)} for a "
+                f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch")
+        # fused_fits admitted a layer the kernel refuses: the two disagree
+        raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
+                           f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")
 
     def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
         """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
@@ -640,9 +659,11 @@ class TorchNativeBackend(PagedBackend):
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
-        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)
+        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)  # (re-read at every call)
         r2t = cache.req_to_token
-        window = -1 if window is None else int(window)
+        window = -1 if window is None else int(window)  # LayerSpec keeps windows below 2**31 - 1
+        err = kernel.ErrorRecord()
+        requests = [i for i, _, _ in meta._fused_chunks(chunk)]  # the request of each work row
         args = kernel.DecodeArgs(
             0, 0, 0,  # q: per call
             kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
@@ -655,8 +676,9 @@ class TorchNativeBackend(PagedBackend):
             kernel.dtype_code(q.dtype), kernel.dtype_code(cache.dtype), 1 if cache.quantized else 0,
             B, Hkv, G, D, Dv, window, per_item, threads,
             layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
+            cache.num_slots, ctypes.addressof(err),
         )
-        return args, (kc, vc, r2t, plan, mask, sinks, layer)
+        return args, (kc, vc, r2t, plan, mask, sinks, layer, requests, err)
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -321,9 +321,21 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance, what: str = "o
     got = out.detach().to(torch.float64).cpu()
     if got.numel() == 0:
         return Comparison(0.0, tol, True)
-    if not torch.isfinite(got).all():
-        bad = (~torch.isfinite(got)).nonzero()[0].tolist()
-        return Comparison(float("inf"), tol, False, f"{what} has non-finite values (first at index {bad})")
+    # where the reference is non-finite (garbage the row really reads), so must the output be; everywhere
+    # else the output must be finite and within tolerance
+    fin_ref, fin_got = torch.isfinite(ref), torch.isfinite(got)
+    if not torch.equal(fin_ref, fin_got):
+        odd = (fin_ref & ~fin_got).nonzero()
+        if odd.numel():
+            return Comparison(float("inf"), tol, False, f"{what} has non-finite values where the reference is "
+                                                         f"finite (first at index {odd[0].tolist()})")
+        odd = (~fin_ref & fin_got).nonzero()
+        return Comparison(float("inf"), tol, False, f"{what} is finite where the reference is non-finite (garbage "
+                                                     f"the row reads was hidden; first at index {odd[0].tolist()}: "
+                                                     f"got {float(got[tuple(odd[0].tolist())]):.6g})")
+    if not bool(fin_ref.all()):  # compare the finite elements (both non-finite elsewhere)
+        zero = torch.zeros((), dtype=got.dtype)
+        got, ref = torch.where(fin_ref, got, zero), torch.where(fin_ref, ref, zero)
     err = (got - ref).abs()
     bound = tol.atol + tol.rtol * ref.abs()
     max_err = float(err.max())
