@@ -33,6 +33,14 @@ are ``-inf`` before the softmax as well. A row with no visible key (an empty
 encoder, a target-verify mask row hiding everything) outputs zeros, sinks or not,
 as the reference does.
 
+This forward's new tokens are hidden too: from each earlier token of their request (causal)
+and, in target-verify, from the drafts the tree mask hides them from. SDPA and a matmul
+cannot select per (query, key), so each extend request's assembled K/V is checked for a
+non-finite value (one float32 sum each); where one is found, the non-finite values are
+replaced by zeros for the matmuls, and the output rows of every query that *sees* such a key
+(by the same mask) are set to NaN afterwards: garbage reaches exactly the rows that read it,
+as in the reference. Decode has one new token, seen by its query, and no hidden cached key.
+
 Fused CPU kernel
 ----------------
 
@@ -157,6 +165,31 @@ def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
     """
     mode = kernel.parse_mode(os.environ.get(kernel.ENV), f"${kernel.ENV}")
     return NAME, TorchNativeBackend(ctx, fused=mode)
+
+
+def _nonfinite_keys(K: torch.Tensor, V: torch.Tensor) -> torch.Tensor | None:
+    """``None`` when one request's assembled ``K``/``V`` (``[Hkv, n, dim]``) are all finite (one float32
+    sum each: a NaN/inf makes it non-finite); else ``[Hkv, n]`` bool, True for a key whose K or V row holds
+    a NaN/inf, after replacing those values by zeros in place (the matmuls then never see them, and
+    ``_poison_readers`` gives the rows that read such a key NaN)."""
+    if bool(torch.isfinite(K.sum(dtype=_F32) + V.sum(dtype=_F32))):
+        return None
+    bad = ~(torch.isfinite(K).all(dim=2) & torch.isfinite(V).all(dim=2))
+    torch.nan_to_num_(K, nan=0.0, posinf=0.0, neginf=0.0)
+    torch.nan_to_num_(V, nan=0.0, posinf=0.0, neginf=0.0)
+    return bad
+
+
+def _poison_readers(o: torch.Tensor, mask: torch.Tensor | None, bad: torch.Tensor, G: int) -> None:
+    """Set to NaN, in ``o`` (``[H, c, Dv]``, head ``h`` reading KV head ``h // G``), the rows of every query
+    that sees (``mask`` ``[c, n]``; ``None``: every key) a key marked in ``bad`` (``[Hkv, n]``)."""
+    Hkv, c = bad.shape[0], o.shape[1]
+    if mask is None:
+        reads = bad.any(dim=1, keepdim=True).expand(Hkv, c)
+    else:
+        reads = (mask[None, :, :] & bad[:, None, :]).any(dim=2)  # [Hkv, c]
+    if bool(reads.any()):
+        o.view(Hkv, G, c, -1).masked_fill_(reads[:, None, :, None], math.nan)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -761,6 +794,7 @@ class TorchNativeBackend(PagedBackend):
                                None if cross else k[t0:t0 + e], Hkv, D, cd)
             V = self._assemble("ext.v", vb, r2t[row, lo:p] if not cross else r2t[row, :cached],
                                None if cross else v[t0:t0 + e], Hkv, Dv, cd)
+            bad = _nonfinite_keys(K, V)  # None, the usual case: nothing to select out
             per_query = 4 * n * (H if manual else 1)
             chunk = max(1, min(e, self.extend_score_bytes // per_query))
             custom = None if meta.custom_mask is None else meta.custom_mask[i, :e, :e]
@@ -778,6 +812,8 @@ class TorchNativeBackend(PagedBackend):
                     o = self._attend_manual(qc, K[:, k0:k1], V[:, k0:k1], mask, layer, sinks, cd)
                 else:
                     o = self._attend_sdpa(qc, K[:, k0:k1], V[:, k0:k1], mask, layer)
+                if bad is not None:  # the rows that read a non-finite key or value get NaN, no other
+                    _poison_readers(o, mask, bad[:, k0:k1], layer.gqa_group_size)
                 out[t0 + a0:t0 + a1] = o.transpose(0, 1)
         return out
 
