@@ -201,3 +201,122 @@ def test_a_window_wider_than_32_bits_is_no_window(backend_name, scn, window):
     ref = reference.reference_attention(*problem.qkv[0], plain, problem.batch, *problem.before[0],
                                         problem.cache.req_to_token)
     assert H.compare(out, ref, tolerance_for(problem.case.dtype, None)).ok
+
+
+# ---------------------------------------------------------------------------
+# 7. LayerSpec validates at construction
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("logit_cap", -30.0), ("logit_cap", -1), ("logit_cap", float("nan")), ("logit_cap", float("inf")),
+    ("logit_cap", float("-inf")), ("logit_cap", "30"), ("logit_cap", True),
+    ("sliding_window", 5.0), ("sliding_window", True), ("sliding_window", -1), ("sliding_window", "8"),
+    ("sliding_window", float("inf")), ("scaling", float("nan")), ("scaling", float("inf")), ("scaling", "0.1"),
+])
+def test_layer_spec_refuses_an_out_of_range_field_naming_it(field, value):
+    with pytest.raises(ValueError, match=rf"LayerSpec\.{field}="):
+        LayerSpec(0, 4, 2, 64, **{field: value})
+
+
+@pytest.mark.parametrize("window,stored", [(0, 0), (7, 7), (2 ** 31 - 2, 2 ** 31 - 2), (2 ** 31 - 1, None),
+                                           (2 ** 32, None), (2 ** 32 + 5, None), (2 ** 40, None)])
+def test_layer_spec_stores_a_window_wider_than_any_position_as_none(window, stored):
+    layer = LayerSpec(0, 4, 2, 64, sliding_window=window)
+    assert layer.sliding_window == stored and type(layer.sliding_window) in (int, type(None))
+    assert layer.uses_sliding_window is (stored is not None)
+
+
+@pytest.mark.parametrize("cap", [None, 0, 0.0, 1e-3, 30, 50.0])
+def test_layer_spec_accepts_a_finite_positive_cap_or_none(cap):
+    assert LayerSpec(0, 4, 2, 64, logit_cap=cap).logit_cap == cap
+
+
+# ---------------------------------------------------------------------------
+# 2. page alignment: declared by backends that read through a page table
+# ---------------------------------------------------------------------------
+UNALIGNED = {
+    # (scenario, request, positions to swap): all cached (< the request's prefix)
+    "swap_in_page": (Scenario("extend_prefix", "extend", (7, 0, 20), (4, 6, 3)), 2, (1, 2)),
+    "swap_across_pages": (Scenario("extend_prefix", "extend", (7, 0, 20), (4, 6, 3)), 2, (3, 17)),
+    "decode_swap": (Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1)), 3, (2, 33)),
+    "moved_to_a_spare_slot": (Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1)), 2, (4, None)),
+}
+
+
+def _unalign(problem: H.Problem, request: int, positions: tuple[int, int | None]) -> int:
+    """Make request ``request``'s mapping not page-aligned; returns the first position that is not."""
+    r2t, row = problem.cache.req_to_token, problem.req_rows[request]
+    a, b = positions
+    if b is None:  # one position moved to a slot no request owns (it holds noise, not garbage)
+        spare = next(s for s in range(problem.cache.num_slots) if s not in set(problem.owned))
+        r2t[row, a] = spare
+        return a
+    r2t[row, a], r2t[row, b] = int(r2t[row, b]), int(r2t[row, a])
+    return a
+
+
+@pytest.mark.parametrize("variant", sorted(UNALIGNED))
+def test_a_mapping_that_is_not_page_aligned(backend_name, variant):
+    """Refused, naming the request and the position, by a backend that reads through a page table;
+    served exactly (the reference reads req_to_token position by position) by the others."""
+    name = backend_name
+    sc, request, positions = UNALIGNED[variant]
+    problem = H.make_problem(make_case(name, sc), "cpu")
+    pos = _unalign(problem, request, positions)
+    backend = build(name, problem)
+    before = problem.snapshot()
+    if type(backend).reads_page_table:
+        with pytest.raises(ShapeError, match=rf"request {request}, position {pos}\).*not page-aligned"):
+            forward(backend, problem)
+        assert not H.cache_changes(before, problem)
+    else:
+        check_against_reference(name, problem, forward(backend, problem))
+
+
+@pytest.mark.parametrize("module,cls", [
+    ("attnplug_vllm_cpu.backend", "VllmCpuBackend"), ("attnplug_fa3.backend", "FA3Backend"),
+    ("attnplug_trtllm_mha.backend", "TrtllmMHABackend"), ("attnplug_flashinfer.backend", "FlashInferBackend"),
+    ("attnplug_torch_native.backend", "TorchNativeBackend"), ("attnplug_triton.backend", "TritonBackend"),
+    ("attnplug_template_backend.backend", "TemplateSDPABackend"),
+])
+def test_backends_declare_whether_they_read_through_a_page_table(module, cls):
+    """Page-table readers declare it (and so get the per-forward check); token-wise readers do not."""
+    mod = pytest.importorskip(module)
+    want = module.split(".")[0] in ("attnplug_vllm_cpu", "attnplug_fa3", "attnplug_trtllm_mha", "attnplug_flashinfer")
+    assert getattr(mod, cls).reads_page_table is want
+
+
+def test_the_page_check_runs_once_per_forward_not_per_layer(monkeypatch):
+    """The check is per forward (init_forward_metadata), whatever the layer count."""
+    if _available("vllm_cpu"):
+        pytest.skip(_available("vllm_cpu"))
+    from attnplug.kvcache import PagedKVCache
+    calls = []
+    real = PagedKVCache.check_page_aligned
+    monkeypatch.setattr(PagedKVCache, "check_page_aligned", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw)))
+    sc = Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1))
+    problem = H.make_problem(make_case("vllm_cpu", sc), "cpu", layer_features=[Features()] * 3)
+    backend = build("vllm_cpu", problem)
+    backend.init_forward_metadata(problem.batch)
+    for i in range(3):
+        q, k, v = problem.qkv[i]
+        backend.forward(q, k, v, problem.layers[i], problem.batch)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------
+# 9. garbage written straight into layer storage (not through set_kv)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("scn", ["decode", "extend_prefix", "mixed"])
+def test_garbage_written_straight_into_layer_storage_reaches_no_output(backend_name, scn, value):
+    """Every element of every layer's storage is garbage (raw tensor writes, as a KV transfer or a
+    snapshot restore would do), then the slots requests own are written back: no output sees it."""
+    name = backend_name
+    sc = {"decode": Scenario("decode", "decode", (0, 6, 17, 40), (1, 1, 1, 1)),
+          "extend_prefix": Scenario("extend_prefix", "extend", (7, 0, 20), (4, 6, 3)),
+          "mixed": Scenario("mixed", "mixed", (10, 0, 23), (1, 6, 3))}[scn]
+    problem = H.make_problem(make_case(name, sc), "cpu")
+    H.fill_garbage_raw(problem, value)
+    out = forward(build(name, problem), problem)
+    check_against_reference(name, problem, out)
+    assert bool(torch.isfinite(out).all())

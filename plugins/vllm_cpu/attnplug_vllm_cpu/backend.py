@@ -157,6 +157,7 @@ class VllmCpuBackend(PagedBackend):
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"
+    reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
