@@ -264,7 +264,7 @@ def test_a_mapping_that_is_not_page_aligned(backend_name, variant):
     pos = _unalign(problem, request, positions)
     backend = build(name, problem)
     before = problem.snapshot()
-    if type(backend).reads_page_table:
+    if getattr(type(backend), "reads_page_table", False):
         with pytest.raises(ShapeError, match=rf"request {request}, position {pos}\).*not page-aligned"):
             forward(backend, problem)
         assert not H.cache_changes(before, problem)
@@ -320,3 +320,97 @@ def test_garbage_written_straight_into_layer_storage_reaches_no_output(backend_n
     out = forward(build(name, problem), problem)
     check_against_reference(name, problem, out)
     assert bool(torch.isfinite(out).all())
+
+
+# ---------------------------------------------------------------------------
+# 3. req_to_token changed after init_forward_metadata: an error, never a signal
+# ---------------------------------------------------------------------------
+_CHILD = textwrap.dedent("""
+    import os, sys
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from attnplug.registry import default_registry
+    from attnplug.testing.suite import harness as H
+    from attnplug.testing.suite.cases import Case, Scenario, Shape
+    name, layout, scn, value = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    sc, i, pos = {
+        "decode": (Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1)), 3, 20),
+        "extend": (Scenario("extend", "extend", (3, 0, 9), (2, 5, 4)), 2, 7),
+        "target_verify": (Scenario("tv", "target_verify", (5, 27), (4, 4), draft=4), 1, 10),
+    }[scn]
+    p = H.make_problem(Case("r2t", name + scn, sc, shape=Shape("g", 4, 2, 64), kv_layout=layout), "cpu")
+    backend = default_registry().build(name, p.context(name))[1]
+    backend.init_forward_metadata(p.batch)
+    p.cache.req_to_token[p.req_rows[i], pos] = value  # after the per-forward checks
+    q, k, v = p.qkv[0]
+    try:
+        backend.forward(q, k, v, p.layers[0], p.batch)
+        print("RESULT returned")
+    except Exception as exc:
+        print("RESULT", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+""")
+
+
+@pytest.mark.parametrize("value", [10 ** 12, -1, 2 ** 40 + 3, -(2 ** 40)])
+@pytest.mark.parametrize("scn", ["decode", "extend", "target_verify"])
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_req_to_token_changed_after_the_checks_is_an_error_not_a_signal(fused, scn, value, tmp_path):
+    """torch_native, fused kernel and eager paths, in a child process: a wild or negative slot written
+    into req_to_token after init_forward_metadata raises (the fused kernel: a ShapeError naming the
+    request, the position and the slot), and the process exits normally."""
+    env = dict(os.environ, ATTNPLUG_TORCH_NATIVE_FUSED=fused)
+    env.setdefault("ATTNPLUG_CACHE_DIR", str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, "torch_native", "nhd", scn, str(value)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"the process ended with {proc.returncode}: {proc.stderr[-2000:]}"
+    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert result and result[0] != "RESULT returned", f"the forward returned: {proc.stdout}"
+    if fused == "on":
+        req, pos = {"decode": (3, 20), "extend": (2, 7), "target_verify": (1, 10)}[scn]
+        assert result[0].startswith("RESULT ShapeError"), result[0]
+        assert f"request {req} " in result[0] and f"position {pos} " in result[0] and str(value) in result[0]
+
+
+# ---------------------------------------------------------------------------
+# 10. fp8 scales: read per call; the public lists cannot be changed behind set_kv_scales
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("scn", ["decode", "target_verify"])
+@pytest.mark.parametrize("name,fused", [("torch_native", "on"), ("torch_native", "off"), ("triton", None)])
+def test_scales_changed_within_one_forward_are_used(name, fused, scn, kv_dtype, monkeypatch):
+    """set_kv_scales between two calls of one forward (metadata built once; the second call of a layer
+    reuses what the first prepared): every call reads the cache with the scales set at that moment,
+    as the reference does."""
+    why = _available(name)
+    if why:
+        pytest.skip(why)
+    if fused:
+        monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", fused)
+    sc = {"decode": Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1)),
+          "target_verify": Scenario("tv", "target_verify", (5, 27), (4, 4), draft=4)}[scn]
+    case = make_case(name, sc, dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_scales=(0.5, 2.0))
+    problem = H.make_problem(case, "cpu")
+    backend = build(name, problem)
+    backend.init_forward_metadata(problem.batch)
+    q, k, v = problem.qkv[0]
+    backend.forward(q, k, v, problem.layers[0], problem.batch, save_kv_cache=False)
+    for scales in ((4.0, 0.25), (1.0, 1.0)):
+        problem.cache.set_kv_scales(0, *scales)
+        out = backend.forward(q, k, v, problem.layers[0], problem.batch, save_kv_cache=False)
+        check_against_reference(name, problem, out)
+
+
+def test_public_scales_are_read_only():
+    from attnplug.kvcache import PagedKVCache
+    cache = PagedKVCache(2, 4, 2, 16, page_size=4, dtype="float8_e4m3fn")
+    cache.set_kv_scales(1, 0.5, 2.0)
+    assert cache.k_scales == (1.0, 0.5) and cache.v_scales == (1.0, 2.0)
+    for attr in ("k_scales", "v_scales"):
+        with pytest.raises(TypeError):
+            getattr(cache, attr)[0] = 0.0
+        with pytest.raises(AttributeError):
+            setattr(cache, attr, [0.0, 0.0])
+    assert cache.kv_scales(0) == (1.0, 1.0) and cache.kv_scales(1) == (0.5, 2.0)
+    for bad in (0, 0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="k_scale"):
+            cache.set_kv_scales(0, bad, 1.0)
+    assert cache.kv_scales(0) == (1.0, 1.0)
