@@ -292,7 +292,8 @@ def test_the_page_check_runs_once_per_forward_not_per_layer(monkeypatch):
     from attnplug.kvcache import PagedKVCache
     calls = []
     real = PagedKVCache.check_page_aligned
-    monkeypatch.setattr(PagedKVCache, "check_page_aligned", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw)))
+    monkeypatch.setattr(PagedKVCache, "check_page_aligned",
+                        lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw)))
     sc = Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1))
     problem = H.make_problem(make_case("vllm_cpu", sc), "cpu", layer_features=[Features()] * 3)
     backend = build("vllm_cpu", problem)
