@@ -99,9 +99,10 @@ class PagedKVCache:
         self.geometry = KVGeometry(num_pages, page_size, num_kv_heads, head_dim, self.v_head_dim)
         #: whether K/V are stored quantized (an fp8 dtype): writes quantize with the layer's scales
         self.quantized = self.dtype_name in FP8_DTYPES
-        #: per layer, the K and V scales (1.0 until ``set_kv_scales``; fp8 caches only)
-        self.k_scales = [1.0] * num_layers
-        self.v_scales = [1.0] * num_layers
+        # per layer, the K and V scales (1.0 until ``set_kv_scales``; fp8 caches only); read them through
+        # ``k_scales`` / ``v_scales`` / ``kv_scales`` (read-only: a scale changes only through set_kv_scales)
+        self._k_scales = [1.0] * num_layers
+        self._v_scales = [1.0] * num_layers
         problems = self.layout.geometry_reasons(self.geometry)
         if problems:
             raise ValueError(f"PagedKVCache: layout {self.layout.name!r} cannot hold this cache: {'; '.join(problems)}")
@@ -123,6 +124,16 @@ class PagedKVCache:
                 got = f"{b.dtype} on {b.device}" if isinstance(b, torch.Tensor) else type(b).__name__
                 raise ValueError(f"PagedKVCache: buffers[{i}] is {got}, expected {self.dtype} on {self.device}")
         return [self.layout.wrap(self.geometry, b) for b in buffers]
+
+    @property
+    def k_scales(self) -> tuple[float, ...]:
+        """Per layer, the K scale (a tuple: change one with ``set_kv_scales``, which validates it)."""
+        return tuple(self._k_scales)
+
+    @property
+    def v_scales(self) -> tuple[float, ...]:
+        """Per layer, the V scale (a tuple: change one with ``set_kv_scales``, which validates it)."""
+        return tuple(self._v_scales)
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
@@ -310,25 +321,25 @@ class PagedKVCache:
         if not self.quantized and (k_scale, v_scale) != (1.0, 1.0):
             raise ValueError(f"KV scales apply to fp8 caches ({', '.join(FP8_DTYPES)}); this cache stores "
                              f"{self.dtype_name}, which would ignore k_scale={k_scale}, v_scale={v_scale}")
-        self.k_scales[layer_id], self.v_scales[layer_id] = k_scale, v_scale
+        self._k_scales[layer_id], self._v_scales[layer_id] = k_scale, v_scale
 
     def kv_scales(self, layer_id: int) -> tuple[float, float]:
         """``(k_scale, v_scale)`` of one layer (1.0, 1.0 unless set)."""
         self.check_layer_id(layer_id)
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        return self._k_scales[layer_id], self._v_scales[layer_id]
 
     def quantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``/``v`` as this cache stores them for ``layer_id``: quantized with its scales for fp8,
         else converted to the cache dtype."""
         if not self.quantized:
             return k.to(self.dtype), v.to(self.dtype)
-        return (quantize(k, self.k_scales[layer_id], self.dtype), quantize(v, self.v_scales[layer_id], self.dtype))
+        return (quantize(k, self._k_scales[layer_id], self.dtype), quantize(v, self._v_scales[layer_id], self.dtype))
 
     def dequantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored ``k``/``v`` as float32 values (× the layer's scales for fp8)."""
         if not self.quantized:
             return k.to(torch.float32), v.to(torch.float32)
-        return (k.to(torch.float32) * self.k_scales[layer_id], v.to(torch.float32) * self.v_scales[layer_id])
+        return (k.to(torch.float32) * self._k_scales[layer_id], v.to(torch.float32) * self._v_scales[layer_id])
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                checked: bool = True, stored: bool = False) -> None:
@@ -458,27 +469,35 @@ class PagedKVCache:
         valid = cols[None, :] < b.seq_lens.to(dev)[:, None]
         return torch.div(rows, ps, rounding_mode="floor").masked_fill(~valid, 0).to(torch.int32)
 
-    def check_page_aligned(self, req_pool_indices: Sequence[int] | torch.Tensor, lens: Sequence[int]) -> None:
+    def check_page_aligned(self, req_pool_indices: Sequence[int] | torch.Tensor, lens: Sequence[int],
+                           who: str = "") -> None:
         """Raise ``ShapeError`` unless each request's first ``lens[i]`` positions sit at offset ``j % page_size``
-        of one page per ``page_size`` positions (what a page table can express). A debugging aid: it syncs."""
+        of one page per ``page_size`` positions (what a page table can express). One pass over the batch
+        (``PagedBackend`` calls it once per forward for backends that declare ``reads_page_table``); the
+        error names the request, its row, the position, the slot and why (``who``: the backend)."""
         ps = self.page_size
         if ps == 1:
             return
         rows = req_pool_indices.tolist() if isinstance(req_pool_indices, torch.Tensor) else list(req_pool_indices)
-        for i, (r, n) in enumerate(zip(rows, lens)):
-            if n == 0:
-                continue
-            slots = self.req_to_token[r, :n].to(torch.int64)
-            pos = torch.arange(n, device=slots.device)
-            first = slots[(pos // ps) * ps]
-            bad = (slots != first + pos % ps) | (first % ps != 0)
-            if bool(bad.any()):
-                j = int(bad.nonzero()[0, 0])
-                start = int(first[j])
-                why = (f"its page starts at slot {start}, not a multiple of {ps}" if start % ps else
-                       f"expected slot {start + j % ps}, offset {j % ps} of the page starting at slot {start}")
-                raise ShapeError(f"req_to_token[{r}, {j}] = {int(slots[j])} (request {i}) is not page-aligned "
-                                 f"for page_size={ps}: {why}")
+        lens = [int(n) for n in lens]
+        width = max(lens, default=0)
+        if not rows or width == 0:
+            return
+        dev = self.req_to_token.device
+        table = self.req_to_token.index_select(0, torch.as_tensor(rows, dtype=torch.int64, device=dev))[:, :width]
+        pos = torch.arange(width, device=dev)
+        first = table[:, (pos // ps) * ps]
+        used = pos[None, :] < torch.as_tensor(lens, dtype=torch.int64, device=dev)[:, None]
+        bad = used & ((table != first + pos % ps) | (first % ps != 0))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            r, start = rows[i], int(first[i, j])
+            why = (f"its page starts at slot {start}, not a multiple of {ps}" if start % ps else
+                   f"expected slot {start + j % ps}, offset {j % ps} of the page starting at slot {start}")
+            reader = f"{who} reads the cache through a page table; " if who else ""
+            raise ShapeError(f"req_to_token[{r}, {j}] = {int(table[i, j])} (request {i}, position {j}) is not "
+                             f"page-aligned for page_size={ps}: {why}; {reader}map each page of "
+                             f"{ps} positions to one page of {ps} consecutive slots")
 
 
 def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = None) -> torch.Tensor:

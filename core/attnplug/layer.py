@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 
@@ -11,6 +12,8 @@ from typing import Any
 CAUSAL = "causal"
 BIDIRECTIONAL = "bidirectional"
 CAUSALITIES: tuple[str, ...] = (CAUSAL, BIDIRECTIONAL)
+#: a sliding window this wide or wider is no window (``LayerSpec`` stores ``None``): positions are int32
+NO_WINDOW_FROM = 2 ** 31 - 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -25,8 +28,14 @@ class LayerSpec:
     ``sliding_window``: a query at position ``p`` sees keys at positions
     ``p - sliding_window <= j <= p`` (the "window_left" convention of
     flash-attention and flashinfer: ``sliding_window + 1`` keys at most);
-    ``None`` means unlimited. ``logit_cap``: scores become
-    ``cap * tanh(score / cap)`` after scaling; ``None`` or 0 disables it.
+    ``None`` means unlimited. A window of ``NO_WINDOW_FROM`` (2**31 - 1) or more
+    covers every position a request can have (kernels take int32 positions) and
+    is stored as ``None``, here, once, before any kernel sees it: no kernel or
+    library truncates it to 32 bits (a 2**32 window must not become 0). The
+    window is an ``int >= 0`` (a bool or a float is refused). ``logit_cap``:
+    scores become ``cap * tanh(score / cap)`` after scaling; ``None`` or 0
+    disables it; otherwise a finite number > 0 (a negative, NaN or infinite cap
+    is refused).
     ``sinks``: one logit per query head (a tensor of ``num_heads`` floats) that
     joins every softmax denominator and contributes no value (gpt-oss style).
     ``is_cross_attention``: queries attend, without a causal mask, to the
@@ -62,8 +71,21 @@ class LayerSpec:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.scaling is None:
             object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
-        if self.sliding_window is not None and self.sliding_window < 0:
-            raise ValueError(f"LayerSpec.sliding_window={self.sliding_window} (expected >= 0 or None)")
+        w = self.sliding_window
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
+                raise ValueError(f"LayerSpec.sliding_window={w!r} (expected an int >= 0, or None for no window)")
+            # wider than any position: no window (never truncated to 32 bits)
+            object.__setattr__(self, "sliding_window", None if w >= NO_WINDOW_FROM else int(w))
+        cap = self.logit_cap
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (
+                    cap == 0 or (cap > 0 and math.isfinite(cap))):
+                raise ValueError(f"LayerSpec.logit_cap={cap!r} (expected a finite number > 0, or None / 0 for no "
+                                 f"soft-cap)")
+        sc = self.scaling
+        if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc):
+            raise ValueError(f"LayerSpec.scaling={sc!r} (expected a finite number)")
         if self.sinks is not None and tuple(getattr(self.sinks, "shape", (len(self.sinks),))) != (self.num_heads,):
             raise ValueError(
                 f"LayerSpec.sinks has shape {tuple(getattr(self.sinks, 'shape', ()))}, expected ({self.num_heads},)"

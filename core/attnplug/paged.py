@@ -16,8 +16,12 @@ The base does the rest, once, in this order:
    ``req_to_token`` rows, ``out_cache_loc`` against the slots, ``seq_lens`` /
    ``encoder_lens`` against ``max_context_len``, and every cached position a
    request reads maps to a real slot (an unassigned ``-1`` or a wild entry is an
-   error naming the request, the position and the value). These need a
-   reduction over the batch, so they run here once, never per layer;
+   error naming the request, the position and the value); and for a backend that
+   declares ``reads_page_table`` (its kernel finds a position's slot through the page
+   of the position's page start, as ``PagedKVCache.page_table`` builds it), that every
+   position it reads is page-aligned (``PagedKVCache.check_page_aligned``): a mapping
+   a page table cannot express would otherwise read another request's K/V. These need
+   a reduction over the batch, so they run here once, never per layer;
 2. **per layer** (``forward``): structural checks that need no reduction —
    ``layer_id`` in range, q/k/v shapes, a claimed dtype, one device, cache rows
    that match the layer, ``k``/``v`` present for self-attention, and the
@@ -66,6 +70,10 @@ class PagedBackend(AttentionBackend):
     backend_name: ClassVar[str] = ""
     #: where the kernel reads this forward's new K/V: ``"args"`` or ``"cache"`` (see module docstring)
     new_kv_source: ClassVar[str] = "args"
+    #: the kernel reads the cache through a page table (one page per ``page_size`` positions), not slot
+    #: by slot: every forward then refuses a ``req_to_token`` that is not page-aligned (a declared
+    #: requirement, checked by ``init_forward_metadata``; backends reading token by token leave it False)
+    reads_page_table: ClassVar[bool] = False
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -140,6 +148,8 @@ class PagedBackend(AttentionBackend):
             if not type(self).capabilities.supports_mode(mode):
                 raise NotSupportedError(self.name, support_reasons(type(self).capabilities, mode=mode))
             self.check_batch(batch)
+            if type(self).reads_page_table:
+                self.check_page_aligned(batch)
             meta = self.build_metadata(batch)
         self.metadata_builds += 1
         self._guard.set(batch, meta)
@@ -189,6 +199,16 @@ class PagedBackend(AttentionBackend):
         """Every index this forward uses is in bounds (one pass, on the batch's device)."""
         cache = self.cache
         cache.check_batch(batch, new_tokens_mapped=type(self).new_kv_source == "cache")
+
+    def check_page_aligned(self, batch: Any) -> None:
+        """Every position this forward reads through the page table is page-aligned (``reads_page_table``
+        backends; one pass over the batch): the cached prefix, the new tokens too when the kernel reads
+        them from the cache, the encoder tokens of cross-attention."""
+        b = batch
+        lens = list(b.seq_lens_cpu if type(self).new_kv_source == "cache" else b.extend_prefix_lens_cpu)
+        if b.encoder_lens is not None:
+            lens = [max(n, int(e)) for n, e in zip(lens, b.encoder_lens.tolist())]
+        self.cache.check_page_aligned(b.req_pool_indices_cpu, lens, who=self.name)
 
     # -- per layer -----------------------------------------------------------------
     def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:

@@ -83,7 +83,7 @@ def build(p, *, deterministic=False, provider="sgl-kernel", host=None):
                        dtype=p.q.dtype, num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
                        head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
                        max_context_len=p.cache.max_context_len)
-    return FA3Backend(ctx, kernel=emulate_flash_attn_with_kvcache, provider=provider, check_pages=True)
+    return FA3Backend(ctx, kernel=emulate_flash_attn_with_kvcache, provider=provider)
 
 
 def run(p, backend=None, save=True):
@@ -350,7 +350,7 @@ def _recorded_fp8_calls(p, provider="sgl-kernel"):
                        kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
                        num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
                        kv_cache=p.cache, max_context_len=p.cache.max_context_len)
-    out = run(p, FA3Backend(ctx, kernel=recording_kernel, provider=provider, check_pages=True))
+    out = run(p, FA3Backend(ctx, kernel=recording_kernel, provider=provider))
     return out, calls
 
 

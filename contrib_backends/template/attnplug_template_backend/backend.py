@@ -10,6 +10,14 @@ left is the kernel: one request at a time, the cached prefix gathered through
 cache never enters), masks built from positions,
 ``torch.nn.functional.scaled_dot_product_attention`` for the math. Replace
 the loop with your kernel library; keep the protocol.
+
+Masked keys are selected out, never multiplied by zero. SDPA multiplies a
+masked key's value row by a zero probability (``0 * NaN`` is NaN), so a NaN in
+the K or V of a *later* new token (hidden from earlier tokens by causality) or
+of a draft the target-verify mask hides would reach rows it is hidden from.
+When a request's keys hold a non-finite value (one sum checks), those values
+are zeroed for SDPA and the rows that really see such a key are set to NaN:
+garbage reaches exactly the rows that read it, as in the reference.
 """
 
 from __future__ import annotations
@@ -59,6 +67,11 @@ class TemplateSDPABackend(PagedBackend):
             keys = torch.cat([k_cache[slots].to(q.dtype), k[new]])  # [n, kv_heads, d]
             vals = torch.cat([v_cache[slots].to(q.dtype), v[new]])
             mask = self._mask(r, layer, batch, i, q.device)
+            bad = None
+            if not bool(torch.isfinite(keys.sum(dtype=torch.float32) + vals.sum(dtype=torch.float32))):
+                bad = ~(torch.isfinite(keys).all(2) & torch.isfinite(vals).all(2))  # [n, kv_heads]
+                keys = torch.nan_to_num(keys, nan=0.0, posinf=0.0, neginf=0.0)
+                vals = torch.nan_to_num(vals, nan=0.0, posinf=0.0, neginf=0.0)
             o = F.scaled_dot_product_attention(
                 q[new].transpose(0, 1),  # [heads, new, d]
                 keys.repeat_interleave(group, dim=1).transpose(0, 1),
@@ -66,6 +79,9 @@ class TemplateSDPABackend(PagedBackend):
                 attn_mask=mask,
                 scale=layer.scaling,
             )
+            if bad is not None:  # a query that sees a non-finite key reads garbage: NaN, as the reference
+                bad = bad.repeat_interleave(group, dim=1).t()  # [heads, n]
+                o = o.masked_fill((mask[None] & bad[:, None, :]).any(dim=2)[:, :, None], float("nan"))
             out[new] = o.transpose(0, 1)
         return out
 

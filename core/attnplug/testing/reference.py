@@ -28,7 +28,13 @@ Semantics (the contract every backend must match):
   ``:encoder_lens[i]`` for cross-attention) and the new ``k``/``v`` are read;
   the ``out_cache_loc`` slots are never read (with ``save_kv_cache=False``
   they hold stale values). Whatever any other slot holds (NaN, +inf) cannot
-  reach the output.
+  reach the output. Garbage in a key or value a row *does* read (visible: owned, inside its
+  window, not hidden by causality or the target-verify mask) makes that row's output non-finite
+  (NaN or inf), never zero: the oracle exposes what it should, it does not hide it.
+* Masking selects, never multiplies by zero: a hidden key's score is ``-inf`` whatever ``q·k``
+  gave, and a hidden key's value contributes exactly nothing, NaN/inf included. This holds for
+  this forward's new tokens (a later token is hidden from an earlier one; a draft the
+  target-verify mask hides) as for cached slots.
 * The custom mask is read in target-verify only; any other mode ignores a
   ``spec_custom_mask`` it carries.
 * An fp8 KV cache (``k_cache``/``v_cache`` in ``float8_e4m3fn``/``float8_e5m2``)
@@ -148,7 +154,9 @@ def reference_attention(
             if sinks is not None:
                 sk = sinks.view(Hkv, 1, G)
                 m = torch.maximum(m, sk)
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row with no visible key
+            # a row with no visible key (max -inf): any finite shift. A +inf or NaN maximum (garbage
+            # the row really reads) stays, so the row's output is non-finite: the oracle exposes it
+            m = torch.where(m == -math.inf, torch.zeros_like(m), m)
             w = torch.exp(s - m[..., None])  # hidden keys: exp(-inf) = 0
             denom = w.sum(dim=3)
             if sk is not None:
@@ -165,8 +173,9 @@ def reference_attention(
                     num = num + torch.where(visible[None, :, j, None, None], term, torch.zeros((), dtype=term.dtype))
             else:
                 num = torch.bmm(w.reshape(Hkv, na * G, n), vv).view(Hkv, na, G, Dv)
-            # no visible key (empty encoder, a verify row hiding everything): the output is zero
-            o = torch.where(denom[..., None] > 0, num / denom.clamp_min(1e-300)[..., None], torch.zeros_like(num))
+            # no visible key (empty encoder, a verify row hiding everything): the output is zero. A NaN
+            # denominator (a NaN/inf score of a key the row reads) is not "no key": it stays NaN
+            o = torch.where(denom[..., None] == 0, torch.zeros_like(num), num / denom[..., None])
             out[t0 + a0:t0 + a1] = o.permute(1, 0, 2, 3).reshape(na, H, Dv)
         t0 += n_new
     return out

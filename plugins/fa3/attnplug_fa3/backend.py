@@ -75,9 +75,9 @@ class FA3Backend(PagedBackend):
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # one call reads prefix and new tokens through the page table
+    reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
-    def __init__(self, ctx: Any, *, kernel: Kernel | None = None, provider: str | None = None,
-                 check_pages: bool = False) -> None:
+    def __init__(self, ctx: Any, *, kernel: Kernel | None = None, provider: str | None = None) -> None:
         if kernel is None:
             provider, kernel = load_kernel()
         super().__init__(ctx)
@@ -89,8 +89,6 @@ class FA3Backend(PagedBackend):
         self.page_size = ctx.page_size
         #: FA3 picks a split count per batch shape unless told; 1 keeps a request's output batch-invariant
         self.num_splits = 1 if ctx.config.deterministic else 0
-        #: validate that req_to_token is page-aligned every forward (a host sync; for debugging and tests)
-        self.check_pages = check_pages
         self._graph: dict[str, torch.Tensor] | None = None
         #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
         self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -134,8 +132,6 @@ class FA3Backend(PagedBackend):
 
     # -- metadata ----------------------------------------------------------
     def build_metadata(self, batch: Any) -> FA3Metadata:
-        if self.check_pages:
-            self.cache.check_page_aligned(batch.req_pool_indices, batch.seq_lens_cpu)
         return build_metadata(batch, self.cache)
 
     # -- CUDA graphs ---------------------------------------------------------

@@ -101,6 +101,7 @@ class FlashInferBackend(PagedBackend):
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # the paged wrappers read prefix and new tokens from the cache
+    reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
     def __init__(self, ctx: Any) -> None:
         self.fi = _import_flashinfer()

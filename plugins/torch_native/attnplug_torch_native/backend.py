@@ -33,6 +33,14 @@ are ``-inf`` before the softmax as well. A row with no visible key (an empty
 encoder, a target-verify mask row hiding everything) outputs zeros, sinks or not,
 as the reference does.
 
+This forward's new tokens are hidden too: from each earlier token of their request (causal)
+and, in target-verify, from the drafts the tree mask hides them from. SDPA and a matmul
+cannot select per (query, key), so each extend request's assembled K/V is checked for a
+non-finite value (one float32 sum each); where one is found, the non-finite values are
+replaced by zeros for the matmuls, and the output rows of every query that *sees* such a key
+(by the same mask) are set to NaN afterwards: garbage reaches exactly the rows that read it,
+as in the reference. Decode has one new token, seen by its query, and no hidden cached key.
+
 Fused CPU kernel
 ----------------
 
@@ -89,7 +97,8 @@ import torch
 import torch.nn.functional as F
 
 from attnplug import ForwardMode, PagedBackend
-from attnplug.errors import BackendUnavailableError
+from attnplug.errors import BackendUnavailableError, ResourceLimitError, ShapeError
+from attnplug.paged import format_bytes
 
 from . import CAPABILITIES, NAME
 from . import fused as kernel
@@ -156,6 +165,31 @@ def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
     """
     mode = kernel.parse_mode(os.environ.get(kernel.ENV), f"${kernel.ENV}")
     return NAME, TorchNativeBackend(ctx, fused=mode)
+
+
+def _nonfinite_keys(K: torch.Tensor, V: torch.Tensor) -> torch.Tensor | None:
+    """``None`` when one request's assembled ``K``/``V`` (``[Hkv, n, dim]``) are all finite (one float32
+    sum each: a NaN/inf makes it non-finite); else ``[Hkv, n]`` bool, True for a key whose K or V row holds
+    a NaN/inf, after replacing those values by zeros in place (the matmuls then never see them, and
+    ``_poison_readers`` gives the rows that read such a key NaN)."""
+    if bool(torch.isfinite(K.sum(dtype=_F32) + V.sum(dtype=_F32))):
+        return None
+    bad = ~(torch.isfinite(K).all(dim=2) & torch.isfinite(V).all(dim=2))
+    torch.nan_to_num_(K, nan=0.0, posinf=0.0, neginf=0.0)
+    torch.nan_to_num_(V, nan=0.0, posinf=0.0, neginf=0.0)
+    return bad
+
+
+def _poison_readers(o: torch.Tensor, mask: torch.Tensor | None, bad: torch.Tensor, G: int) -> None:
+    """Set to NaN, in ``o`` (``[H, c, Dv]``, head ``h`` reading KV head ``h // G``), the rows of every query
+    that sees (``mask`` ``[c, n]``; ``None``: every key) a key marked in ``bad`` (``[Hkv, n]``)."""
+    Hkv, c = bad.shape[0], o.shape[1]
+    if mask is None:
+        reads = bad.any(dim=1, keepdim=True).expand(Hkv, c)
+    else:
+        reads = (mask[None, :, :] & bad[:, None, :]).any(dim=2)  # [Hkv, c]
+    if bool(reads.any()):
+        o.view(Hkv, G, c, -1).masked_fill_(reads[:, None, :, None], math.nan)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -599,11 +633,29 @@ class TorchNativeBackend(PagedBackend):
             args.kn, args.kn_st, args.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
             args.vn, args.vn_st, args.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
         args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
+        if self.cache.quantized:  # the scales as they are now (set_kv_scales between layers is honoured)
+            args.k_scale, args.v_scale = self.cache.kv_scales(layer.layer_id)
         rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
-        if rc != 0:  # fused_fits admitted a layer the kernel refuses: the two disagree
-            raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
-                               f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
+        if rc != 0:
+            self._fused_failed(rc, prep[1], layer, meta)
         return True
+
+    def _fused_failed(self, rc: int, kept: tuple[Any, ...], layer: Any, meta: ForwardMeta) -> None:
+        """Raise the error the kernel's return code ``rc`` stands for (its record is in ``kept[-1]``)."""
+        code, work_row, pos, value = list(kept[-1])
+        if rc == kernel.RC_BAD_SLOT:
+            i = kept[-2][work_row]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
+                f"which is out of range (expected 0 <= slot < num_slots={self.cache.num_slots}); req_to_token "
+                f"changed after init_forward_metadata checked it (layer {layer.layer_id}); nothing was written")
+        if rc == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(
+                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {format_bytes(value)} for a "
+                f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch")
+        # fused_fits admitted a layer the kernel refuses: the two disagree
+        raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
+                           f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")
 
     def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
         """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
@@ -642,9 +694,11 @@ class TorchNativeBackend(PagedBackend):
         sinks = None
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
-        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)
+        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)  # (re-read at every call)
         r2t = cache.req_to_token
-        window = -1 if window is None else int(window)
+        window = -1 if window is None else int(window)  # LayerSpec keeps windows below 2**31 - 1
+        err = kernel.ErrorRecord()
+        requests = [i for i, _, _ in meta._fused_chunks(chunk)]  # the request of each work row
         args = kernel.DecodeArgs(
             0, 0, 0,  # q: per call
             kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
@@ -657,8 +711,9 @@ class TorchNativeBackend(PagedBackend):
             kernel.dtype_code(q.dtype), kernel.dtype_code(cache.dtype), 1 if cache.quantized else 0,
             B, Hkv, G, D, Dv, window, per_item, threads,
             layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
+            cache.num_slots, ctypes.addressof(err),
         )
-        return args, (kc, vc, r2t, plan, mask, sinks, layer)
+        return args, (kc, vc, r2t, plan, mask, sinks, layer, requests, err)
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -742,6 +797,7 @@ class TorchNativeBackend(PagedBackend):
                                None if cross else k[t0:t0 + e], Hkv, D, cd)
             V = self._assemble("ext.v", vb, r2t[row, lo:p] if not cross else r2t[row, :cached],
                                None if cross else v[t0:t0 + e], Hkv, Dv, cd)
+            bad = _nonfinite_keys(K, V)  # None, the usual case: nothing to select out
             per_query = 4 * n * (H if manual else 1)
             chunk = max(1, min(e, self.extend_score_bytes // per_query))
             custom = None if meta.custom_mask is None else meta.custom_mask[i, :e, :e]
@@ -761,6 +817,8 @@ class TorchNativeBackend(PagedBackend):
                     o = self._attend_manual(qc, K[:, k0:k1], V[:, k0:k1], mask, layer, sinks, cd)
                 else:
                     o = self._attend_sdpa(qc, K[:, k0:k1], V[:, k0:k1], mask, layer)
+                if bad is not None:  # the rows that read a non-finite key or value get NaN, no other
+                    _poison_readers(o, mask, bad[:, k0:k1], layer.gqa_group_size)
                 out[t0 + a0:t0 + a1] = o.transpose(0, 1)
         return out
 

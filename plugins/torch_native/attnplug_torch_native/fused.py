@@ -85,7 +85,14 @@ class DecodeArgs(ctypes.Structure):
         ("heads_per_item", ctypes.c_int32), ("nthreads", ctypes.c_int32),
         ("scale", ctypes.c_float), ("cap", ctypes.c_float),
         ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
+        ("num_slots", ctypes.c_int64), ("err", ctypes.c_void_p),
     ]
+
+
+#: ``attnplug_fused_decode``'s return codes (0: done)
+RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY = 1, 2, 3, 4
+#: what ``DecodeArgs.err`` points at: code, work row, position, slot (the call's first failure)
+ErrorRecord = ctypes.c_int64 * 4
 
 
 def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int) -> int:

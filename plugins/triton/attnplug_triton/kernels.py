@@ -29,8 +29,10 @@ and inf included. The kernels read the cache only at positions ``< P`` of the
 program's own request, and every load is masked with a neutral ``other``: the
 ``req_to_token`` index load itself (its entries past a request's length may be
 ``-1``), then the K/V rows it addresses. Masked scores are selected to
-``-inf`` and a value row no tile row sees is selected to zeros before the
-product (``0 * NaN`` is NaN, so masking never multiplies by zero).
+``-inf`` and a non-finite value is selected to zero before the product, the
+rows that see such a value row set to NaN after it (``0 * NaN`` is NaN, so
+masking never multiplies by zero: a later new token or a hidden draft that
+holds garbage reaches no row it is hidden from).
 
 Split-KV (decode): the key positions of a request are cut into splits of a
 fixed ``split_len``; the program of split ``s`` covers positions
@@ -82,11 +84,16 @@ def _attend_block(
     """One key block: online-softmax update of ``acc``/``m_i``/``l_i``.
 
     Masking selects, never multiplies: a score no row may see becomes ``-inf`` by ``tl.where``
-    (whatever ``q·k`` gave, NaN included), so its probability is exactly 0; and a value row no
-    row of the tile sees is replaced by zeros before the product, because ``0 * NaN`` is NaN.
+    (whatever ``q·k`` gave, NaN included), so its probability is exactly 0; and a non-finite
+    value is replaced by zero before the product (``0 * NaN`` is NaN, and a key one row of the
+    tile sees may be hidden from another: a later new token, a draft the tree mask hides), then
+    the rows that *see* a key whose value row held one are set to NaN: garbage reaches exactly
+    the rows that read it, as in the reference.
     """
-    seen = tl.max(visible.to(tl.int32), 0) > 0  # keys at least one row of the tile sees
-    v = tl.where(seen[:, None], v, tl.zeros_like(v))
+    v_ok = tl.abs(v.to(tl.float32)) < float("inf")  # False for NaN and +-inf
+    v = tl.where(v_ok, v, tl.zeros_like(v))
+    v_bad = tl.max((v_ok == 0).to(tl.int32), 1) > 0  # [keys]: a value row holding NaN/inf
+    reads_bad = tl.max((visible & v_bad[None, :]).to(tl.int32), 1) > 0  # [rows]
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -105,6 +112,7 @@ def _attend_block(
     else:
         pv = tl.dot(_round(p, v.dtype), v)
     acc = acc * alpha[:, None] + pv
+    acc = tl.where(reads_bad[:, None], float("nan"), acc)
     return acc, m_new, l_i
 
 

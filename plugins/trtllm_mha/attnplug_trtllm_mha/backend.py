@@ -68,6 +68,7 @@ class TrtllmMHABackend(PagedBackend):
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # both entry points read prefix and new tokens through the block tables
+    reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
     def __init__(self, ctx: Any, *, kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:

@@ -23,12 +23,21 @@ Two things the op does not guarantee are done here:
 
 * **dtypes are checked before every call**: the op does not validate them, and a mismatch (a
   float32 query with a bfloat16 output) aborted the process when measured;
-* **garbage never reaches an output**: the op computes whole pages and lets a NaN/inf stored past
-  a request's last key reach its output. The layout marks pages a write put a NaN/inf into; when
-  a request's last page is marked, its slots past the request's keys that no request of the batch
-  owns are zeroed for the duration of the call and restored afterwards (the cache is unchanged
-  when the forward returns). An unmarked cache costs one small lookup per layer. A request with
-  no key at all (an empty encoder) gets zeros, which the op does not write.
+* **garbage never reaches an output**, by ownership: the op computes whole pages and lets a NaN/inf
+  stored past a request's last key reach its output. Each layer reads the slots of each request's
+  last page past its keys that no request of the batch owns (the "tails", found once per forward;
+  at most ``page_size - 1`` slots a request), and where one holds a NaN/inf they are zeroed for the
+  duration of the call and restored afterwards (the cache is unchanged when the forward returns).
+  This holds whoever wrote the garbage: ``set_kv``, a KV transfer or snapshot restore writing
+  ``layer_storage`` directly, another kernel. A request with no key at all (an empty encoder) gets
+  zeros, which the op does not write.
+* **masked new keys are selected out**: the op multiplies a causally hidden key's value row by a
+  zero probability, so a NaN/inf in the K/V of a later new token of a request would reach the
+  request's earlier tokens (measured). When this forward's ``k``/``v`` hold a non-finite value (one
+  float32 sum each per layer), the slots the op reads those tokens from hold zeros instead for the
+  call (restored after it), and the output rows of every query that sees such a token (same
+  request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
+  that read it, as in the reference.
 """
 
 from __future__ import annotations
@@ -156,6 +165,7 @@ class VllmCpuBackend(PagedBackend):
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"
+    reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
@@ -275,33 +285,66 @@ class VllmCpuBackend(PagedBackend):
             old = cache.layout.read(storage, cache.geometry, slots)
             cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
         masked = self._mask_tails(storage, keys, meta)
+        hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
         try:
             ops().cpu_attention_with_kv_cache(
                 q, key_cache, value_cache, out, keys.query_start_loc, keys.seq_lens, float(layer.scaling),
                 keys.causal, None, window, keys.block_table, float(layer.logit_cap or 0.0), sched, sinks, None,
                 1.0, 1.0, "auto")
         finally:
+            if hidden is not None:
+                cache.layout.write(storage, cache.geometry, *hidden[0])
             if masked is not None:
                 cache.layout.write(storage, cache.geometry, *masked)
             if remap is not None:
                 cache.layout.write(storage, cache.geometry, remap[1], *old)
         for i in keys.empty:
             out[meta.q_off[i]:meta.q_off[i + 1]] = 0
+        if hidden is not None:
+            self._poison_readers(out, hidden[1], layer, batch, meta)
         return out
+
+    def _select_new_garbage(self, storage: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, batch: Any,
+                            meta: ForwardMeta) -> Any:
+        """When this forward's ``k``/``v`` hold a NaN/inf: zero them in the slots the op reads them from and
+        return ``((slots, old_k, old_v) to write back, [(token, kv_head)] that held one)``; else ``None``."""
+        if k is None or bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
+            return None
+        cache = self.cache
+        bad = ~(torch.isfinite(k).all(dim=2) & torch.isfinite(v).all(dim=2))  # [T, Hkv]
+        tokens = bad.any(dim=1).nonzero().flatten().tolist()
+        slots = []
+        for t in tokens:
+            i, pos = self._token_position(batch, t)
+            slots.append(int(cache.req_to_token[meta.rows[i], pos]))
+        loc = torch.as_tensor(slots, dtype=torch.int64, device=cache.device)
+        old_k, old_v = cache.layout.read(storage, cache.geometry, loc)
+        clean = [torch.nan_to_num(x[tokens], nan=0.0, posinf=0.0, neginf=0.0).to(cache.dtype) for x in (k, v)]
+        cache.layout.write(storage, cache.geometry, loc, *clean)
+        return (loc, old_k, old_v), [(t, h) for t in tokens for h in bad[t].nonzero().flatten().tolist()]
+
+    def _poison_readers(self, out: torch.Tensor, bad: list[tuple[int, int]], layer: Any, batch: Any,
+                        meta: ForwardMeta) -> None:
+        """NaN in the rows (heads of KV head ``h``) of every query that sees new token ``t``, for ``(t, h)`` in
+        ``bad``: the tokens of its request at or after it, inside the window."""
+        G, W = layer.gqa_group_size, layer.sliding_window
+        for t, h in bad:
+            i, pos = self._token_position(batch, t)
+            for u in range(t, meta.q_off[i + 1]):
+                if W is None or (pos + u - t) - W <= pos:
+                    out[u, h * G:(h + 1) * G] = float("nan")
 
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
                     meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Zero the unowned tails of pages holding a NaN/inf; returns what to write back (or ``None``)."""
-        marked = VllmCpuLayout.nonfinite_pages(storage)
-        if not bool(marked.any()):
-            return None
+        """Zero the unowned tails holding a NaN/inf, whoever wrote it (the layout's page marks see only
+        writes through it); returns what to write back (or ``None``)."""
         cache = self.cache
         tails = meta.tail_slots(keys)
-        if tails.numel():
-            tails = tails[marked[tails.div(cache.page_size, rounding_mode="floor")]]
         if not tails.numel():
             return None
         old_k, old_v = cache.layout.read(storage, cache.geometry, tails)
+        if bool(torch.isfinite(old_k.sum(dtype=torch.float32) + old_v.sum(dtype=torch.float32))):
+            return None
         cache.layout.write(storage, cache.geometry, tails, torch.zeros_like(old_k), torch.zeros_like(old_v))
         return tails, old_k, old_v
 

@@ -9,10 +9,12 @@ Storage of one layer: ``(raw, nonfinite)``.
   token-major (``V[o, j]`` at ``ps * d + o * d + j``). This is the ``vec`` and ``vec16``
   arrangement (the ISAs this plugin uses), measured bit-exact through the writer for every
   claimed head dim, page sizes 16-128 and fp32/bf16/fp16.
-* ``nonfinite``: bool ``[num_pages]``, True for a page a write put a NaN/inf into (never cleared:
-  a page is only ever marked conservatively). The attention op computes over whole pages and
-  lets a NaN/inf past a request's last key reach its output (measured), so the backend masks
-  those tails of marked pages for the duration of a kernel call (``backend.py``).
+* ``nonfinite``: bool ``[num_pages]``, True for a page a write through this layout put a NaN/inf
+  into (never cleared: a page is only ever marked conservatively); a record for diagnostics. The
+  attention op computes over whole pages and lets a NaN/inf past a request's last key reach its
+  output (measured), so the backend masks those tails by ownership for the duration of a kernel
+  call (``backend.py``), whether or not a mark saw the write (raw writes into the storage, a KV
+  transfer or a snapshot restore, mark nothing).
 
 ``write`` goes through ``torch.ops._C.cpu_attn_reshape_and_cache`` (a per-token scatter:
 out-of-order and scattered slots are fine); ``read`` decodes the arrangement in plain torch,

@@ -207,6 +207,15 @@ class Case:
     garbage: str | None = None
     #: ``out_cache_loc`` is a fresh slot that ``req_to_token`` does not map yet (it maps a stale one)
     unmapped_new: bool = False
+    #: ``garbage`` is written straight into each layer's storage (raw tensor writes, as a KV transfer or a
+    #: snapshot restore does), not through ``set_kv``; see ``harness.fill_garbage_raw``
+    garbage_raw: bool = False
+    #: the K and V of each request's last new token (when it has two or more) hold garbage (``garbage``'s
+    #: value, NaN when ``None``): hidden from its earlier tokens by causality (or a target-verify mask)
+    garbage_new: bool = False
+    #: two cached positions of a request swap slots: ``req_to_token`` is not page-aligned (a backend that
+    #: declares ``reads_page_table`` refuses it; the others serve it exactly)
+    unaligned: bool = False
     #: families that check something other than one forward (sequence, layers) read this
     extra: tuple[tuple[str, Any], ...] = ()
     #: the KV-cache layout the problem's cache is allocated in (``cases_for`` sets the backend's first)

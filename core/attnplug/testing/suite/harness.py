@@ -149,7 +149,11 @@ def make_problem(
     ``req_to_token`` still maps their positions to the stale slots assigned first.
     ``case.garbage``: every slot no request owns holds NaN/+inf, and so do the
     ``out_cache_loc`` slots when the case does not save (they are stale then);
-    ``req_to_token`` entries past each request's length point at a garbage slot.
+    ``req_to_token`` entries past each request's length point at a garbage slot;
+    with ``case.garbage_raw`` it is written straight into the layers' storage
+    (``fill_garbage_raw``). ``case.garbage_new``: the last new token of each request
+    with two or more holds garbage in its K and V. ``case.unaligned``: the first
+    request with two cached positions has them swapped (``unalign``).
     """
     gen = torch.Generator().manual_seed(case.seed)
     sc, ps, sh = case.scenario, case.page_size, case.shape
@@ -181,6 +185,8 @@ def make_problem(
         fresh = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:sc.num_tokens].to(device)
     batch = make_batch(sc, cache, rows, gen, device, out_cache_loc=fresh)
     problem = Problem(case, device, layers, cache, batch, [], rows, gen)
+    if case.unaligned:
+        unalign(problem)
     owned: set[int] = set()
     for r, length in zip(rows, lens):
         owned.update(cache.req_to_token[r, :length].tolist())
@@ -188,9 +194,13 @@ def make_problem(
         for r, enc in zip(rows, sc.encoder):
             owned.update(cache.req_to_token[r, :enc].tolist())
     problem.owned = sorted(owned)
-    if case.garbage:
+    if case.garbage and case.garbage_raw:
+        fill_garbage_raw(problem, GARBAGE_VALUES[case.garbage], stale_new=not case.save_kv_cache)
+    elif case.garbage:
         fill_garbage(problem, GARBAGE_VALUES[case.garbage], stale_new=not case.save_kv_cache)
     problem.qkv = [make_qkv(problem, layer) for layer in layers]
+    if case.garbage_new:
+        poison_last_new_tokens(problem, GARBAGE_VALUES[case.garbage or "nan"])
     if case.scores:
         shape_scores(problem, case.scores)
     problem.before = problem.snapshot()
@@ -262,6 +272,57 @@ def threads(n: int | None) -> Any:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def unalign(problem: Problem) -> tuple[int, int] | None:
+    """Swap the slots of cached positions 0 and 1 of the first request with two cached positions (page size
+    >= 2: ``req_to_token`` is then not page-aligned); returns ``(request, position 0)`` or ``None``."""
+    r2t = problem.cache.req_to_token
+    for i, (row, p) in enumerate(zip(problem.req_rows, problem.batch.extend_prefix_lens_cpu)):
+        if p >= 2:
+            r2t[row, 0], r2t[row, 1] = int(r2t[row, 1]), int(r2t[row, 0])
+            return i, 0
+    return None
+
+
+def poison_last_new_tokens(problem: Problem, value: float) -> list[int]:
+    """Write ``value`` into the K and V (every layer) of each request's last new token when it has two or
+    more (causality hides it from the request's earlier tokens); returns the tokens."""
+    tokens, t0 = [], 0
+    for e in problem.batch.extend_seq_lens_cpu:
+        if e >= 2:
+            tokens.append(t0 + e - 1)
+        t0 += e
+    for _, k, v in problem.qkv:
+        if k is not None and tokens:
+            k[tokens] = value
+            v[tokens] = value  # type: ignore[index]
+    return tokens
+
+
+def fill_garbage_raw(problem: Problem, value: float, *, stale_new: bool = False) -> None:
+    """Like ``fill_garbage``, but the garbage goes straight into each layer's storage
+    (``PagedKVCache.layer_storage``: every floating-point element filled by a tensor write, never
+    ``set_kv`` or the layout, so no layout bookkeeping sees it), then the slots requests own are written
+    back as they were. Refreshes ``problem.before``."""
+    cache = problem.cache
+    keep = torch.tensor(problem.owned, dtype=torch.int64, device=cache.device)
+    if stale_new and problem.batch.num_tokens:
+        stale = problem.batch.out_cache_loc.to(cache.device)
+        keep = keep[~torch.isin(keep, stale)]
+    for i in range(cache.num_layers):
+        kept = cache.read_kv(i, keep) if keep.numel() else None
+        for t in cache.layer_storage(i):
+            if t.dtype.is_floating_point:
+                t.fill_(value)
+        if kept is not None:
+            cache.set_kv(i, keep, *kept, stored=True)
+    bad = next((s for s in range(cache.num_slots) if s not in set(keep.tolist())), None)
+    if bad is not None:
+        for r, length in zip(problem.req_rows, problem.case.scenario.seq_lens):
+            cache.req_to_token[r, length:] = bad
+    if problem.qkv:
+        problem.before = problem.snapshot()
 
 
 def fill_garbage(problem: Problem, value: float, *, stale_new: bool) -> None:
@@ -409,9 +470,21 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance, what: str = "o
     got = out.detach().to(torch.float64).cpu()
     if got.numel() == 0:
         return Comparison(0.0, tol, True)
-    if not torch.isfinite(got).all():
-        bad = (~torch.isfinite(got)).nonzero()[0].tolist()
-        return Comparison(float("inf"), tol, False, f"{what} has non-finite values (first at index {bad})")
+    # where the reference is non-finite (garbage the row really reads), so must the output be; everywhere
+    # else the output must be finite and within tolerance
+    fin_ref, fin_got = torch.isfinite(ref), torch.isfinite(got)
+    if not torch.equal(fin_ref, fin_got):
+        odd = (fin_ref & ~fin_got).nonzero()
+        if odd.numel():
+            return Comparison(float("inf"), tol, False, f"{what} has non-finite values where the reference is "
+                                                         f"finite (first at index {odd[0].tolist()})")
+        odd = (~fin_ref & fin_got).nonzero()
+        return Comparison(float("inf"), tol, False, f"{what} is finite where the reference is non-finite (garbage "
+                                                     f"the row reads was hidden; first at index {odd[0].tolist()}: "
+                                                     f"got {float(got[tuple(odd[0].tolist())]):.6g})")
+    if not bool(fin_ref.all()):  # compare the finite elements (both non-finite elsewhere)
+        zero = torch.zeros((), dtype=got.dtype)
+        got, ref = torch.where(fin_ref, got, zero), torch.where(fin_ref, ref, zero)
     err = (got - ref).abs()
     bound = tol.atol + tol.rtol * ref.abs()
     max_err = float(err.max())

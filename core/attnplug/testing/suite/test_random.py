@@ -5,8 +5,14 @@ Each example draws ragged lengths (prefix 0-40, new tokens by mode), a page
 size, a head layout (MHA/GQA/MQA as claimed), head dims (V differing where
 claimed), dtype and KV-cache dtype, sliding window / soft-cap / sinks /
 scaling where claimed, a target-verify mask of arbitrary bits, whether the
-forward saves, whether ``req_to_token`` maps the new slots yet, and garbage
-(NaN/+inf) in every slot no request owns. The forward must return the float64
+forward saves, whether ``req_to_token`` maps the new slots yet, garbage
+(NaN/+inf) in every slot no request owns (written through ``set_kv`` or
+straight into the layers' storage), garbage in the K/V of each request's last
+new token (hidden from its earlier tokens, and from the drafts a verify mask
+hides it from; the tokens that do see it must be non-finite, as the reference
+says), and a ``req_to_token`` that is not page-aligned (a backend declaring
+``reads_page_table`` refuses it naming the position; the others serve it
+exactly). The forward must return the float64
 reference within tolerance and leave the cache byte-identical except the new
 K/V at ``out_cache_loc`` -- or raise a clear ``attnplug`` error (ShapeError /
 NotSupportedError) and leave the cache byte-identical.
@@ -85,6 +91,7 @@ def _strategy(st: Any, mode: str, caps: Any) -> Any:
             shape=Shape(f"h{h}kv{kv}d{d}dv{dv}", h, kv, d, dv), features=feats,
             kv_cache_dtype=draw(st.sampled_from(kv_dtypes)), save_kv_cache=draw(st.booleans()),
             garbage=draw(st.sampled_from(["nan", "inf", None])), unmapped_new=draw(st.booleans()),
+            garbage_raw=draw(st.booleans()), garbage_new=draw(st.booleans()), unaligned=draw(st.booleans()),
         )
 
     return cases()

@@ -14,6 +14,14 @@
 // Work items are (work row, range of KV heads); a thread walks the row's keys once for K and
 // once for V, reading each key's row for all the item's heads together (one contiguous run of
 // the nhd cache: page-scattered rows stay cheap), and prefetches rows ahead.
+//
+// Failures are return codes, never a signal: every slot a work item reads through req_to_token is
+// checked against num_slots before the item reads any row (the table may have changed since the
+// caller validated it), and a scratch allocation that fails is reported; either stops the call
+// with the first failure recorded in DecodeArgs.err (the caller raises). Masked keys are selected
+// out, never multiplied by zero: a hidden key's score is -inf whatever q.k gave, and in a block
+// holding hidden keys a value row is added to a query's sum only where its probability is not 0
+// (0 * NaN is NaN), for this forward's new tokens (causal, target-verify mask) as for the cache.
 
 #include <cmath>
 #include <cstdint>
@@ -160,7 +168,8 @@ inline vf vexp(vf x) {
   return x == x ? res : x;
 }
 
-// one thread's scratch, grown on demand and kept (OpenMP threads persist between calls)
+// one thread's scratch, grown on demand and kept (OpenMP threads persist between calls); null
+// when a grow fails, and then nothing is kept (a later smaller call allocates again)
 struct Scratch {
   float* p = nullptr;
   size_t n = 0;
@@ -168,8 +177,12 @@ struct Scratch {
   float* get(size_t want) {
     if (want > n) {
       std::free(p);
-      n = want + want / 2;
-      p = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
+      p = nullptr;
+      n = 0;
+      const size_t grow = want + want / 2;
+      if (grow > (SIZE_MAX - 63) / 4) return nullptr;
+      p = static_cast<float*>(std::aligned_alloc(64, ((grow * 4 + 63) / 64) * 64));
+      if (p != nullptr) n = grow;
     }
     return p;
   }
@@ -203,6 +216,9 @@ struct DecodeArgs {
   int32_t window;                           // sliding window (-1: none): a query at position P sees keys >= P - window
   int32_t heads_per_item, nthreads;
   float scale, cap, k_scale, v_scale;       // cap 0: none; k/v_scale multiply stored cache values
+  int64_t num_slots;                        // slots of the cache: every slot read is checked against it
+  int64_t* err;                             // [4] out: code (0 none, 3 bad slot, 4 no memory), work row,
+                                            // position, slot value (the first failure recorded)
 };
 
 }  // extern "C"
@@ -284,6 +300,34 @@ inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_str
   for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
 }
 
+// accumulate<GN, CN>, selecting: a key whose probability is 0 for a row (hidden from it) adds
+// nothing to that row, whatever its value row holds (blocks that hold hidden keys)
+template <int GN, int CN>
+inline void accumulate_sel(float* acc, int acc_stride, const float* p, int64_t p_stride, const float* const* rp,
+                           int col) {
+  vf t[GN][CN];
+  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) t[g][c] = loadf(acc + g * acc_stride + c * W);
+  for (int j = 0; j < KB; ++j) {
+    vf x[CN];
+    for (int c = 0; c < CN; ++c) x[c] = loadf(rp[j] + col + c * W);
+    for (int g = 0; g < GN; ++g) {
+      const float pg = p[g * p_stride + j];
+      if (pg == 0.0f) continue;
+      const vf pj = splat(pg);
+      for (int c = 0; c < CN; ++c) t[g][c] += pj * x[c];
+    }
+  }
+  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
+}
+
+// record the first failure of a call (code, work row, position, slot)
+inline void fail(const DecodeArgs& a, int64_t code, int64_t row, int64_t pos, int64_t slot) {
+#pragma omp critical(attnplug_fused_err)
+  {
+    if (a.err[0] == 0) { a.err[0] = code; a.err[1] = row; a.err[2] = pos; a.err[3] = slot; }
+  }
+}
+
 inline float hmax16(vf v) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
@@ -335,7 +379,7 @@ void block_rows(const float** out, float* dst, const float* zeros, const typenam
 }
 
 template <class Q, class KV, int DC>
-void run(const DecodeArgs& a) {
+int run(const DecodeArgs& a) {
   typedef typename Q::T QT;
   typedef typename KV::T KT;
   const QT* q = static_cast<const QT*>(a.q);
@@ -356,8 +400,10 @@ void run(const DecodeArgs& a) {
   const int64_t npad_max = (most_keys + KB - 1) / KB * KB;
   const int dmax = D > Dv ? D : Dv;
 
+  int failed = 0;  // set once any item failed: the others stop early
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
   for (int64_t it = 0; it < int64_t(a.B) * NH; ++it) {
+    if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
     const int b = int(it / NH), h0 = int(it % NH) * HC, h1 = h0 + HC < a.Hkv ? h0 + HC : a.Hkv;
     const int64_t* pl = a.plan + PLAN * b;
     const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], pos0 = pl[5], kn_t0 = pl[6], a0 = pl[7];
@@ -373,9 +419,25 @@ void run(const DecodeArgs& a) {
       for (int r = 0; r < R; ++r) { QT* op = out_row(r); for (int d = 0; d < Dv; ++d) Q::put(op + d, 0.0f); }
       continue;
     }
+    const int64_t* slots = a.r2t + row * a.r2t_s + start;
+    {  // every slot this item reads is a slot of the cache (req_to_token may have changed since the check)
+      int64_t bad = -1;
+      for (int64_t key = 0; key < nc; ++key)
+        if (slots[key] < 0 || slots[key] >= a.num_slots) { bad = key; break; }
+      if (bad >= 0) {
+        fail(a, 3, b, start + bad, slots[bad]);
+        __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        continue;
+      }
+    }
     const int64_t npad = (n + KB - 1) / KB * KB;
     float* sc = tl_scores.get(size_t(R) * npad_max);                    // [R][npad] scores, then exp(s - m)
     float* misc = tl_misc.get(size_t(nh) * most_rows * G * (D + Dv + 2) + size_t(KB + 1) * dmax);
+    if (sc == nullptr || misc == nullptr) {
+      fail(a, 4, b, -1, int64_t(size_t(R) * npad_max * 4));
+      __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      continue;
+    }
     float* qf = misc;                                        // [R][D] queries, scaled
     float* acc = qf + size_t(R) * D;                         // [R][Dv]
     float* mx = acc + size_t(R) * Dv;                        // [R]
@@ -390,7 +452,6 @@ void run(const DecodeArgs& a) {
       for (int c = 0; c < D / W; ++c) storef(qf + r * D + c * W, Q::load(qp + c * W) * a.scale);
       mx[r] = -INFINITY;
     }
-    const int64_t* slots = a.r2t + row * a.r2t_s + start;
     const char* kn = has_new ? static_cast<const char*>(a.kn) + kn_t0 * a.kn_st * new_size : nullptr;
     const char* vn = has_new ? static_cast<const char*>(a.vn) + kn_t0 * a.vn_st * new_size : nullptr;
     const uint8_t* mask = a.mask ? a.mask + b * a.m_sb : nullptr;
@@ -460,13 +521,27 @@ void run(const DecodeArgs& a) {
       }
       den[r] = none ? 0.0f : hsum(sum) + (a.sinks ? std::exp(sink - m) : 0.0f);
     }
-    // pass 2: the probability-weighted sum of V, register tiles of 4 rows x 4 vectors
+    // pass 2: the probability-weighted sum of V, register tiles of 4 rows x 4 vectors; a block that
+    // may hold a key hidden from some row (a new token, past the end, before the first query's
+    // window) selects per row and key instead of multiplying by a zero probability
     std::memset(acc, 0, sizeof(float) * R * Dv);
+    const int64_t lo_last = a.window >= 0 ? pos0 + nq - 1 - a.window : INT64_MIN;  // the last query's window
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
+      const bool hidden = j0 + KB > nc || start + j0 < lo_last;
       for (int h = h0; h < h1; ++h) {
         block_rows<Q, KV>(rp, rows, zeros, V, a.v_ss, a.v_sh, vn, a.vn_st, a.vn_sh, a.new_f32 != 0, slots, j0, nc,
                           n, h, Dv, a.v_scale);
         const int hr = (h - h0) * RH;
+        if (hidden) {
+          int g0 = 0;
+          for (; g0 + 4 <= RH; g0 += 4)
+            for (int c0 = 0; c0 < Dv / W; ++c0)
+              accumulate_sel<4, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+          for (; g0 < RH; ++g0)
+            for (int c0 = 0; c0 < Dv / W; ++c0)
+              accumulate_sel<1, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+          continue;
+        }
         int g0 = 0;
         for (; g0 + 4 <= RH; g0 += 4) {
           int c0 = 0;
@@ -486,20 +561,21 @@ void run(const DecodeArgs& a) {
       for (int d = 0; d < Dv; ++d) Q::put(op + d, acc[r * Dv + d] * inv);
     }
   }
+  return int(a.err[0]);
 }
 
 template <class Q, class KV>
-void dispatch_dim(const DecodeArgs& a) {  // head dims 64 and 128 get unrolled score loops
-  if (a.D == 64) run<Q, KV, 4>(a);
-  else if (a.D == 128) run<Q, KV, 8>(a);
-  else run<Q, KV, 0>(a);
+int dispatch_dim(const DecodeArgs& a) {  // head dims 64 and 128 get unrolled score loops
+  if (a.D == 64) return run<Q, KV, 4>(a);
+  if (a.D == 128) return run<Q, KV, 8>(a);
+  return run<Q, KV, 0>(a);
 }
 
 template <class Q>
 int dispatch_kv(const DecodeArgs& a) {
-  if (a.kv_dtype == a.q_dtype) { dispatch_dim<Q, Q>(a); return 0; }
-  if (a.kv_dtype == 3) { dispatch_dim<Q, E4M3>(a); return 0; }
-  if (a.kv_dtype == 4) { dispatch_dim<Q, E5M2>(a); return 0; }
+  if (a.kv_dtype == a.q_dtype) return dispatch_dim<Q, Q>(a);
+  if (a.kv_dtype == 3) return dispatch_dim<Q, E4M3>(a);
+  if (a.kv_dtype == 4) return dispatch_dim<Q, E5M2>(a);
   return 2;
 }
 
@@ -507,9 +583,13 @@ int dispatch_kv(const DecodeArgs& a) {
 
 extern "C" {
 
-// 0: done; 1: a shape this kernel does not take; 2: a dtype pairing it does not take
+// 0: done; 1: a shape this kernel does not take; 2: a dtype pairing it does not take; 3: a slot read
+// through req_to_token is out of range; 4: scratch memory could not be allocated (3 and 4: details
+// in a->err, the output is incomplete)
 int attnplug_fused_decode(const DecodeArgs* a) {
   if (a->D % W || a->Dv % W || a->D <= 0 || a->Dv <= 0 || a->G <= 0 || a->heads_per_item <= 0) return 1;
+  if (a->err == nullptr || a->num_slots < 0) return 1;
+  a->err[0] = 0;
   switch (a->q_dtype) {
     case 0: return dispatch_kv<F32>(*a);
     case 1: return dispatch_kv<BF16>(*a);
