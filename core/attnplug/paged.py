@@ -340,6 +340,50 @@ class PagedBackend(AttentionBackend):
             raise ShapeError(f"cross-attention layer {layer.layer_id} but ForwardBatch.encoder_lens is None")
         self.require_supported(layer)
 
+    # -- measuring the skeleton's cost ---------------------------------------------------
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """A zero-argument call of this backend's own kernel for one layer of ``batch``, every argument
+        prepared beforehand: the KV write and the attention, the output allocated by each call as a
+        forward does (``attnplug bench --overhead`` times ``forward`` above it: the framework's
+        per-layer cost). Call after ``init_forward_metadata(batch)``; the layer must have passed a
+        forward's checks (it is planned here). Default: the cache write of this forward's K/V (two
+        index copies in the ``nhd`` layout) and ``compute_decode`` / ``compute_extend`` called
+        directly, in the order ``new_kv_source`` says; a backend over a kernel library overrides it
+        with the library's calls."""
+        meta = self.forward_metadata(batch)
+        self.layer_plan(layer)
+        compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
+        write = self.raw_write(layer, batch, k, v)
+        if type(self).new_kv_source == "cache":
+            def call() -> Any:
+                write()
+                return compute(q, k, v, layer, batch, meta)
+        else:
+            def call() -> Any:
+                out = compute(q, k, v, layer, batch, meta)
+                write()
+                return out
+        return call
+
+    def raw_write(self, layer: Any, batch: Any, k: Any, v: Any) -> Any:
+        """For ``kernel_call``: a zero-argument call writing this forward's K/V of ``layer`` with nothing
+        checked or converted per call (``index_copy_`` into an ``nhd`` cache of the model dtype, else
+        the layout's write); a no-op for cross-attention or without K/V."""
+        cache = self.cache
+        if k is None or layer.is_cross_attention:
+            return lambda: None
+        loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        if cache.layout.name == "nhd" and not cache.quantized and k.dtype == cache.dtype:
+            kb, vb = cache.get_kv(layer.layer_id)
+
+            def nhd() -> None:
+                kb.index_copy_(0, loc, k)
+                vb.index_copy_(0, loc, v)
+            return nhd
+        storage, geometry = cache.layer_storage(layer.layer_id), cache.geometry
+        ks, vs = cache.quantize(layer.layer_id, k, v)
+        return lambda: cache.layout.write(storage, geometry, loc, ks, vs)
+
     # -- helpers for kernels ---------------------------------------------------------
     def check_workspace(self, nbytes: int, what: str) -> None:
         """Refuse, before allocating, a workspace larger than ``max_workspace_bytes``.

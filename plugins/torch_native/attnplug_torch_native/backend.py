@@ -674,6 +674,30 @@ class TorchNativeBackend(PagedBackend):
                                f"{'shape' if rc == 1 else 'dtype'}) although fused_fits admitted it")
         return True
 
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """The fused CPU kernel called through its prepared ``DecodeArgs`` (a copy; only the output
+        pointer set per call) and the two index copies of the K/V write, when every request of the
+        forward goes through the kernel; else the default (the eager compute called directly)."""
+        meta = self.forward_metadata(batch)
+        plan = self.layer_plan(layer)
+        fl = plan.kernel
+        out = self.empty_output(q, layer)
+        if fl is None or layer.is_cross_attention or self.cache.quantized or \
+                len(meta.fused_requests()) != len(meta.rows) or not self._attend_fused(q, k, v, layer, meta, out):
+            return super().kernel_call(q, k, v, layer, batch)
+        args = kernel.DecodeArgs.from_buffer_copy(fl.args)  # every pointer but the output's set by that call
+        ref, fn, write = ctypes.byref(args), self._fused.attnplug_fused_decode, self.raw_write(layer, batch, k, v)
+        keep = (q, k, v, fl, meta)
+        shape, dtype = tuple(out.shape), out.dtype
+
+        def call(keep: tuple[Any, ...] = keep) -> torch.Tensor:  # keep: what the pointers point into
+            o = torch.empty(shape, dtype=dtype)
+            args.o = o.data_ptr()
+            fn(ref)
+            write()
+            return o
+        return call
+
     def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
         """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
         ``True`` when no request is for it, else the forward's ``_FusedForward`` (shared by every layer

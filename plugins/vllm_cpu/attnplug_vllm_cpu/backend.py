@@ -317,6 +317,33 @@ class VllmCpuBackend(PagedBackend):
             out[meta.q_off[i]:meta.q_off[i + 1]] = 0
         return out
 
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """vLLM's two ops as vLLM's CPU backend calls them for one layer, arguments prepared: the
+        K/V writer (``cpu_attn_reshape_and_cache``) and the attention op into a fresh output."""
+        meta = self.forward_metadata(batch)
+        la = self.layer_plan(layer).kernel
+        cross = layer.is_cross_attention
+        keys = meta.cross_keys if cross else meta.self_keys
+        sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
+        cache = self.cache
+        lib, isa = ops(), isa_for(cache.head_dim, cache.page_size)
+        q = q.contiguous()
+        loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        write = not cross and k is not None
+        if write:
+            k, v = k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous()
+        shape = (q.shape[0], layer.num_heads, layer.head_dim)
+
+        def call() -> torch.Tensor:
+            if write:
+                lib.cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, isa)
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+            lib.cpu_attention_with_kv_cache(
+                q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+                keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+            return out
+        return call
+
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
                     meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Zero the unowned tails of pages holding a NaN/inf; returns what to write back (or ``None``)."""
