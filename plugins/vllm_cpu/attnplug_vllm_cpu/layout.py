@@ -74,7 +74,7 @@ class VllmCpuLayout(KVLayout):
         raw = storage[0]
         P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
         n = slots.numel()
-        if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.is_contiguous():
+        if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.dtype in CACHE_DTYPES and raw.is_contiguous():
             # a forward's layers snapshot the same slots: the flat element index of their K and V rows is
             # built once per slot tensor (and version: an in-place change rebuilds it), then one take each
             memo = self._memo
