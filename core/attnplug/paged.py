@@ -63,7 +63,7 @@ def format_bytes(n: int | float) -> str:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{int(n)} B"
 
-__all__ = ["PagedBackend", "LayerPlan"]
+__all__ = ["LayerPlan", "PagedBackend"]
 
 
 class LayerPlan:

@@ -69,10 +69,10 @@ def measure_overhead(p: Any, prep: Any, flush_cold: Any) -> dict[str, Any]:
             continue
         batch = prob.batch
 
-        def init(backend: Any = backend) -> None:
+        def init(backend: Any = backend, batch: Any = batch) -> None:
             backend.init_forward_metadata(batch)
 
-        def init_and_layer(backend: Any = backend, forward: Any = forward) -> None:
+        def init_and_layer(backend: Any = backend, forward: Any = forward, batch: Any = batch) -> None:
             backend.init_forward_metadata(batch)
             forward()
 
