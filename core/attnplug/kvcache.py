@@ -36,6 +36,9 @@ from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
+#: ``check_batch`` reads up to this many requests' ``req_to_token`` entries as slices (cheaper than the
+#: vectorised gather at small batches, which are the ones whose per-forward cost shows)
+_SLICED_CHECK_ROWS = 64
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +195,8 @@ class PagedKVCache:
             raise ShapeError(f"{field} has dtype {loc.dtype}, expected an integer tensor of slot indices")
         if loc.numel() == 0:
             return
-        lo, hi = int(loc.min()), int(loc.max())
+        lo_t, hi_t = torch.aminmax(loc)
+        lo, hi = int(lo_t), int(hi_t)
         if lo < 0 or hi >= self.num_slots:
             bad = lo if lo < 0 else hi
             where = int((loc == bad).nonzero()[0, 0])
@@ -245,6 +249,15 @@ class PagedKVCache:
             read = [max(p, e) for p, e in zip(read, enc)]
         upto = [s if new_tokens_mapped else p for s, p in zip(b.seq_lens_cpu, read)]
         width = max(upto, default=0)
+        if width and len(rows) <= _SLICED_CHECK_ROWS:
+            # few requests: their entries as slices of req_to_token, one cat and one min/max (a handful of
+            # ops whatever the batch); the vectorised pass below runs only to name a bad entry
+            r2t = self.req_to_token
+            parts = [r2t[r, :u] for r, u in zip(rows, upto) if u]
+            vals = parts[0] if len(parts) == 1 else torch.cat(parts)
+            lo_t, hi_t = torch.aminmax(vals)
+            if int(lo_t) >= 0 and int(hi_t) < self.num_slots:
+                width = 0
         if width:
             dev = self.req_to_token.device
             idx = torch.as_tensor(rows, dtype=torch.int64, device=dev)
@@ -361,15 +374,27 @@ class PagedKVCache:
         if checked:
             self.check_slots(loc, "loc")
         if stored or not self.quantized:
-            k, v = k.to(self.dtype), v.to(self.dtype)
+            if k.dtype != self.dtype or v.dtype != self.dtype:
+                k, v = k.to(self.dtype), v.to(self.dtype)
         else:
             k, v = self.quantize(layer_id, k, v)
         storage = self._storage[layer_id]
+        if loc.dtype != torch.int64:
+            loc = loc.to(torch.int64)
         if self.layout.name == NHD:  # the hot path: two indexed copies, no layout call
-            storage[0][loc] = k
-            storage[1][loc] = v
+            if self.quantized:  # index_copy_ has no fp8 kernel on CPU; indexed assignment does
+                storage[0][loc] = k
+                storage[1][loc] = v
+            else:
+                storage[0].index_copy_(0, loc, k)
+                storage[1].index_copy_(0, loc, v)
             return
-        self.layout.write(storage, self.geometry, loc.to(torch.int64), k, v)
+        self.layout.write(storage, self.geometry, loc, k, v)
+
+    def snapshot(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V rows at ``loc`` (int64 slots, already bounds-checked) of one layer, as copies:
+        what ``set_kv(layer_id, loc, *old, stored=True)`` puts back (``staged``, ``PagedBackend``)."""
+        return self.layout.read(self._storage[layer_id], self.geometry, loc)
 
     @contextlib.contextmanager
     def staged(
@@ -392,7 +417,7 @@ class PagedKVCache:
         if checked:
             self.check_slots(loc, "loc")
         loc = loc.to(torch.int64)
-        old = self.layout.read(self._storage[layer_id], self.geometry, loc)
+        old = self.snapshot(layer_id, loc)
         if k is not None:
             self.set_kv(layer_id, loc, k, v, checked=False)  # type: ignore[arg-type]
         try:
@@ -464,10 +489,13 @@ class PagedKVCache:
         n = len(b.seq_lens_cpu)
         if n == 0 or pages == 0:
             return torch.zeros(n, pages, dtype=torch.int32, device=dev)
-        cols = torch.arange(pages, device=dev) * ps
-        rows = self.req_to_token.index_select(0, b.req_pool_indices.to(device=dev, dtype=torch.int64))[:, cols]
-        valid = cols[None, :] < b.seq_lens.to(dev)[:, None]
-        return torch.div(rows, ps, rounding_mode="floor").masked_fill(~valid, 0).to(torch.int32)
+        rows = self.req_to_token.index_select(0, b.req_pool_indices.to(device=dev, dtype=torch.int64))
+        rows = rows[:, :pages * ps:ps]  # column j: the slot of position j * page_size
+        table = torch.div(rows, ps, rounding_mode="floor")
+        if min(b.seq_lens_cpu) <= (pages - 1) * ps:  # some request has fewer pages: zero its last columns
+            cols = torch.arange(pages, device=dev) * ps
+            table.masked_fill_(cols[None, :] >= b.seq_lens.to(dev)[:, None], 0)
+        return table.to(torch.int32)
 
     def check_page_aligned(self, req_pool_indices: Sequence[int] | torch.Tensor, lens: Sequence[int],
                            who: str = "") -> None:
@@ -502,6 +530,12 @@ class PagedKVCache:
 
 def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = None) -> torch.Tensor:
     """``[0, l0, l0+l1, …]`` as int32 (``[len(lengths) + 1]``): CSR offsets of ragged rows, as kernels take them."""
+    if isinstance(lengths, (list, tuple)):  # host lengths (the batch's validated copies): one tensor op
+        offsets, total = [0], 0
+        for n in lengths:
+            total += int(n)
+            offsets.append(total)
+        return torch.tensor(offsets, dtype=torch.int32, device=device)
     lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
     out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=out[1:])

@@ -25,7 +25,13 @@ The base does the rest, once, in this order:
 2. **per layer** (``forward``): structural checks that need no reduction —
    ``layer_id`` in range, q/k/v shapes, a claimed dtype, one device, cache rows
    that match the layer, ``k``/``v`` present for self-attention, and the
-   layer-support verdict (memoised per layer object);
+   layer-support verdict. What depends only on the layer (``layer_id`` in range,
+   the cache rows, the verdict) is checked once, when the layer's plan
+   (``LayerPlan``, cached per ``LayerSpec`` object) is built; what depends only on
+   the forward (mode, token count, which compute runs, the int64 write slots) is
+   recorded once per forward by ``init_forward_metadata``; each call then compares
+   q/k/v's shapes, dtypes and device with the two (a few attribute reads) and
+   falls back to the full ``check_forward`` for its error message when one differs;
 3. the **KV write**, placed so that a forward that raises writes nothing:
    ``new_kv_source = "args"`` (the kernel takes this forward's K/V from its
    arguments): compute first, write after it returned; ``"cache"`` (the kernel
@@ -49,6 +55,7 @@ from .backend import AttentionBackend, MetadataGuard
 from .batch import check_qkv
 from .capabilities import support_reasons
 from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
+from .layer import LayerSpec
 from .modes import ForwardMode
 
 
@@ -60,7 +67,48 @@ def format_bytes(n: int | float) -> str:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{int(n)} B"
 
-__all__ = ["PagedBackend"]
+__all__ = ["LayerPlan", "PagedBackend"]
+
+
+class LayerPlan:
+    """What one layer's forwards share, built once per layer object (``PagedBackend.layer_plan``).
+
+    Built only after the layer passed ``check_forward`` (``layer_id`` in range, the cache rows, the
+    support verdict), so a layer with a plan needs none of those again. ``kernel`` is what the
+    backend's ``plan_layer`` returned for it (its per-layer kernel arguments; ``None`` by default).
+    """
+
+    __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel")
+
+    def __init__(self, layer: Any, staged: bool) -> None:
+        self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
+        self.layer_id = layer.layer_id
+        self.q_rest = (layer.num_heads, layer.head_dim)
+        self.k_rest = (layer.num_kv_heads, layer.head_dim)
+        self.v_rest = (layer.num_kv_heads, layer.v_head_dim)
+        self.cross = bool(layer.is_cross_attention)
+        #: the KV write is staged around the kernel (``new_kv_source == "cache"``, self-attention)
+        self.staged = staged and not self.cross
+        self.kernel: Any = None
+
+
+class _Forward:
+    """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
+
+    __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed")
+
+    def __init__(self, backend: "PagedBackend", batch: Any, meta: Any) -> None:
+        self.batch, self.meta = batch, meta
+        mode = batch.forward_mode
+        self.idle = mode is ForwardMode.IDLE
+        self.num_tokens = batch.num_tokens
+        self.compute = backend.compute_decode if mode is ForwardMode.DECODE else backend.compute_extend
+        #: the write slots as int64 (what the cache's writes index with), converted once per forward
+        self.loc = batch.out_cache_loc if self.idle else batch.out_cache_loc.to(torch.int64)
+        self.has_encoder = batch.encoder_lens is not None
+        #: ``ForwardBatch.changed_since_validate`` (a version-counter read per field, no sync): run per
+        #: layer, so an index field changed after ``init_forward_metadata`` is refused at every layer
+        self.changed = getattr(batch, "changed_since_validate", None)
 
 
 class PagedBackend(AttentionBackend):
@@ -88,6 +136,11 @@ class PagedBackend(AttentionBackend):
         self._claimed_torch = frozenset(
             getattr(torch, n) for n in type(self).capabilities.dtypes if hasattr(torch, n)
         )
+        #: per layer object: its ``LayerPlan`` (keyed by ``id(layer)``; the plan holds the layer)
+        self._layer_plans: dict[int, LayerPlan] = {}
+        #: this forward's record (``_Forward``), set by ``init_forward_metadata``
+        self._fwd: _Forward | None = None
+        self._device_type = None if self.kv_cache is None else self.kv_cache.device.type
 
     # -- identity --------------------------------------------------------------
     @property
@@ -139,6 +192,28 @@ class PagedBackend(AttentionBackend):
         """Attention for a DECODE batch. Default: ``compute_extend`` (one kernel for every mode)."""
         return self.compute_extend(q, k, v, layer, batch, meta)
 
+    def plan_layer(self, layer: Any) -> Any:
+        """This backend's per-layer kernel arguments (``LayerPlan.kernel``), built once per layer object
+        after the layer passed every check; read it back in a compute with ``layer_plan(layer).kernel``.
+        Default: ``None``."""
+        return None
+
+    def layer_plan(self, layer: Any) -> LayerPlan:
+        """The plan of ``layer`` (built by its first forward); a layer with no plan yet gets one after
+        its layer-only checks (``check_layer_id``, ``check_layer_rows``, the support verdict) pass."""
+        plan = self._layer_plans.get(id(layer))
+        if plan is not None and plan.layer is layer:
+            return plan
+        cache = self.cache
+        cache.check_layer_id(layer.layer_id)
+        cache.check_layer_rows(layer)
+        self.require_supported(layer)
+        plan = LayerPlan(layer, type(self).new_kv_source == "cache")
+        plan.kernel = self.plan_layer(layer)
+        if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
+            self._layer_plans[id(layer)] = plan
+        return plan
+
     # -- per forward -------------------------------------------------------------
     def init_forward_metadata(self, batch: Any) -> None:
         """Validate the batch against the cache (once per forward), then build the metadata."""
@@ -152,7 +227,9 @@ class PagedBackend(AttentionBackend):
                 self.check_page_aligned(batch)
             meta = self.build_metadata(batch)
         self.metadata_builds += 1
+        self._fwd = None
         self._guard.set(batch, meta)
+        self._fwd = _Forward(self, batch, meta)
 
     def forward_metadata(self, batch: Any) -> Any:
         """The metadata ``init_forward_metadata`` built for ``batch`` (``MetadataNotInitializedError`` for
@@ -221,20 +298,46 @@ class PagedBackend(AttentionBackend):
 
     def _forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> Any:
         meta = self._guard.require(batch)
-        if batch.forward_mode is ForwardMode.IDLE:
+        fwd = self._fwd
+        if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
+            fwd = self._fwd = _Forward(self, batch, meta)
+        if fwd.idle:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
-        self.check_forward(q, k, v, layer, batch)
-        if batch.num_tokens == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
+        T = fwd.num_tokens
+        plan = self._layer_plans.get(id(layer))
+        # the per-call checks against what the plan and the forward recorded; anything unexpected
+        # (or a layer without a plan) runs the full check_forward, which raises the precise error
+        if plan is None or plan.layer is not layer or q.dtype not in self._claimed_torch \
+                or (fwd.changed is not None and fwd.changed() is not None) \
+                or q.shape != (T,) + plan.q_rest or q.device.type != self._device_type \
+                or (plan.cross and not fwd.has_encoder) or not (
+                    (k is not None and v is not None and k.shape == (T,) + plan.k_rest
+                     and v.shape == (T,) + plan.v_rest and k.dtype == q.dtype and v.dtype == q.dtype
+                     and k.device.type == self._device_type)
+                    or (k is None and v is None and plan.cross)):
+            self.check_forward(q, k, v, layer, batch)
+            plan = self.layer_plan(layer)
+        if T == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
             return self.empty_output(q, layer, 0)
-        compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
-        write = bool(save_kv_cache) and k is not None and not layer.is_cross_attention
+        compute = fwd.compute
+        if k is None or plan.cross:  # nothing of this forward to write
+            return compute(q, k, v, layer, batch, meta)
         cache = self.kv_cache
-        if type(self).new_kv_source == "cache" and k is not None and not layer.is_cross_attention:
-            with cache.staged(layer.layer_id, batch.out_cache_loc, k, v, keep=write, checked=False):
-                return compute(q, k, v, layer, batch, meta)
+        lid, loc = plan.layer_id, fwd.loc
+        if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
+            old = cache.snapshot(lid, loc)
+            cache.set_kv(lid, loc, k, v, checked=False)
+            try:
+                out = compute(q, k, v, layer, batch, meta)
+            except BaseException:
+                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+                raise
+            if not save_kv_cache:
+                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+            return out
         out = compute(q, k, v, layer, batch, meta)
-        if write:
-            cache.set_kv(layer.layer_id, batch.out_cache_loc, k, v, checked=False)
+        if save_kv_cache:
+            cache.set_kv(lid, loc, k, v, checked=False)
         return out
 
     def check_forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
@@ -266,6 +369,50 @@ class PagedBackend(AttentionBackend):
         if layer.is_cross_attention and batch.encoder_lens is None:
             raise ShapeError(f"cross-attention layer {layer.layer_id} but ForwardBatch.encoder_lens is None")
         self.require_supported(layer)
+
+    # -- measuring the skeleton's cost ---------------------------------------------------
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """A zero-argument call of this backend's own kernel for one layer of ``batch``, every argument
+        prepared beforehand: the KV write and the attention, the output allocated by each call as a
+        forward does (``attnplug bench --overhead`` times ``forward`` above it: the framework's
+        per-layer cost). Call after ``init_forward_metadata(batch)``; the layer must have passed a
+        forward's checks (it is planned here). Default: the cache write of this forward's K/V (two
+        index copies in the ``nhd`` layout) and ``compute_decode`` / ``compute_extend`` called
+        directly, in the order ``new_kv_source`` says; a backend over a kernel library overrides it
+        with the library's calls."""
+        meta = self.forward_metadata(batch)
+        self.layer_plan(layer)
+        compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
+        write = self.raw_write(layer, batch, k, v)
+        if type(self).new_kv_source == "cache":
+            def call() -> Any:
+                write()
+                return compute(q, k, v, layer, batch, meta)
+        else:
+            def call() -> Any:
+                out = compute(q, k, v, layer, batch, meta)
+                write()
+                return out
+        return call
+
+    def raw_write(self, layer: Any, batch: Any, k: Any, v: Any) -> Any:
+        """For ``kernel_call``: a zero-argument call writing this forward's K/V of ``layer`` with nothing
+        checked or converted per call (``index_copy_`` into an ``nhd`` cache of the model dtype, else
+        the layout's write); a no-op for cross-attention or without K/V."""
+        cache = self.cache
+        if k is None or layer.is_cross_attention:
+            return lambda: None
+        loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        if cache.layout.name == "nhd" and not cache.quantized and k.dtype == cache.dtype:
+            kb, vb = cache.get_kv(layer.layer_id)
+
+            def nhd() -> None:
+                kb.index_copy_(0, loc, k)
+                vb.index_copy_(0, loc, v)
+            return nhd
+        storage, geometry = cache.layer_storage(layer.layer_id), cache.geometry
+        ks, vs = cache.quantize(layer.layer_id, k, v)
+        return lambda: cache.layout.write(storage, geometry, loc, ks, vs)
 
     # -- helpers for kernels ---------------------------------------------------------
     def check_workspace(self, nbytes: int, what: str) -> None:

@@ -129,3 +129,13 @@ def test_a_reader_that_leaves_early_is_not_a_traceback():
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_overhead_defaults_to_the_issue_rows_and_given_shapes_replace_them():
+    o = _spec("--overhead")
+    assert o.overhead and [(p.batch, p.context) for p in o.problems()] == [(1, 128), (4, 256), (32, 1024)]
+    assert o.repeats == 200 and o.page_sizes == (32,)
+    g = _spec("--overhead", "--batch", "2,3", "--context", "64", "--repeats", "7", "--page-size", "16")
+    assert [(p.batch, p.context) for p in g.problems()] == [(2, 64), (3, 64)]
+    assert g.repeats == 7 and g.page_sizes == (16,)
+    assert not _spec().overhead and _spec().pairs is None

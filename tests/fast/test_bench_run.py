@@ -232,3 +232,28 @@ def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys, monkeypat
         assert ("through the fused CPU kernel" in note) if lib is not None else why in note
     assert all(res["runtime_notes"] == {"torch_native": [note]} for res in doc["problems"])
     assert f"torch_native: {note}" in capsys.readouterr().out
+
+
+def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
+    """--overhead: per backend, forward and kernel_call side by side, warm and flushed, and the
+    per-forward metadata; the goal verdicts follow from the numbers in the row."""
+    from attnplug.bench.overhead import INIT_GOAL_US, OVERHEAD_GOAL_US, init_goal_us
+
+    assert main(["bench", *TINY, "--overhead", "--backend", "torch,template", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["problems"] == [] and doc["settings"]["overhead"]
+    (res,) = doc["overhead"]
+    assert [r["backend"] for r in res["rows"]] == ["torch_native", "template_sdpa"]
+    for row in res["rows"]:
+        for caches in ("warm", "flushed"):
+            r = row[caches]
+            assert r["forward_us"] > 0 and r["kernel_us"] > 0 and r["init_forward_metadata_us"] > 0
+            assert r["overhead_us"] == pytest.approx(r["forward_us"] - r["kernel_us"])
+            assert r["init_goal_us"] == init_goal_us(r["forward_us"]) >= INIT_GOAL_US
+            assert r["init_goal_met"] == (r["init_forward_metadata_us"] <= r["init_goal_us"])
+        assert row["warm"]["overhead_goal_met"] == (row["warm"]["overhead_us"] <= OVERHEAD_GOAL_US)
+        assert row["flushed"]["overhead_goal_met"] is None  # the goal is stated for warm caches
+    assert main(["bench", *TINY, "--overhead", "--warm"]) == 0
+    table = capsys.readouterr().out
+    assert "per-layer overhead above each backend's own kernel" in table
+    assert "torch_native     warm" in table and "flushed" not in table.split("per-layer overhead")[1].split("\n\n")[1]

@@ -308,3 +308,41 @@ def test_a_new_token_mapped_to_a_slot_another_request_reads_is_refused_in_words(
     cache.req_to_token[rows[0], 5] = -1
     with pytest.raises(ShapeError, match=r"request 0 .*new token 0 at position 5 maps to slot -1"):
         backend.init_forward_metadata(batch)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_repeated_reads_of_one_slot_tensor_follow_its_contents(dtype):
+    """``read`` memoises the flat index of a slot tensor (every layer of a forward snapshots the same
+    slots); an in-place change of that tensor, another tensor or another cache geometry reads afresh."""
+    cache = _cache(dtype=dtype, num_pages=6)
+    n = cache.num_slots
+    every = torch.arange(n)
+    k = torch.arange(n * 2 * 64, dtype=torch.float64).reshape(n, 2, 64).to(dtype)
+    cache.set_kv(0, every, k, -k, stored=dtype == torch.float64)
+    slots = torch.tensor([3, 40, 17])
+    for _ in range(2):
+        got_k, got_v = cache.read_kv(0, slots)
+        assert torch.equal(got_k, k[slots]) and torch.equal(got_v, -k[slots])
+    slots.copy_(torch.tensor([90, 1, 33]))  # the same tensor, changed in place
+    got_k, got_v = cache.read_kv(0, slots)
+    assert torch.equal(got_k, k[slots]) and torch.equal(got_v, -k[slots])
+    other = _cache(dtype=dtype, num_pages=6, page_size=32)  # another geometry, same slot tensor
+    other.set_kv(0, every, k, -k, stored=dtype == torch.float64)
+    assert torch.equal(other.read_kv(0, slots)[0], k[slots])
+
+
+@needs_ops
+def test_a_layer_never_written_with_a_nonfinite_value_needs_no_tail_look():
+    """The per-layer NaN-tail check is an attribute read until a write marks a page."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+
+    cache = _cache(layers=2)
+    cache.set_kv(0, torch.tensor([3]), torch.randn(1, 2, 64), torch.randn(1, 2, 64))
+    assert not VllmCpuLayout.may_have_nonfinite(cache.layer_storage(0))
+    bad = torch.randn(1, 2, 64)
+    bad[0, 1, 7] = float("inf")
+    cache.set_kv(1, torch.tensor([20]), torch.randn(1, 2, 64), bad)
+    assert VllmCpuLayout.may_have_nonfinite(cache.layer_storage(1))
+    assert not VllmCpuLayout.may_have_nonfinite(cache.layer_storage(0))
+    assert cache.layer_storage(1)[1].nonzero().flatten().tolist() == [20 // 16]

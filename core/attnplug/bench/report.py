@@ -54,6 +54,10 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{100 * v['checks_over_forward']:.1f}% of one layer's forward; once per forward, not per layer")
         for note in res["notes"]:
             lines.append(f"  note: {note}")
+    if result.get("overhead"):
+        from .overhead import format_overhead
+
+        lines += [""] + format_overhead(result)
     for s in result["skipped"]:
         lines += ["", f"skipped: {s['label']}: {s['reason']}"]
     best = result["best_decode_bandwidth_fraction"]

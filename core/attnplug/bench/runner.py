@@ -139,10 +139,11 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
     from .timing import cache_flusher, read_bandwidth
 
     spec, device = prep.spec, prep.device
-    bw = read_bandwidth(device, spec.bandwidth_mib, clock=spec.clock)
+    bw = {"bytes_per_s": 0.0, "method": "not measured (--overhead)"} if spec.overhead else \
+        read_bandwidth(device, spec.bandwidth_mib, clock=spec.clock)
     flush = cache_flusher(device, spec.warm)
     problems = list(spec.problems())
-    results, skipped = [], []
+    results, skipped, overhead = [], [], []
     for i, p in enumerate(problems, 1):
         if progress is not None:
             progress.write(f"\r[{i}/{len(problems)}] {p.label()}".ljust(110)[:110])
@@ -151,7 +152,12 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         if reason:
             skipped.append({"problem": p.to_dict(), "label": p.label(), "reason": reason})
             continue
-        results.append(_measure(p, prep, bw["bytes_per_s"], flush))
+        if spec.overhead:
+            from .overhead import measure_overhead
+
+            overhead.append(measure_overhead(p, prep, cache_flusher(device, False)))
+        else:
+            results.append(_measure(p, prep, bw["bytes_per_s"], flush))
         gc.collect()
     if progress is not None:
         progress.write("\n")
@@ -161,8 +167,10 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         "machine": machine(device),
         "bandwidth": bw,
         "settings": {"repeats": spec.repeats, "warmup": spec.warmup, "seed": spec.seed,
-                     "caches": "warm" if spec.warm or device.type != "cpu" else "flushed before every timed call",
-                     "max_kv_gib": spec.max_kv_gib, "clock": spec.clock},
+                     "caches": "warm" if spec.warm or device.type != "cpu" else
+                     ("warm, then flushed before every timed call" if spec.overhead else
+                      "flushed before every timed call"),
+                     "max_kv_gib": spec.max_kv_gib, "clock": spec.clock, "overhead": spec.overhead},
         "goals": {m: {"max_ratio_to_floor": g, "faster_than_loop": f} for m, (g, f) in GOALS.items()},
         "backends": prep.backends,
         "notes": prep.notes,
@@ -170,6 +178,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         # CPU kernel taken or not): every distinct note, in the order first seen
         "runtime_notes": _runtime_notes(results),
         "problems": results,
+        "overhead": overhead,
         "skipped": skipped,
         "best_decode_bandwidth_fraction": None if best is None else
         {"backend": best["name"], "fraction": best["bandwidth_fraction"], "problem": best["problem_label"]},

@@ -26,6 +26,9 @@ DEFAULT_BATCH: dict[str, int] = {"decode": 32, "extend": 4, "verify": 32, "mixed
 
 DEFAULT_MAX_KV_GIB = 8.0
 
+#: ``--overhead`` without ``--batch``/``--context``: these (batch, context) pairs (issue 30's rows)
+OVERHEAD_PAIRS: tuple[tuple[int, int], ...] = ((1, 128), (4, 256), (32, 1024))
+
 
 def goal_met(mode: str, ms: float, floor_ms: float, loop_ms: float) -> bool:
     """Whether a backend row meets its mode's goal (``GOALS``): at most the ratio to the floor,
@@ -120,12 +123,16 @@ class Spec:
     clock: str = "wall"
     #: KV-cache dtypes to sweep (``None``: the model dtype, what ``--kv-cache-dtype auto`` means)
     kv_dtypes: tuple[str | None, ...] = (None,)
+    #: ``--overhead``: measure the per-layer overhead above each backend's kernel instead of the usual rows
+    overhead: bool = False
+    #: ``(batch, context)`` pairs measured instead of the product of ``batches`` and ``contexts``
+    pairs: tuple[tuple[int, int], ...] | None = None
 
     def problems(self) -> Iterator[Problem]:
         for mode, dtype, kvd in itertools.product(self.modes, self.dtypes, self.kv_dtypes):
             batches = self.batches or (DEFAULT_BATCH[mode],)
-            for b, ctx, d, kv, ps in itertools.product(batches, self.contexts, self.head_dims, self.kv_heads,
-                                                        self.page_sizes):
+            shapes = self.pairs or tuple(itertools.product(batches, self.contexts))
+            for (b, ctx), d, kv, ps in itertools.product(shapes, self.head_dims, self.kv_heads, self.page_sizes):
                 yield Problem(mode, dtype, b, ctx, self.heads, kv, d, ps, self.new_tokens, self.draft,
                               None if kvd == dtype else kvd)
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..bench.spec import (DEFAULT_MAX_KV_GIB, MODES, BenchUsageError, Spec, dtype_list, int_list, kv_dtype_list,
-                          name_list)
+from ..bench.spec import (DEFAULT_MAX_KV_GIB, MODES, OVERHEAD_PAIRS, BenchUsageError, Spec, dtype_list, int_list,
+                          kv_dtype_list, name_list)
 
 #: defaults; ``--quick`` replaces those the user did not give with the QUICK ones
 DEFAULTS = dict(backend="torch_native", mode="decode", dtype="float32", kv_cache_dtype="auto", batch=None, context="1024", heads="32",
                 kv_heads="8", head_dim="128", page_size="16", new_tokens="512", draft="4", repeats="10",
                 warmup="2", bandwidth_mib="512", threads=None)
+#: defaults of ``--overhead`` runs (microsecond rows need many calls; --warm/--quick flags still apply)
+OVERHEAD = dict(repeats="200", warmup="20", page_size="32")
 QUICK = dict(mode=",".join(MODES), batch="2", context="32,128", heads="8", kv_heads="2", head_dim="32",
              new_tokens="16", repeats="3", warmup="1", bandwidth_mib="64", threads="1")
 
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-kv-gib", metavar="GIB", help=f"skip problems whose K/V exceed this (default: {DEFAULT_MAX_KV_GIB:g})")
     a("--bandwidth-mib", metavar="MIB", help="size of the tensor summed to measure read bandwidth, 1 to "
       f"{MAX_BANDWIDTH_MIB} and at most half the free memory (default: 512)")
+    a("--overhead", action="store_true",
+      help="instead of the usual rows: per backend, one layer's forward against the backend's own kernel called "
+      "directly with prepared arguments (the per-layer overhead), and init_forward_metadata per forward, with "
+      "caches warm and flushed (default shapes: batch x context 1x128, 4x256, 32x1024; page 32; 200 repeats)")
     a("--quick", action="store_true", help="a tiny sweep (every mode, small shapes, 3 repeats, one thread) for "
       "CI; flags given explicitly still apply")
     a("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout, instead of the table)")
@@ -68,8 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_spec(args: argparse.Namespace) -> Spec:
     """The sweep described by ``args``; ``BenchUsageError`` naming the flag for a bad value."""
     given = {k: getattr(args, k, None) for k in DEFAULTS}
+    overhead = bool(getattr(args, "overhead", False))
     value = {k: (given[k] if given[k] is not None else
-                 (QUICK[k] if args.quick and k in QUICK else DEFAULTS[k])) for k in DEFAULTS}
+                 (QUICK[k] if args.quick and k in QUICK else
+                  OVERHEAD[k] if overhead and k in OVERHEAD else DEFAULTS[k])) for k in DEFAULTS}
+    pairs = OVERHEAD_PAIRS if overhead and given["batch"] is None and given["context"] is None else None
     heads = int_list("--heads", value["heads"])
     if len(heads) != 1:
         raise BenchUsageError(f"--heads {value['heads']!r}: give one number of query heads")
@@ -113,6 +122,8 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         threads=_bounded("--threads", value["threads"], max_threads(), "this machine's CPU count")
         if value["threads"] is not None else None,
         clock=_clock(args, device, value["threads"]),
+        overhead=overhead,
+        pairs=pairs,
     )
 
 

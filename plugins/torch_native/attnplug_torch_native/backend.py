@@ -252,6 +252,43 @@ class _Block(NamedTuple):
     h1: int  # one past the last KV head
 
 
+class _FusedForward(NamedTuple):
+    """The fused kernel's arguments that depend on the forward (its work rows, their split), shared by
+    every layer of one geometry (``TorchNativeBackend._prepare_fused``)."""
+
+    plan: torch.Tensor  # int64 [B, 8]: the work rows (ForwardMeta.fused_plan)
+    mask: torch.Tensor | None  # the target-verify mask per work row
+    B: int
+    per_item: int
+    threads: int
+    q_dtype: int
+    requests: list[int]  # the request of each work row (error messages name it)
+
+
+class _FusedLayer:
+    """One layer's ``DecodeArgs`` (``TorchNativeBackend.plan_layer``): the layer's constants set once; the
+    forward's fields set by ``fill`` when a forward first reaches the layer; the q/k/v/output pointers
+    set by every call."""
+
+    __slots__ = ("args", "keep", "geometry", "forward", "ref", "err")
+
+    def __init__(self, args: Any, keep: tuple[Any, ...], geometry: tuple[Any, ...], err: Any) -> None:
+        self.args, self.keep, self.geometry, self.err = args, keep, geometry, err
+        self.forward: _FusedForward | None = None  # the forward part the args hold now (kept alive by it)
+        self.ref = ctypes.byref(args)
+
+    def fill(self, fw: _FusedForward, cache: Any, layer_id: int) -> None:
+        a, mask = self.args, fw.mask
+        a.plan = fw.plan.data_ptr()
+        a.mask = 0 if mask is None else mask.data_ptr()
+        a.m_sb = 0 if mask is None else mask.stride(0)
+        a.m_sq = 0 if mask is None else mask.stride(1)
+        a.B, a.heads_per_item, a.nthreads, a.q_dtype = fw.B, fw.per_item, fw.threads, fw.q_dtype
+        ks, vs = cache.kv_scales(layer_id) if cache.quantized else (1.0, 1.0)  # may change between forwards
+        a.k_scale, a.v_scale = float(ks), float(vs)
+        self.forward = fw
+
+
 class ForwardMeta:
     """What one forward's layers share: per-request lengths, and lazily built decode plans."""
 
@@ -604,47 +641,85 @@ class TorchNativeBackend(PagedBackend):
             return "a bidirectional layer (the fused kernel masks causally)"
         return None
 
+    def plan_layer(self, layer: Any) -> "_FusedLayer | None":
+        """The fused kernel's arguments that depend only on the layer (its cache rows, strides, head
+        geometry, window, scaling, soft-cap, sinks), built once per layer object; ``None`` without
+        the kernel. The forward's fields are filled in when a forward first reaches the layer."""
+        if self._fused is None:
+            return None
+        cache, lid = self.cache, layer.layer_id
+        cross = layer.is_cross_attention
+        window = None if cross else layer.sliding_window
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=_F32).reshape(
+                layer.num_heads).contiguous()
+        kc, vc = cache.get_kv(lid) if cache.layout.name == "nhd" else (None, None)
+        r2t = cache.req_to_token
+        args = kernel.DecodeArgs()
+        if kc is not None:
+            args.k, args.k_ss, args.k_sh = kc.data_ptr(), kc.stride(0), kc.stride(1)
+            args.v, args.v_ss, args.v_sh = vc.data_ptr(), vc.stride(0), vc.stride(1)
+            args.kv_dtype = kernel.dtype_code(cache.dtype) if cache.dtype_name in kernel.DTYPE_CODES else -1
+        args.r2t, args.r2t_s = r2t.data_ptr(), r2t.stride(0)
+        args.num_slots = cache.num_slots  # every slot the kernel reads is checked against it
+        err = kernel.ErrorRecord()  # the kernel's failure record (code, work row, position, slot)
+        args.err = ctypes.addressof(err)
+        args.sinks = 0 if sinks is None else sinks.data_ptr()
+        args.new_f32 = 1 if cache.quantized else 0
+        args.Hkv, args.G, args.D, args.Dv = layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
+        args.window = -1 if window is None else int(window)
+        args.scale, args.cap = layer.scaling, float(layer.logit_cap or 0.0)
+        geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
+        return _FusedLayer(args, (kc, vc, r2t, sinks, layer), geometry, err)
+
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
                       out: torch.Tensor) -> bool:
         """Attend ``meta.fused_requests()`` through ``csrc/attention.cpp`` into their rows of ``out``:
         every visible row read once, in place. ``False`` (nothing written) when the layer does not
         fit the kernel or its scratch would exceed the workspace limit (the eager path then
-        chunks or refuses). The kernel's arguments but the per-call tensors are prepared once
-        per forward and layer (``_prepare_fused``)."""
-        threads = torch.get_num_threads()
-        key = ("fused_args", id(layer), layer.layer_id, q.dtype, threads)
-        prep = meta._plans.get(key)
-        if prep is None:
-            prep = meta._plans[key] = self._prepare_fused(q, layer, meta, threads)
-        if prep is False:
+        chunks or refuses). The layer's arguments are built once (``plan_layer``); what depends
+        on the forward (its plan, the work split) once per forward and layer geometry, shared by
+        every layer of that geometry (``_prepare_fused``); a call sets the q/k/v/output pointers."""
+        fl = self.layer_plan(layer).kernel
+        if fl is None:
             return False
-        if prep is True:  # no request for the kernel in this forward
+        threads = torch.get_num_threads()
+        key = ("fused_forward", q.dtype, threads, fl.geometry)
+        fw = meta._plans.get(key)
+        if fw is None:
+            fw = meta._plans[key] = self._prepare_fused(q, layer, meta, threads)
+        if fw is False:
+            return False
+        if fw is True:  # no request for the kernel in this forward
             return True
-        args, H, Hkv, D, Dv = prep[0], layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
-        T = q.shape[0]
-        q3 = _unit_stride(q.reshape(T, H, D))
+        args = fl.args
+        if fl.forward is not fw:  # the first call of this layer in this forward: its forward fields
+            fl.fill(fw, self.cache, layer.layer_id)
+        q3 = q if q.stride(-1) == 1 else q.contiguous()  # [T, H, D]: the skeleton checked the shape
         args.q, args.q_st, args.q_sh = q3.data_ptr(), q3.stride(0), q3.stride(1)
         if not layer.is_cross_attention:
             if self.cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
                 k, v = self._stored(layer, k, v)
-            else:
+            elif k.dtype != q.dtype or v.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            kn, vn = _unit_stride(k.reshape(T, Hkv, D)), _unit_stride(v.reshape(T, Hkv, Dv))
+            kn = k if k.stride(-1) == 1 else k.contiguous()
+            vn = v if v.stride(-1) == 1 else v.contiguous()
             args.kn, args.kn_st, args.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
             args.vn, args.vn_st, args.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
         args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
         if self.cache.quantized:  # the scales as they are now (set_kv_scales between layers is honoured)
             args.k_scale, args.v_scale = self.cache.kv_scales(layer.layer_id)
-        rc = self._fused.attnplug_fused_decode(ctypes.byref(args))
+        rc = self._fused.attnplug_fused_decode(fl.ref)
         if rc != 0:
-            self._fused_failed(rc, prep[1], layer, meta)
+            self._fused_failed(rc, fl, fw, layer, meta)
         return True
 
-    def _fused_failed(self, rc: int, kept: tuple[Any, ...], layer: Any, meta: ForwardMeta) -> None:
-        """Raise the error the kernel's return code ``rc`` stands for (its record is in ``kept[-1]``)."""
-        code, work_row, pos, value = list(kept[-1])
+    def _fused_failed(self, rc: int, fl: "_FusedLayer", fw: "_FusedForward", layer: Any, meta: ForwardMeta) -> None:
+        """Raise the error the kernel's return code ``rc`` stands for (its record is ``fl.err``)."""
+        code, work_row, pos, value = list(fl.err)
         if rc == kernel.RC_BAD_SLOT:
-            i = kept[-2][work_row]
+            i = fw.requests[work_row]
             raise ShapeError(
                 f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
                 f"which is out of range (expected 0 <= slot < num_slots={self.cache.num_slots}); req_to_token "
@@ -657,15 +732,38 @@ class TorchNativeBackend(PagedBackend):
         raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
                            f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")
 
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """The fused CPU kernel called through its prepared ``DecodeArgs`` (a copy; only the output
+        pointer set per call) and the two index copies of the K/V write, when every request of the
+        forward goes through the kernel; else the default (the eager compute called directly)."""
+        meta = self.forward_metadata(batch)
+        plan = self.layer_plan(layer)
+        fl = plan.kernel
+        out = self.empty_output(q, layer)
+        if fl is None or layer.is_cross_attention or self.cache.quantized or \
+                len(meta.fused_requests()) != len(meta.rows) or not self._attend_fused(q, k, v, layer, meta, out):
+            return super().kernel_call(q, k, v, layer, batch)
+        args = kernel.DecodeArgs.from_buffer_copy(fl.args)  # every pointer but the output's set by that call
+        ref, fn, write = ctypes.byref(args), self._fused.attnplug_fused_decode, self.raw_write(layer, batch, k, v)
+        keep = (q, k, v, fl, meta)
+        shape, dtype = tuple(out.shape), out.dtype
+
+        def call(keep: tuple[Any, ...] = keep) -> torch.Tensor:  # keep: what the pointers point into
+            o = torch.empty(shape, dtype=dtype)
+            args.o = o.data_ptr()
+            fn(ref)
+            write()
+            return o
+        return call
+
     def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
         """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
-        ``True`` when no request is for it, else ``(DecodeArgs with every field but the per-call
-        tensors', the tensors and layer it points at, kept alive)``."""
+        ``True`` when no request is for it, else the forward's ``_FusedForward`` (shared by every layer
+        of this geometry)."""
         if self.fused_fits(q, layer) is not None:
             return False
-        cache, lid = self.cache, layer.layer_id
-        H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
-        D, Dv = layer.head_dim, layer.v_head_dim
+        G, D, Dv = layer.gqa_group_size, layer.head_dim, layer.v_head_dim
+        Hkv = layer.num_kv_heads
         cross = layer.is_cross_attention
         window = None if cross else layer.sliding_window
         aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
@@ -689,31 +787,9 @@ class TorchNativeBackend(PagedBackend):
             chunk = max(1, most_q // 2)
         if scratch(per_item) > self.max_workspace_bytes:
             return False
-        kc, vc = cache.get_kv(lid)
         mask = None if cross else meta.fused_mask(chunk)
-        sinks = None
-        if layer.sinks is not None:
-            sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=_F32).reshape(H).contiguous()
-        ks, vs = cache.kv_scales(lid) if cache.quantized else (1.0, 1.0)  # (re-read at every call)
-        r2t = cache.req_to_token
-        window = -1 if window is None else int(window)  # LayerSpec keeps windows below 2**31 - 1
-        err = kernel.ErrorRecord()
         requests = [i for i, _, _ in meta._fused_chunks(chunk)]  # the request of each work row
-        args = kernel.DecodeArgs(
-            0, 0, 0,  # q: per call
-            kc.data_ptr(), kc.stride(0), kc.stride(1), vc.data_ptr(), vc.stride(0), vc.stride(1),
-            0, 0, 0, 0, 0, 0,  # this forward's new K/V: per call (none for cross-attention)
-            r2t.data_ptr(), r2t.stride(0), plan.data_ptr(),
-            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-            0 if mask is None else mask.stride(1),
-            0, 0, 0,  # the output: per call
-            0 if sinks is None else sinks.data_ptr(),
-            kernel.dtype_code(q.dtype), kernel.dtype_code(cache.dtype), 1 if cache.quantized else 0,
-            B, Hkv, G, D, Dv, window, per_item, threads,
-            layer.scaling, float(layer.logit_cap or 0.0), float(ks), float(vs),
-            cache.num_slots, ctypes.addressof(err),
-        )
-        return args, (kc, vc, r2t, plan, mask, sinks, layer, requests, err)
+        return _FusedForward(plan, mask, B, per_item, threads, kernel.dtype_code(q.dtype), requests)
 
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:

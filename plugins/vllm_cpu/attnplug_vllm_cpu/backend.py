@@ -38,12 +38,17 @@ Two things the op does not guarantee are done here:
   call (restored after it), and the output rows of every query that sees such a token (same
   request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
   that read it, as in the reference.
+
+Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
+the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
+then allocates the output, looks up the scheduler metadata, compares dtypes and token counts with
+the plan (``_check_call`` words any mismatch) and calls the op.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +67,20 @@ ENABLE_KV_SPLIT = True
 def create(ctx: Any) -> tuple[str, "VllmCpuBackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, VllmCpuBackend(ctx)
+
+
+class _LayerArgs(NamedTuple):
+    """The op's per-layer arguments (``VllmCpuBackend.plan_layer``)."""
+
+    storage: tuple[torch.Tensor, ...]
+    raw: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    window: int  # as the op counts it: -1 off, else LayerSpec's window + 1
+    sinks: torch.Tensor | None  # float32 [num_heads]
+    scaling: float
+    cap: float  # 0.0: off
+    ok: bool  # the cache dtype is one the op takes and the sinks have one entry per head
 
 
 @dataclasses.dataclass
@@ -207,6 +226,12 @@ class VllmCpuBackend(PagedBackend):
             return
         rows, prefix, seq = batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu
         dev = cache.req_to_token.device
+        r2t = cache.req_to_token
+        if len(rows) <= 64:  # the usual case first, in a few ops: every new token maps to its out_cache_loc
+            parts = [r2t[r, p:s] for r, p, s in zip(rows, prefix, seq) if s > p]
+            mapped = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if torch.equal(mapped, batch.out_cache_loc.to(device=dev, dtype=torch.int64)):
+                return  # and check_batch bounded out_cache_loc: every mapped slot is a real one
         ext = torch.as_tensor(batch.extend_seq_lens_cpu, device=dev)
         start = batch.qo_indptr(dev)[:-1].to(torch.int64)
         r = torch.as_tensor(rows, dtype=torch.int64, device=dev).repeat_interleave(ext)
@@ -257,9 +282,23 @@ class VllmCpuBackend(PagedBackend):
         meta.remap, self._remap = self._remap, None
         return meta
 
+    def plan_layer(self, layer: Any) -> _LayerArgs:
+        cache = self.cache
+        storage = cache.layer_storage(layer.layer_id)
+        raw = storage[0]
+        key_cache, value_cache = VllmCpuLayout.views(raw)
+        cross = layer.is_cross_attention
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks).detach().to(device=raw.device, dtype=torch.float32).reshape(-1)
+            sinks = sinks.contiguous()
+        return _LayerArgs(storage, raw, key_cache, value_cache,
+                          -1 if cross or layer.sliding_window is None else layer.sliding_window + 1, sinks,
+                          float(layer.scaling), float(layer.logit_cap or 0.0),
+                          raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,)))
+
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
-        cache = self.cache
         cross = layer.is_cross_attention
         keys = meta.cross_keys if cross else meta.self_keys
         if not cross and layer.uses_bidirectional:  # the same keys, without the causal mask
@@ -267,18 +306,16 @@ class VllmCpuBackend(PagedBackend):
         if keys is None:
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")
-        storage = cache.layer_storage(layer.layer_id)
-        raw = storage[0]
+        la = self.layer_plan(layer).kernel
         q = q.contiguous()
         out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
-        window = -1 if cross or layer.sliding_window is None else layer.sliding_window + 1
-        sched = meta.scheduler_metadata(keys, layer.num_heads, window, q.dtype)
-        sinks = None
-        if layer.sinks is not None:
-            sinks = torch.as_tensor(layer.sinks).detach().to(device=q.device, dtype=torch.float32).reshape(-1)
-            sinks = sinks.contiguous()
-        self._check_call(q, out, raw, keys, layer, meta, sinks)
-        key_cache, value_cache = VllmCpuLayout.views(raw)
+        sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
+        if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
+                and keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32
+                and keys.block_table.dtype == _INT32):
+            self._check_call(q, out, la.raw, keys, layer, meta, la.sinks)
+        storage = la.storage
+        cache = self.kv_cache
         remap = None if cross or meta.remap is None else meta.remap
         if remap is not None:  # new tokens whose position maps elsewhere: put them there for this call
             idx, slots = remap
@@ -288,8 +325,8 @@ class VllmCpuBackend(PagedBackend):
         hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
         try:
             ops().cpu_attention_with_kv_cache(
-                q, key_cache, value_cache, out, keys.query_start_loc, keys.seq_lens, float(layer.scaling),
-                keys.causal, None, window, keys.block_table, float(layer.logit_cap or 0.0), sched, sinks, None,
+                q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+                keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None,
                 1.0, 1.0, "auto")
         finally:
             if hidden is not None:
@@ -326,13 +363,41 @@ class VllmCpuBackend(PagedBackend):
     def _poison_readers(self, out: torch.Tensor, bad: list[tuple[int, int]], layer: Any, batch: Any,
                         meta: ForwardMeta) -> None:
         """NaN in the rows (heads of KV head ``h``) of every query that sees new token ``t``, for ``(t, h)`` in
-        ``bad``: the tokens of its request at or after it, inside the window."""
+        ``bad``: the tokens of its request at or after it (every token of it in a bidirectional layer),
+        inside the window."""
         G, W = layer.gqa_group_size, layer.sliding_window
         for t, h in bad:
             i, pos = self._token_position(batch, t)
-            for u in range(t, meta.q_off[i + 1]):
-                if W is None or (pos + u - t) - W <= pos:
+            for u in range(meta.q_off[i] if layer.uses_bidirectional else t, meta.q_off[i + 1]):
+                if W is None or abs(u - t) <= W:
                     out[u, h * G:(h + 1) * G] = float("nan")
+
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+        """vLLM's two ops as vLLM's CPU backend calls them for one layer, arguments prepared: the
+        K/V writer (``cpu_attn_reshape_and_cache``) and the attention op into a fresh output."""
+        meta = self.forward_metadata(batch)
+        la = self.layer_plan(layer).kernel
+        cross = layer.is_cross_attention
+        keys = meta.cross_keys if cross else meta.self_keys
+        sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
+        cache = self.cache
+        lib, isa = ops(), isa_for(cache.head_dim, cache.page_size)
+        q = q.contiguous()
+        loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        write = not cross and k is not None
+        if write:
+            k, v = k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous()
+        shape = (q.shape[0], layer.num_heads, layer.head_dim)
+
+        def call() -> torch.Tensor:
+            if write:
+                lib.cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, isa)
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+            lib.cpu_attention_with_kv_cache(
+                q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+                keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+            return out
+        return call
 
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
                     meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -23,6 +23,7 @@ so the host, the reference and the suite read any slot of the cache.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,11 +38,18 @@ from .ops import ops
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+#: ``read`` gathers a slot set of at most this many elements (K and V) through one precomputed flat index
+#: (``torch.take``), memoised per slot tensor: every layer of a forward reads the same slots
+_TAKE_MAX_ELEMENTS = 1 << 18
+
+
 class VllmCpuLayout(KVLayout):
     """vLLM's CPU KV cache: one ``[pages, kv_heads, page_size, 2 * head_dim]`` tensor per layer."""
 
     name = LAYOUT
     description = "vLLM CPU pages [pages, kv_heads, page_size, 2*head_dim]: K dim-major, V token-major per page"
+    #: ``(slots, slots._version, geometry, k index, v index)`` of the last small read (see ``read``)
+    _memo: tuple[Any, ...] | None = None
 
     def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
         return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
@@ -66,15 +74,33 @@ class VllmCpuLayout(KVLayout):
 
     @staticmethod
     def views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``(key_cache, value_cache)`` views the ops take, each ``[pages, kv_heads, page_size, head_dim]``."""
-        P, H, ps, d2 = raw.shape
-        k, v = raw.view(P, H, 2 * ps, d2 // 2).chunk(2, dim=2)
-        return k, v
+        """The ``(key_cache, value_cache)`` views the ops take, each ``[pages, kv_heads, page_size, head_dim]``
+        (made once per storage tensor and kept on it: every write of a layer takes them)."""
+        views = getattr(raw, "_attnplug_views", None)
+        if views is None:
+            P, H, ps, d2 = raw.shape
+            views = raw._attnplug_views = tuple(raw.view(P, H, 2 * ps, d2 // 2).chunk(2, dim=2))  # type: ignore[attr-defined]
+        return views
 
     def read(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raw = storage[0]
         P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
+        n = slots.numel()
+        if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.dtype in CACHE_DTYPES and raw.is_contiguous():
+            # a forward's layers snapshot the same slots: the flat element index of their K and V rows is
+            # built once per slot tensor (and version: an in-place change rebuilds it), then one take each
+            memo = self._memo
+            if memo is None or memo[0] is not slots or memo[1] != slots._version or \
+                    (memo[2] is not geometry and memo[2] != geometry):
+                page, off = slots.div(ps, rounding_mode="floor"), slots % ps
+                base = (page * (H * 2 * ps * d) + off).view(n, 1, 1) + \
+                    torch.arange(H, device=slots.device).view(1, H, 1) * (2 * ps * d)
+                j = torch.arange(d, device=slots.device).view(1, 1, d)
+                index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
+                memo = self._memo = (slots, slots._version, geometry, index)
+            k, v = torch.take(raw, memo[3]).unbind(0)  # [2, n, H, d]: one gather for K and V
+            return k, v
         flat = raw.view(P, H, 2 * ps * d)
         page, off = slots.div(ps, rounding_mode="floor"), slots % ps
         k = flat[:, :, :ps * d].view(P, H, d, ps)[page, :, :, off]  # [n, H, d]
@@ -95,16 +121,19 @@ class VllmCpuLayout(KVLayout):
             raise ValueError(f"layout {self.name!r}: k {tuple(k.shape)} / v {tuple(v.shape)}, expected {want}")
         if raw.dtype in CACHE_DTYPES:
             key_cache, value_cache = self.views(raw)
-            ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
-                                             slots.to(torch.int64).contiguous(),
+            if slots.dtype != torch.int64 or not slots.is_contiguous():
+                slots = slots.to(torch.int64).contiguous()
+            ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots,
                                              isa_for(geometry.head_dim, geometry.page_size))
         else:  # a dtype the writer lacks (no backend reads it; hosts and tests may still store it): in torch
             self._torch_write(raw, geometry, slots, k, v)
-        # one reduction on the hot path: a NaN/inf makes the sum non-finite (a finite sum that overflows
+        # two reductions on the hot path: a NaN/inf makes a sum non-finite (a finite sum that overflows
         # only costs a conservative per-row look)
-        if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
+        if not math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item()):
             bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
-            nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
+            if bool(bad.any()):
+                nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
+                self.mark(nonfinite)
 
     @staticmethod
     def _torch_write(raw: torch.Tensor, geometry: KVGeometry, slots: torch.Tensor, k: torch.Tensor,
@@ -120,3 +149,15 @@ class VllmCpuLayout(KVLayout):
     def nonfinite_pages(storage: tuple[Any, ...]) -> torch.Tensor:
         """bool ``[num_pages]``: pages a write put a NaN/inf into (see the module docstring)."""
         return storage[1]
+
+    @staticmethod
+    def mark(nonfinite: torch.Tensor) -> None:
+        """Note on the flags tensor itself that some page is marked (``may_have_nonfinite``); every
+        write that sets a flag calls it."""
+        nonfinite._attnplug_marked = True  # type: ignore[attr-defined]
+
+    @staticmethod
+    def may_have_nonfinite(storage: tuple[Any, ...]) -> bool:
+        """``False`` when no write ever marked a page of this layer (a Python attribute read, no tensor
+        op: the per-layer hot path); ``True`` means look at ``nonfinite_pages``."""
+        return getattr(storage[1], "_attnplug_marked", False)

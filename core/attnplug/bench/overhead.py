@@ -1,0 +1,131 @@
+"""``attnplug bench --overhead``: what the framework costs per layer above each backend's own kernel.
+
+For every problem and backend, three calls are timed round-robin (one call of each per round, medians
+of ``--repeats``), with the CPU caches warm and again flushed before every call (``--warm``: warm only):
+
+* ``forward``: ``backend.forward`` of one layer, metadata built once (what every layer of a forward
+  pays: the per-layer checks, the KV write with its guarantees, the kernel, the output);
+* ``kernel``: the backend's own kernel called directly with prepared arguments
+  (``PagedBackend.kernel_call``: the KV write and the attention, a fresh output per call);
+* ``init_forward_metadata``: the per-forward cost (bounds checks and the kernel's metadata), paid once
+  per forward by all layers together; timed on its own and followed by one layer's forward
+  (``first_layer_extra_us``: what the first layer of a forward pays above the others, such as
+  kernel metadata a backend builds at the first layer that needs it).
+
+``overhead_us`` = forward - kernel: the per-layer cost of the framework. The goals (issue 30): at most
+``OVERHEAD_GOAL_US`` per layer with warm caches, and ``init_forward_metadata`` at most
+``INIT_GOAL_US`` or ``INIT_GOAL_SHARE`` of ``MODEL_LAYERS`` layers' forwards, whichever is larger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: per-layer overhead goal (µs, warm caches)
+OVERHEAD_GOAL_US = 15.0
+#: init_forward_metadata goal: this many µs, or this share of a ``MODEL_LAYERS``-layer forward's layers
+INIT_GOAL_US = 50.0
+INIT_GOAL_SHARE = 0.02
+MODEL_LAYERS = 32
+
+
+def init_goal_us(forward_us: float) -> float:
+    """The ``init_forward_metadata`` bound for a problem whose one-layer forward takes ``forward_us``."""
+    return max(INIT_GOAL_US, INIT_GOAL_SHARE * MODEL_LAYERS * forward_us)
+
+
+def measure_overhead(p: Any, prep: Any, flush_cold: Any) -> dict[str, Any]:
+    """One problem's overhead rows (one per backend), warm and (unless ``--warm``) flushed."""
+    import torch
+
+    from ..errors import AttnplugError
+    from ..registry import default_registry
+    from .problem import PagedProblem
+    from .timing import CLOCKS, interleaved_median_ms
+
+    spec = prep.spec
+    prob = PagedProblem(p, str(prep.device), spec.seed)
+    reg = default_registry()
+    clock = CLOCKS[spec.clock]
+    rows, notes = [], []
+    for name in prep.backends:
+        try:
+            ctx = prob.context(name, reg.host, reg)
+            _, backend = reg.build(name, ctx)
+            reasons = backend.not_supported_reasons(prob.layer, ctx)
+            if reasons:
+                raise AttnplugError("; ".join(reasons))
+            forward = prob.backend_call(backend)
+            forward()  # the layer's first forward: checks passed, its plan built
+            if not hasattr(backend, "kernel_call"):
+                raise AttnplugError(f"{type(backend).__name__} is not a PagedBackend: no kernel_call to compare with")
+            kernel = backend.kernel_call(prob.q, prob.k, prob.v, prob.layer, prob.batch)
+            kernel()
+        except AttnplugError as exc:
+            notes.append(f"{name}: skipped ({exc})")
+            continue
+        except Exception as exc:  # a backend that breaks is reported; the other rows still run
+            notes.append(f"{name}: failed ({type(exc).__name__}: {exc})")
+            continue
+        batch = prob.batch
+
+        def init(backend: Any = backend, batch: Any = batch) -> None:
+            backend.init_forward_metadata(batch)
+
+        def init_and_layer(backend: Any = backend, forward: Any = forward, batch: Any = batch) -> None:
+            backend.init_forward_metadata(batch)
+            forward()
+
+        row: dict[str, Any] = {"backend": name}
+        for caches in ("warm",) if spec.warm or prep.device.type != "cpu" else ("warm", "flushed"):
+            flush = flush_cold if caches == "flushed" else (lambda: None)
+            ms = interleaved_median_ms({"init": init, "init_and_layer": init_and_layer}, spec.repeats,
+                                       spec.warmup, prob.sync, flush, None, clock)
+            init()
+            forward()  # this forward's metadata, the layer's first call of it done: what later layers see
+            ms.update(interleaved_median_ms({"forward": forward, "kernel": kernel}, spec.repeats, spec.warmup,
+                                            prob.sync, flush, None, clock))
+            us = {k: v * 1e3 for k, v in ms.items()}
+            over = us["forward"] - us["kernel"]
+            row[caches] = {"forward_us": us["forward"], "kernel_us": us["kernel"], "overhead_us": over,
+                           "init_forward_metadata_us": us["init"],
+                           "first_layer_extra_us": us["init_and_layer"] - us["init"] - us["forward"],
+                           "init_share_of_model_forward": us["init"] / (MODEL_LAYERS * us["forward"]),
+                           "overhead_goal_met": over <= OVERHEAD_GOAL_US if caches == "warm" else None,
+                           "init_goal_us": init_goal_us(us["forward"]),
+                           "init_goal_met": us["init"] <= init_goal_us(us["forward"])}
+        rows.append(row)
+        del backend, forward, kernel, init
+    return {"problem": p.to_dict(), "label": p.label(), "rows": rows, "notes": notes,
+            "torch_threads": torch.get_num_threads()}
+
+
+def format_overhead(result: dict[str, Any]) -> list[str]:
+    """The ``--overhead`` table lines (plain data in, text out)."""
+    lines = [f"per-layer overhead above each backend's own kernel (goal: <= {OVERHEAD_GOAL_US:g} us warm) and "
+             f"init_forward_metadata per forward (goal: <= {INIT_GOAL_US:g} us or {100 * INIT_GOAL_SHARE:g}% of "
+             f"{MODEL_LAYERS} layers' forwards); microseconds"]
+    header = (f"  {'backend':<16} {'caches':<8} {'forward':>10} {'kernel':>10} {'overhead':>9} {'init_fm':>9} "
+              f"{'1st layer+':>10} {'init/32 layers':>14}  goals")
+    for res in result["overhead"]:
+        lines += ["", res["label"], header]
+        for row in res["rows"]:
+            for caches in ("warm", "flushed"):
+                r = row.get(caches)
+                if r is None:
+                    continue
+                goals = []
+                if r["overhead_goal_met"] is not None:
+                    goals.append("overhead " + ("met" if r["overhead_goal_met"] else "not met"))
+                goals.append("init " + ("met" if r["init_goal_met"] else "not met"))
+                lines.append(f"  {row['backend']:<16} {caches:<8} {r['forward_us']:10.1f} {r['kernel_us']:10.1f} "
+                             f"{r['overhead_us']:9.1f} {r['init_forward_metadata_us']:9.1f} "
+                             f"{r['first_layer_extra_us']:10.1f} "
+                             f"{100 * r['init_share_of_model_forward']:13.2f}%  {', '.join(goals)}")
+        for note in res["notes"]:
+            lines.append(f"  note: {note}")
+    lines += ["", "forward: one layer's backend.forward; kernel: the backend's own kernel with prepared arguments "
+              "(PagedBackend.kernel_call); overhead = forward - kernel, paid by every layer; init_fm: "
+              "init_forward_metadata, once per forward; 1st layer+: what the first layer of a forward pays above "
+              "the others; init/32 layers: init_fm over 32 layers' forwards"]
+    return lines

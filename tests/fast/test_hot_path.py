@@ -1,0 +1,208 @@
+"""The per-layer hot path (issue 30): what runs once per layer object, once per forward, and per call.
+
+A layer's first forward runs every structural check and builds its plan; later forwards compare
+q/k/v with what the plan and the forward recorded. These tests hold the skeleton to that: every
+refusal still happens on a layer that already has a plan (the cheap comparisons must miss nothing),
+the layer-only checks and the verdict run once per layer object, the per-forward record follows each
+new ``init_forward_metadata``, and ``kernel_call`` (what ``bench --overhead`` compares with) does the
+forward's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnplug import LayerSpec, NotSupportedError, ShapeError
+from attnplug.kvcache import PagedKVCache, indptr
+
+from test_paged_base import CacheReadingToy, H, KV, D, LAYER, ToyBackend, decode_batch, make, qkv, same, snapshot
+
+
+def _planned(cls=ToyBackend):
+    """A backend whose LAYER already ran one good forward (so it has a plan)."""
+    backend, cache = make(cls)
+    batch = decode_batch(cache)
+    backend.init_forward_metadata(batch)
+    backend.forward(*qkv(2), LAYER, batch)
+    assert backend.layer_plan(LAYER) is backend.layer_plan(LAYER)  # cached per layer object
+    return backend, cache, batch
+
+
+def _bad_calls():
+    q, k, v = qkv(2)
+    return {
+        "q dtype": ((q.to(torch.float64), k.double(), v.double()), NotSupportedError, r"dtype=float64"),
+        "q int dtype": ((q.to(torch.int32), k.int(), v.int()), NotSupportedError, r"dtype=int32"),
+        "q shape": ((q[:, :2], k, v), ShapeError, r"q has shape \(2, 2, 8\)"),
+        "q tokens": ((q[:1], k[:1], v[:1]), ShapeError, r"q has shape \(1, 4, 8\)"),
+        "k shape": ((q, k[:, :1], v), ShapeError, r"k has shape \(2, 1, 8\)"),
+        "v shape": ((q, k, v[:, :, :4]), ShapeError, r"v has shape \(2, 2, 4\)"),
+        "k dtype": ((q, k.bfloat16(), v), ShapeError, r"dtypes differ"),
+        "v dtype": ((q, k, v.bfloat16()), ShapeError, r"dtypes differ"),
+        "k and v None": ((q, None, None), ShapeError, r"k and v are None for self-attention layer 1"),
+        "v None": ((q, k, None), ShapeError, r"k and v must both be given"),
+        "k None": ((q, None, v), ShapeError, r"k and v must both be given"),
+    }
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, CacheReadingToy])
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_a_planned_layer_still_refuses_every_bad_call_and_writes_nothing(cls, case):
+    """The cheap per-call comparisons miss nothing: each refusal of a first call also happens once the
+    layer has a plan, with the same message, and the cache is untouched."""
+    backend, cache, batch = _planned(cls)
+    (q, k, v), exc, match = _bad_calls()[case]
+    before = snapshot(cache)
+    with pytest.raises(exc, match=match):
+        backend.forward(q, k, v, LAYER, batch)
+    assert same(cache, before)
+    backend.forward(*qkv(2), LAYER, batch)  # and the layer still serves good calls
+
+
+class CrossToy(ToyBackend):
+    capabilities = dataclasses.replace(ToyBackend.capabilities, cross_attention=True)
+
+
+def test_a_planned_cross_attention_layer_still_needs_encoder_lens():
+    backend, cache = make(CrossToy)
+    cross = LayerSpec(layer_id=0, num_heads=H, num_kv_heads=KV, head_dim=D, is_cross_attention=True)
+    batch = decode_batch(cache)
+    batch.encoder_lens = torch.tensor([2, 3])
+    batch.validate()
+    backend.init_forward_metadata(batch)
+    q, _, _ = qkv(2)
+    backend.forward(q, None, None, cross, batch)  # planned
+    plain = decode_batch(cache)
+    backend.init_forward_metadata(plain)
+    with pytest.raises(ShapeError, match="cross-attention layer 0 but ForwardBatch.encoder_lens is None"):
+        backend.forward(q, None, None, cross, plain)
+
+
+def test_layer_checks_and_the_verdict_run_once_per_layer_object(monkeypatch):
+    backend, cache = make()
+    calls = {"rows": 0, "verdict": 0}
+    rows, reasons = cache.check_layer_rows, type(backend).layer_reasons
+
+    def count_rows(layer):
+        calls["rows"] += 1
+        return rows(layer)
+
+    def count_reasons(self, layer):
+        calls["verdict"] += 1
+        return reasons(self, layer)
+
+    monkeypatch.setattr(cache, "check_layer_rows", count_rows)
+    monkeypatch.setattr(type(backend), "layer_reasons", count_reasons)
+    layers = [LayerSpec(layer_id=i, num_heads=H, num_kv_heads=KV, head_dim=D) for i in range(2)]
+    for _ in range(3):  # three forwards of a two-layer model
+        batch = decode_batch(cache)
+        backend.init_forward_metadata(batch)
+        for layer in layers:
+            backend.forward(*qkv(2), layer, batch)
+    assert calls["verdict"] == 2  # once per layer object
+    assert calls["rows"] <= 2 * 2  # the first call of each layer (check_forward, then the plan)
+
+
+def test_an_unsupported_layer_is_refused_on_every_call():
+    """A layer that fails its checks gets no plan: every call refuses it again."""
+    backend, cache = make()
+    wide = LayerSpec(layer_id=0, num_heads=H, num_kv_heads=KV, head_dim=D, logit_cap=3.0)
+
+    class NoCap(type(backend)):
+        capabilities = type(backend).capabilities
+
+        def backend_reasons(self, layer, ctx):
+            return ["logit_cap=3.0 is not claimed"] if layer.logit_cap else []
+
+    nocap = NoCap(backend.ctx)
+    batch = decode_batch(cache)
+    nocap.init_forward_metadata(batch)
+    for _ in range(2):
+        with pytest.raises(NotSupportedError, match="logit_cap=3.0 is not claimed"):
+            nocap.forward(*qkv(2), wide, batch)
+
+
+def test_the_forward_record_follows_each_new_batch():
+    """The token count and compute recorded by init_forward_metadata are the new batch's, not the last's."""
+    backend, cache, batch = _planned()
+    from attnplug import ForwardBatch
+    loc = torch.stack([cache.slots(2, 4, 5)[0]])
+    one = ForwardBatch.decode([2], [5], loc)
+    backend.init_forward_metadata(one)
+    q, k, v = qkv(1)
+    out = backend.forward(q, k, v, LAYER, one)
+    assert out.shape == (1, H, D)
+    with pytest.raises(ShapeError, match=r"q has shape \(2, 4, 8\), expected \(1, 4, 8\)"):
+        backend.forward(*qkv(2), LAYER, one)
+
+
+def test_a_layer_like_object_that_is_not_a_layerspec_is_checked_on_every_call():
+    """Only frozen LayerSpecs get a cached plan: another object may change, so its layer checks rerun."""
+    class MutableLayer:
+        def __init__(self, spec):
+            self.__dict__.update(dataclasses.asdict(spec))
+
+        gqa_group_size = property(lambda s: s.num_heads // s.num_kv_heads)
+        uses_sliding_window = property(lambda s: s.sliding_window is not None)
+        uses_softcap = property(lambda s: bool(s.logit_cap))
+        uses_sinks = property(lambda s: s.sinks is not None)
+
+    backend, cache = make()
+    layer = MutableLayer(LAYER)
+    batch = decode_batch(cache)
+    backend.init_forward_metadata(batch)
+    backend.forward(*qkv(2), layer, batch)
+    layer.layer_id = 7  # out of range now
+    with pytest.raises(ShapeError, match="layer_id=7 is out of range"):
+        backend.forward(*qkv(2), layer, batch)
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, CacheReadingToy])
+@pytest.mark.parametrize("save", [True, False])
+def test_kernel_call_does_the_forwards_work(cls, save):
+    """What bench --overhead compares a forward with: the same output and the same cache writes."""
+    backend, cache, batch = _planned(cls)
+    q, k, v = qkv(2)
+    before = snapshot(cache)
+    want = backend.forward(q, k, v, LAYER, batch)
+    after = snapshot(cache)
+    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
+        kb.copy_(a)
+        vb.copy_(b)
+    call = backend.kernel_call(q, k, v, LAYER, batch)
+    got = call()
+    torch.testing.assert_close(got, want)
+    assert same(cache, after)
+    assert got is not call()  # a fresh output per call
+
+
+@pytest.mark.parametrize("lens", [[], [0], [3], [1, 2, 3], (4, 0, 5)])
+def test_indptr_from_host_lengths_equals_the_tensor_path(lens):
+    got = indptr(list(lens))
+    want = indptr(torch.tensor(list(lens), dtype=torch.int64))
+    assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("lens", [(5, 5), (4, 8), (8, 4), (1, 9), (9, 9)])
+def test_page_table_zeroes_columns_past_each_requests_pages(lens):
+    """The mask-free page table (every request fills every column) and the masked one agree with a
+    per-request reading of req_to_token."""
+    from attnplug import ForwardBatch, PageAllocator
+
+    cache = PagedKVCache(1, num_pages=16, num_kv_heads=1, head_dim=4, page_size=4, max_requests=2,
+                         max_context_len=16)
+    alloc = PageAllocator(16, seed=1)
+    for r, n in enumerate(lens):
+        cache.assign_pages(r, n, alloc.alloc(-(-n // 4)))
+    loc = torch.cat([cache.slots(r, n - 1, n) for r, n in enumerate(lens)])
+    batch = ForwardBatch.decode([0, 1], list(lens), loc)
+    table = cache.page_table(batch)
+    pages = -(-max(lens) // 4)
+    assert table.shape == (2, pages) and table.dtype == torch.int32
+    for r, n in enumerate(lens):
+        for j in range(pages):
+            want = int(cache.req_to_token[r, j * 4]) // 4 if j * 4 < n else 0
+            assert int(table[r, j]) == want
