@@ -127,7 +127,7 @@ def test_the_extend_kernels_head_dim_rule_is_declared(head_dim, v_head_dim, ok):
 def test_the_kernels_extra_does_not_pull_the_cuda_sgl_kernel_wheel():
     """PyPI's ``sgl-kernel`` / ``sglang-kernel`` wheels are the CUDA builds (no CPU attention ops); the CPU
     build is compiled from source, so ``attnplug-intel-amx[kernels]`` must not name them."""
-    meta = tomllib.loads((Path(attnplug_intel_amx.__file__).parents[1] / "pyproject.toml").read_text())
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "plugins" / "intel_amx" / "pyproject.toml").read_text())
     extra = meta["project"]["optional-dependencies"]["kernels"]
     names = {r.split(";")[0].split("[")[0].strip().split("<")[0].split(">")[0].split("=")[0].split("!")[0]
              .split("~")[0].strip().lower().replace("_", "-") for r in extra}

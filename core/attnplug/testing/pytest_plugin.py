@@ -350,31 +350,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                                 item.name.split("[", 1)[0], False, "protocol")
 
 
-# -- running ---------------------------------------------------------------------------
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    """A suite case runs the backend's code as ``isolation`` runs plugin code: a ``SystemExit``, a
-    ``GeneratorExit`` or a ``KeyboardInterrupt`` the backend raises itself (from its factory, forward,
-    metadata or notes) fails that case with a ``PluginError`` naming the distribution, and the suite
-    goes on; a real Ctrl-C still stops it."""
-    state = item.config.stash.get(STATE_KEY, None)
-    info = state.items.get(item.nodeid) if state is not None else None
-    if info is None:
-        return (yield)
-    from attnplug.errors import PluginError
-    from attnplug.isolation import describe_exception, watch_sigint
-
-    with watch_sigint() as interrupted:
-        try:
-            return (yield)
-        except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
-            if isinstance(exc, KeyboardInterrupt) and interrupted():
-                raise
-            dist = next((b.distribution for b in state.backends if b.name == info.backend), "?")
-            raise PluginError(dist, f"backend {info.backend!r} raised {describe_exception(exc)} during "
-                              f"{item.name}") from exc
-
-
 # -- results ---------------------------------------------------------------------------
 def _requirement(req_id: str | None, info: CaseInfo) -> Any:
     from attnplug.testing.suite import requirements as R
@@ -387,23 +362,41 @@ def _requirement(req_id: str | None, info: CaseInfo) -> Any:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    """A failing suite case: note which requirement it broke and end its message with the guidance."""
+    """A suite case runs the backend's code as ``isolation`` runs plugin code: a ``SystemExit``, a
+    ``GeneratorExit`` or a ``KeyboardInterrupt`` the backend raises itself (from its factory, forward,
+    metadata or notes) fails that case with a ``PluginError`` naming the distribution, and the suite
+    goes on; a real Ctrl-C still stops it. A failing case notes which requirement it broke and its
+    message ends with that requirement's guidance."""
     state = item.config.stash.get(STATE_KEY, None)
     info = state.items.get(item.nodeid) if state is not None else None
-    try:
+    if info is None:
         return (yield)
-    except BaseException as exc:
-        if info is None or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception, pytest.exit.Exception,
-                                            KeyboardInterrupt, SystemExit)):
+    from attnplug.errors import PluginError
+    from attnplug.isolation import describe_exception, watch_sigint
+
+    with watch_sigint() as interrupted:
+        try:
+            return (yield)
+        except BaseException as exc:
+            cause = None
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                if isinstance(exc, KeyboardInterrupt) and interrupted():
+                    raise
+                dist = next((b.distribution for b in state.backends if b.name == info.backend), "?")  # type: ignore[union-attr]
+                cause, exc = exc, PluginError(dist, f"backend {info.backend!r} raised {describe_exception(exc)} "
+                                                    f"during {item.name}")
+            elif isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception, pytest.exit.Exception)):
+                raise
+            req = _requirement(getattr(exc, "attnplug_requirement", None), info)
+            state.broken[item.nodeid] = req.id  # type: ignore[union-attr]
+            text = req.guidance()
+            if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
+                exc.msg = f"{exc.msg}\n{text}"
+            elif hasattr(exc, "add_note"):
+                exc.add_note(text)
+            if cause is not None:
+                raise exc from cause
             raise
-        req = _requirement(getattr(exc, "attnplug_requirement", None), info)
-        state.broken[item.nodeid] = req.id  # type: ignore[union-attr]
-        text = req.guidance()
-        if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
-            exc.msg = f"{exc.msg}\n{text}"
-        elif hasattr(exc, "add_note"):
-            exc.add_note(text)
-        raise
 
 
 @pytest.hookimpl(wrapper=True)

@@ -98,7 +98,6 @@ import torch.nn.functional as F
 
 from attnplug import ForwardMode, PagedBackend
 from attnplug.errors import BackendUnavailableError, ResourceLimitError, ShapeError
-from attnplug.paged import format_bytes
 
 from . import CAPABILITIES, NAME
 from . import fused as kernel
@@ -726,7 +725,7 @@ class TorchNativeBackend(PagedBackend):
                 f"changed after init_forward_metadata checked it (layer {layer.layer_id}); nothing was written")
         if rc == kernel.RC_NO_MEMORY:
             raise ResourceLimitError(
-                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {format_bytes(value)} for a "
+                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {value / 2**20:.1f} MiB for a "
                 f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch")
         # fused_fits admitted a layer the kernel refuses: the two disagree
         raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "

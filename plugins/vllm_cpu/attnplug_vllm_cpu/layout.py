@@ -43,6 +43,15 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TAKE_MAX_ELEMENTS = 1 << 18
 
 
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place write counter; ``None`` for an inference tensor (created under
+    ``torch.inference_mode``, as vLLM's engine makes its slot mappings), which keeps none."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
 class VllmCpuLayout(KVLayout):
     """vLLM's CPU KV cache: one ``[pages, kv_heads, page_size, 2 * head_dim]`` tensor per layer."""
 
@@ -90,15 +99,17 @@ class VllmCpuLayout(KVLayout):
         if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.dtype in CACHE_DTYPES and raw.is_contiguous():
             # a forward's layers snapshot the same slots: the flat element index of their K and V rows is
             # built once per slot tensor (and version: an in-place change rebuilds it), then one take each
-            memo = self._memo
-            if memo is None or memo[0] is not slots or memo[1] != slots._version or \
+            # (an inference tensor keeps no version counter: its index is built every time, never kept)
+            memo, version = self._memo, _version(slots)
+            if version is None or memo is None or memo[0] is not slots or memo[1] != version or \
                     (memo[2] is not geometry and memo[2] != geometry):
                 page, off = slots.div(ps, rounding_mode="floor"), slots % ps
                 base = (page * (H * 2 * ps * d) + off).view(n, 1, 1) + \
                     torch.arange(H, device=slots.device).view(1, H, 1) * (2 * ps * d)
                 j = torch.arange(d, device=slots.device).view(1, 1, d)
                 index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
-                memo = self._memo = (slots, slots._version, geometry, index)
+                memo = (slots, version, geometry, index)
+                self._memo = memo if version is not None else None
             k, v = torch.take(raw, memo[3]).unbind(0)  # [2, n, H, d]: one gather for K and V
             return k, v
         flat = raw.view(P, H, 2 * ps * d)
