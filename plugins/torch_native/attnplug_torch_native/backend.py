@@ -727,6 +727,11 @@ class TorchNativeBackend(PagedBackend):
             raise ResourceLimitError(
                 f"{NAME}: the fused CPU kernel could not allocate its scratch (about {value / 2**20:.1f} MiB for a "
                 f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch")
+        if rc == kernel.RC_SCRATCH_PLAN:
+            raise RuntimeError(
+                f"{NAME}: the fused CPU kernel found work row {work_row} needing {value} padded keys, more than "
+                f"the scratch it sized for this call (layer {layer.layer_id}): a bug in attention.cpp's scratch "
+                f"plan; nothing was read past the scratch")
         # fused_fits admitted a layer the kernel refuses: the two disagree
         raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
                            f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")

@@ -90,7 +90,7 @@ class DecodeArgs(ctypes.Structure):
 
 
 #: ``attnplug_fused_decode``'s return codes (0: done)
-RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY = 1, 2, 3, 4
+RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
 #: what ``DecodeArgs.err`` points at: code, work row, position, slot (the call's first failure)
 ErrorRecord = ctypes.c_int64 * 4
 

@@ -554,7 +554,20 @@ def gen_garbage() -> list[Case]:
         if not cross:
             out.append(_case("garbage", scenario(name), "float32", 16, "no_save", "inf", garbage="inf",
                              save_kv_cache=False))
+    # NaN/+inf in the K/V of each request's last new token (hidden by causal order from its earlier
+    # tokens; in target-verify, by the tree mask from the drafts it is hidden from): it must reach
+    # exactly the rows that see it (``garbage.new_tokens``, level 0.3)
+    for name in GARBAGE_NEW_MODES:
+        for fname, feat in (("plain", Features()), ("window5", Features(sliding_window=5))):
+            for dt, g in kinds:
+                out.append(_case("garbage", scenario(name), dt, 16, "new_tokens", fname, g, features=feat,
+                                 garbage=g, garbage_new=True, requirement="garbage.new_tokens"))
     return out
+
+
+#: modes of the ``garbage`` family's new-token cases (requests of two or more new tokens)
+GARBAGE_NEW_MODES: tuple[str, ...] = ("extend_noprefix", "extend_prefix", "extend_ragged",
+                                      "target_verify_custom_mask", "draft_extend", "mixed")
 
 
 #: workspace limits of the ``workspace`` family (bytes): from below one request's decode state to

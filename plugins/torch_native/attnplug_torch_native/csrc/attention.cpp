@@ -217,7 +217,8 @@ struct DecodeArgs {
   int32_t heads_per_item, nthreads;
   float scale, cap, k_scale, v_scale;       // cap 0: none; k/v_scale multiply stored cache values
   int64_t num_slots;                        // slots of the cache: every slot read is checked against it
-  int64_t* err;                             // [4] out: code (0 none, 3 bad slot, 4 no memory), work row,
+  int64_t* err;                             // [4] out: code (0 none, 3 bad slot, 4 no memory, 5 a work row
+                                            // past the scratch sized for the call: a bug here), work row,
                                             // position, slot value (the first failure recorded)
 };
 
@@ -431,6 +432,11 @@ int run(const DecodeArgs& a) {
       }
     }
     const int64_t npad = (n + KB - 1) / KB * KB;
+    if (npad > npad_max || nq > most_rows) {  // the scratch below is sized for npad_max keys, most_rows queries
+      fail(a, 5, b, -1, npad);
+      __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      continue;
+    }
     float* sc = tl_scores.get(size_t(R) * npad_max);                    // [R][npad] scores, then exp(s - m)
     float* misc = tl_misc.get(size_t(nh) * most_rows * G * (D + Dv + 2) + size_t(KB + 1) * dmax);
     if (sc == nullptr || misc == nullptr) {
