@@ -49,7 +49,13 @@ GATED: dict[str, tuple[str, ...]] = {
 #: constructor's refusal of a bad tuning knob (``decode_split_len``/``block_n``/``extend_rows``;
 #: the suite builds every backend through the registry with the defaults), tested by
 #: ``tests/plugins/test_triton.py``. GPU-only tile sizing is marked ``pragma: no cover`` there.
-#: The decode chunk planner is reached by the suite's ``workspace`` family.
+#: The decode chunk planner is reached by the suite's ``workspace`` family. In torch_native's
+#: backend.py three methods the suite cannot reach are marked ``pragma: no cover`` with where they
+#: are tested: ``kernel_call`` (``attnplug bench --overhead``'s hook: tests/fast/test_hot_path.py),
+#: ``_fused_failed`` (the kernel's error codes, after req_to_token changed or an allocation failed:
+#: tests/plugins/test_forward_robustness.py) and ``runtime_notes`` (printed by doctor and bench);
+#: the rest left uncovered are the non-CPU-device and fused="on"-without-kernel constructor branches
+#: and cache hits of plans the suite builds once (97% measured 2026-12-01).
 
 
 def _patterns() -> list[str]:

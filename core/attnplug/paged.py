@@ -92,10 +92,19 @@ class LayerPlan:
         self.kernel: Any = None
 
 
+
+def _version(t: Any) -> int | None:
+    """``t``'s in-place write counter (``None`` for an inference tensor, which keeps none)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
+
 class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
 
-    __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed")
+    __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "r2t",
+                 "r2t_version")
 
     def __init__(self, backend: "PagedBackend", batch: Any, meta: Any) -> None:
         self.batch, self.meta = batch, meta
@@ -109,6 +118,10 @@ class _Forward:
         #: ``ForwardBatch.changed_since_validate`` (a version-counter read per field, no sync): run per
         #: layer, so an index field changed after ``init_forward_metadata`` is refused at every layer
         self.changed = getattr(batch, "changed_since_validate", None)
+        #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
+        #: tensor, which keeps none): a write into it before a layer runs re-checks that layer's call
+        self.r2t = backend.kv_cache.req_to_token
+        self.r2t_version = _version(self.r2t)
 
 
 class PagedBackend(AttentionBackend):
@@ -309,6 +322,7 @@ class PagedBackend(AttentionBackend):
         # (or a layer without a plan) runs the full check_forward, which raises the precise error
         if plan is None or plan.layer is not layer or q.dtype not in self._claimed_torch \
                 or (fwd.changed is not None and fwd.changed() is not None) \
+                or (fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version) \
                 or q.shape != (T,) + plan.q_rest or q.device.type != self._device_type \
                 or (plan.cross and not fwd.has_encoder) or not (
                     (k is not None and v is not None and k.shape == (T,) + plan.k_rest
@@ -348,6 +362,14 @@ class PagedBackend(AttentionBackend):
             raise ShapeError(
                 f"{self.name}: ForwardBatch.{changed} changed after init_forward_metadata (the metadata describes "
                 f"the old values); call init_forward_metadata(batch) again after changing a batch"
+            )
+        fwd = self._fwd
+        if fwd is not None and fwd.batch is batch and fwd.r2t_version is not None and \
+                (fwd.r2t is not cache.req_to_token or _version(cache.req_to_token) != fwd.r2t_version):
+            self.check_batch(batch)  # a slot out of range: the precise error (request, position, slot)
+            raise ShapeError(
+                f"{self.name}: req_to_token was written after init_forward_metadata checked this forward (the "
+                f"metadata describes the old table); call init_forward_metadata(batch) again after changing it"
             )
         cache.check_layer_id(layer.layer_id)
         if q.dtype not in self._claimed_torch:

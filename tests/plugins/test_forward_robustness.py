@@ -371,6 +371,38 @@ def test_req_to_token_changed_after_the_checks_is_an_error_not_a_signal(fused, s
         assert f"request {req} " in result[0] and f"position {pos} " in result[0] and str(value) in result[0]
 
 
+@pytest.mark.parametrize("when", ["before_layer0", "between_layers"])
+@pytest.mark.parametrize("value", ["in_range", -1, 10 ** 12])
+@pytest.mark.parametrize("scn", ["decode", "extend"])
+def test_req_to_token_written_after_the_checks_is_refused_on_every_backend(backend_name, scn, value, when):
+    """The skeleton's general rule (``PagedBackend``: req_to_token's write counter recorded per forward and
+    compared per layer): a write into ``req_to_token`` after ``init_forward_metadata`` — an out-of-range
+    slot, or an in-range one the metadata did not see — refuses the layer with a ``ShapeError`` on every
+    CPU backend, before any write; never a read of another request's K/V (template_sdpa read slot -1 as
+    the last slot before), never a signal."""
+    sc = {"decode": Scenario("decode", "decode", (9, 6, 16, 40), (1, 1, 1, 1)),
+          "extend": Scenario("extend", "extend", (3, 17, 9), (2, 5, 4))}[scn]
+    problem = H.make_problem(make_case(backend_name, sc), "cpu", layer_features=[Features(), Features()])
+    backend = build(backend_name, problem)
+    backend.init_forward_metadata(problem.batch)
+    r2t, row = problem.cache.req_to_token, problem.req_rows[2]
+    new = int(r2t[problem.req_rows[0], 0]) if value == "in_range" else value
+    if when == "between_layers":
+        q, k, v = problem.qkv[0]
+        backend.forward(q, k, v, problem.layers[0], problem.batch)
+    before, old = problem.snapshot(), int(r2t[row, 1])
+    r2t[row, 1] = new
+    q, k, v = problem.qkv[1 if when == "between_layers" else 0]
+    layer = problem.layers[1 if when == "between_layers" else 0]
+    with pytest.raises(ShapeError, match=r"req_to_token|position 1 "):
+        backend.forward(q, k, v, layer, problem.batch)
+    assert H.cache_changes(before, problem) == [], "a refused forward wrote into the cache"
+    # once re-initialised (the table restored) the forward runs again
+    r2t[row, 1] = old
+    backend.init_forward_metadata(problem.batch)
+    backend.forward(q, k, v, layer, problem.batch)
+
+
 # ---------------------------------------------------------------------------
 # 10. fp8 scales: read per call; the public lists cannot be changed behind set_kv_scales
 # ---------------------------------------------------------------------------
