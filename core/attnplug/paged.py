@@ -227,6 +227,32 @@ class PagedBackend(AttentionBackend):
             self._layer_plans[id(layer)] = plan
         return plan
 
+    # -- attention sinks as a kernel reads them ----------------------------------------
+    #: the torch dtype a kernel reads attention sinks in (``device_sinks``; ``None``: float32)
+    sinks_dtype: ClassVar[Any] = None
+
+    def device_sinks(self, layer: Any) -> Any:
+        """``layer``'s sinks as a kernel reads them (``sinks_dtype``, one per query head, on this backend's
+        device, contiguous), converted ONCE per layer and kept: a host-to-device copy or a cast is refused
+        inside CUDA-graph capture, so the capture hooks call ``prepare_sinks`` before capture and a captured
+        kernel reads the kept tensor on replay. Another sinks object for the layer converts again (the
+        source is held, so its ``id`` stays its own); ``None`` for a layer without sinks."""
+        if layer.sinks is None:
+            return None
+        kept: dict[tuple[int, int], tuple[Any, Any]] = self.__dict__.setdefault("_kept_sinks", {})
+        key = (layer.layer_id, id(layer.sinks))
+        hit = kept.get(key)
+        if hit is None or hit[0] is not layer.sinks:
+            dtype = type(self).sinks_dtype or torch.float32
+            hit = kept[key] = (layer.sinks, torch.as_tensor(layer.sinks).detach().to(
+                device=self.device, dtype=dtype).contiguous())
+        return hit[1]
+
+    def prepare_sinks(self) -> None:
+        """Convert the sinks of every layer the build context lists (call it outside any captured region)."""
+        for layer in tuple(self.ctx.layers or ()):
+            self.device_sinks(layer)
+
     # -- per forward -------------------------------------------------------------
     def init_forward_metadata(self, batch: Any) -> None:
         """Validate the batch against the cache (once per forward), then build the metadata."""

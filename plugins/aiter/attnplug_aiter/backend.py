@@ -80,6 +80,8 @@ def _import_aiter() -> Any:
 
 
 class AiterBackend(PagedBackend):
+
+    sinks_dtype = SINKS_DTYPE  # PagedBackend.device_sinks converts each layer's sinks once
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # both kernels read prefix and new tokens through the token-level rows
@@ -92,8 +94,6 @@ class AiterBackend(PagedBackend):
         self._ones = torch.ones(1, dtype=torch.float32, device=self.device)  # k_scale / v_scale
         self._workspace: torch.Tensor | None = None
         self._graph: dict[Any, dict[str, torch.Tensor]] | None = None
-        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
-        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._graph_bs: set[int] = set()
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
@@ -110,25 +110,6 @@ class AiterBackend(PagedBackend):
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         return self._workspace
-
-    # -- sinks ----------------------------------------------------------------
-    def device_sinks(self, layer: Any) -> torch.Tensor | None:
-        """``layer``'s sinks as the kernel reads them (float32, one per query head, on q's device), converted ONCE per layer and kept:
-        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
-        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
-        if layer.sinks is None:
-            return None
-        key = (layer.layer_id, id(layer.sinks))
-        memo = self._sinks.get(key)
-        if memo is None or memo[0] is not layer.sinks:
-            kept = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=SINKS_DTYPE).contiguous()
-            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
-        return memo[1]
-
-    def prepare_sinks(self) -> None:
-        """Convert the sinks of every layer the build context lists (outside any captured region)."""
-        for layer in tuple(self.ctx.layers or ()):
-            self.device_sinks(layer)
 
     # -- forward -------------------------------------------------------
     def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, lay: md.ForwardLayout) -> torch.Tensor:

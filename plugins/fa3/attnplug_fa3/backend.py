@@ -72,6 +72,8 @@ def create(ctx: Any) -> tuple[str, "FA3Backend"]:
 class FA3Backend(PagedBackend):
     """FlashAttention-3 over the canonical paged cache (pages viewed ``[num_pages, page_size, kv_heads, dim]``)."""
 
+    sinks_dtype = SINKS_DTYPE  # PagedBackend.device_sinks converts each layer's sinks once
+
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # one call reads prefix and new tokens through the page table
@@ -90,8 +92,6 @@ class FA3Backend(PagedBackend):
         #: FA3 picks a split count per batch shape unless told; 1 keeps a request's output batch-invariant
         self.num_splits = 1 if ctx.config.deterministic else 0
         self._graph: dict[str, torch.Tensor] | None = None
-        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
-        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         #: per layer: the ``(k_scale, v_scale)`` last seen and a float32 ``[3]`` device tensor holding
         #: ``(Q_SCALE, k_scale, v_scale)`` (made once per layer and scale pair, never per forward)
         self._descales: dict[int, tuple[tuple[float, float], torch.Tensor]] = {}
@@ -178,25 +178,6 @@ class FA3Backend(PagedBackend):
         t = memo[1]
         shape = (batch_rows, num_kv_heads)
         return {name: t[i].view(1, 1).expand(shape) for i, name in enumerate(("q_descale", "k_descale", "v_descale"))}
-
-    # -- sinks ----------------------------------------------------------------
-    def device_sinks(self, layer: Any) -> torch.Tensor | None:
-        """``layer``'s sinks as the kernel reads them (bfloat16, one per query head, on the cache's device), converted ONCE per layer and kept:
-        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
-        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
-        if layer.sinks is None:
-            return None
-        key = (layer.layer_id, id(layer.sinks))
-        memo = self._sinks.get(key)
-        if memo is None or memo[0] is not layer.sinks:
-            kept = torch.as_tensor(layer.sinks).detach().to(device=self.cache.device, dtype=SINKS_DTYPE).contiguous()
-            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
-        return memo[1]
-
-    def prepare_sinks(self) -> None:
-        """Convert the sinks of every layer the build context lists (outside any captured region)."""
-        for layer in tuple(self.ctx.layers or ()):
-            self.device_sinks(layer)
 
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,

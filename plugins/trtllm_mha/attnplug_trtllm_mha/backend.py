@@ -65,6 +65,8 @@ def create(ctx: Any) -> tuple[str, "TrtllmMHABackend"]:
 class TrtllmMHABackend(PagedBackend):
     """trtllm-gen FMHA over the canonical paged cache (viewed ``HND``: ``[pages, kv_heads, page_size, dim]``)."""
 
+    sinks_dtype = SINKS_DTYPE  # PagedBackend.device_sinks converts each layer's sinks once
+
     capabilities = CAPABILITIES
     backend_name = NAME
     new_kv_source = "cache"  # both entry points read prefix and new tokens through the block tables
@@ -85,8 +87,6 @@ class TrtllmMHABackend(PagedBackend):
         #: the fp8 cache's per-layer (k_scale, v_scale) when the graphs were captured (bmm scales are floats,
         #: constants of the captured launches); ``None``: nothing captured yet
         self._captured_scales: tuple[tuple[float, float], ...] | None = None
-        #: per (layer id, sinks object): the sinks converted for the kernel once (``device_sinks``)
-        self._sinks: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     # -- metadata ----------------------------------------------------------
     def build_metadata(self, batch: Any) -> TrtllmMetadata:
@@ -126,25 +126,6 @@ class TrtllmMHABackend(PagedBackend):
                    for i, (a, b) in enumerate(zip(then, now)) if a != b] or [f"{then} then, {now} now"]
         raise AttnplugError(f"{NAME}: the KV scales changed after {since} ({'; '.join(changed)}); the captured "
                             f"kernels keep the bmm scales of capture time. Recapture the graphs after set_kv_scales")
-
-    # -- sinks ----------------------------------------------------------------
-    def device_sinks(self, layer: Any) -> torch.Tensor | None:
-        """``layer``'s sinks as the kernel reads them (float32, one per query head, on the device), converted ONCE per layer and kept:
-        a host-to-device copy (or a cast) is refused inside CUDA-graph capture, so the capture hooks prepare
-        every listed layer's sinks before capture and a captured kernel reads the kept tensor on replay."""
-        if layer.sinks is None:
-            return None
-        key = (layer.layer_id, id(layer.sinks))
-        memo = self._sinks.get(key)
-        if memo is None or memo[0] is not layer.sinks:
-            kept = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=SINKS_DTYPE).contiguous()
-            memo = self._sinks[key] = (layer.sinks, kept)  # the source is held, so its id stays its own
-        return memo[1]
-
-    def prepare_sinks(self) -> None:
-        """Convert the sinks of every layer the build context lists (outside any captured region)."""
-        for layer in tuple(self.ctx.layers or ()):
-            self.device_sinks(layer)
 
     # -- forward -------------------------------------------------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
