@@ -112,3 +112,19 @@ class LayerSpec:
     @property
     def uses_sinks(self) -> bool:
         return self.sinks is not None
+
+    def describe(self) -> str:
+        """A short description of the layer's shape and features, for errors and logs
+        (``"heads 8/2, head_dim 64, sliding window 4095, sinks"``)."""
+        parts = [f"heads {self.num_heads}/{self.num_kv_heads}", f"head_dim {self.head_dim}"]
+        if self.v_head_dim != self.head_dim:
+            parts.append(f"v_head_dim {self.v_head_dim}")
+        if self.sliding_window is not None:
+            parts.append(f"sliding window {self.sliding_window}")
+        if self.logit_cap:
+            parts.append(f"soft-cap {self.logit_cap:g}")
+        if self.sinks is not None:
+            parts.append("sinks")
+        if self.uses_bidirectional:
+            parts.append("bidirectional")
+        return ", ".join(parts)

@@ -417,18 +417,3 @@ def layer_specs(model: Any) -> tuple[LayerSpec, ...]:
     """One ``LayerSpec`` per attention layer (``derive(model).specs``)."""
     return derive(model).specs
 
-
-def describe(spec: LayerSpec) -> str:
-    """A short human description of a layer's features (used in errors and docs)."""
-    parts = [f"heads {spec.num_heads}/{spec.num_kv_heads}", f"head_dim {spec.head_dim}"]
-    if spec.v_head_dim != spec.head_dim:
-        parts.append(f"v_head_dim {spec.v_head_dim}")
-    if spec.sliding_window is not None:
-        parts.append(f"sliding window {spec.sliding_window}")
-    if spec.logit_cap:
-        parts.append(f"soft-cap {spec.logit_cap:g}")
-    if spec.sinks is not None:
-        parts.append("sinks")
-    if spec.uses_bidirectional:
-        parts.append("bidirectional")
-    return ", ".join(parts)

@@ -38,7 +38,7 @@ from attnplug.resolution import resolve, trace
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
-from .layers import ModelNotServedError, derive, describe
+from .layers import ModelNotServedError, derive
 
 
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs
@@ -139,7 +139,7 @@ class TransformersRunner:
         except ValueError as exc:  # the layout cannot hold this shape (a head dim it is not built for)
             self._refuse_by_capabilities()
             raise NotSupportedError(self._pair_text(), [
-                f"layer {s.layer_id} ({describe(s)}): the {layout!r} KV layout cannot hold it: {exc}"
+                f"layer {s.layer_id} ({s.describe()}): the {layout!r} KV layout cannot hold it: {exc}"
                 for s in self.layers]) from exc
         self.cache = AttnplugCache(self.kv_cache, [s.sliding_window is not None for s in self.layers], max_requests)
         self.ctx = BuildContext(
@@ -212,7 +212,7 @@ class TransformersRunner:
         reasons = []
         for spec in self.layers:
             for r in self.backend.not_supported_reasons(spec, self.ctx):
-                reasons.append(f"layer {spec.layer_id} ({describe(spec)}): {r}")
+                reasons.append(f"layer {spec.layer_id} ({spec.describe()}): {r}")
         if reasons:
             raise NotSupportedError(self._pair_text(), reasons)
 
@@ -226,7 +226,7 @@ class TransformersRunner:
         for spec in self.layers:
             for label, name in halves:
                 caps = self.registry.get(str(name)).capabilities
-                reasons += [f"layer {spec.layer_id} ({describe(spec)}): {label}{r}" for r in support_reasons(caps, spec)]
+                reasons += [f"layer {spec.layer_id} ({spec.describe()}): {label}{r}" for r in support_reasons(caps, spec)]
         if reasons:
             raise NotSupportedError(self._pair_text(), reasons)
 

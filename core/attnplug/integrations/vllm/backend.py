@@ -57,16 +57,6 @@ _ENGINES: list["EngineState"] = []
 _KEEP_ENGINES = 4
 
 
-def describe(spec: LayerSpec) -> str:
-    parts = [f"heads {spec.num_heads}/{spec.num_kv_heads}", f"head_dim {spec.head_dim}"]
-    if spec.sliding_window is not None:
-        parts.append(f"sliding window {spec.sliding_window}")
-    if spec.logit_cap:
-        parts.append(f"soft-cap {spec.logit_cap:g}")
-    if spec.sinks is not None:
-        parts.append("sinks")
-    return ", ".join(parts)
-
 
 def config_from_env(environ: Any = None) -> AttentionConfig:
     """attnplug's standard flags from ``ATTNPLUG_VLLM_ARGS`` (an error naming the variable when they do not parse)."""
@@ -142,12 +132,12 @@ class EngineState:
         if spec is not None:
             reasons = list(self.probe.not_supported_reasons(spec, self.probe_ctx))
         if reasons:
-            what = f"layer {layer_id}" + (f" ({describe(spec)})" if spec is not None else "")
+            what = f"layer {layer_id}" + (f" ({spec.describe()})" if spec is not None else "")
             raise NotSupportedError(self.pair_label, [f"{what}: {r}" for r in reasons],
                                     what=f"this model ({self.arch}) in vLLM")
         if not self.layers:
             logger.info("attnplug rank %d: layer 0 served as %s (heads/KV heads per rank)", self.tp_rank,
-                        describe(spec))  # type: ignore[arg-type]
+                        spec.describe())  # type: ignore[arg-type]
         self.layers.append(spec)  # type: ignore[arg-type]
         return spec  # type: ignore[return-value]
 
@@ -159,7 +149,7 @@ class EngineState:
         for spec in self.layers:
             reasons = self.probe.not_supported_reasons(spec, self.probe_ctx)
             if reasons:
-                raise NotSupportedError(self.pair_label, [f"layer {spec.layer_id} ({describe(spec)}): {r}"
+                raise NotSupportedError(self.pair_label, [f"layer {spec.layer_id} ({spec.describe()}): {r}"
                                                           for r in reasons])
         for g in self.groups:
             g.reset()
@@ -300,7 +290,7 @@ class Group:
             max_batch_size=st.max_num_seqs, max_context_len=ps_max,
         )
         backend = st.registry.build_pair(ctx)
-        reasons = [f"layer {gid} ({describe(s)}): {r}" for gid, s in self.specs.items()
+        reasons = [f"layer {gid} ({s.describe()}): {r}" for gid, s in self.specs.items()
                    for r in backend.not_supported_reasons(s, ctx)]
         if reasons:
             raise NotSupportedError(st.pair_label, reasons, what="this model's KV-cache group in vLLM")
@@ -345,7 +335,7 @@ class AttnplugVllmMetadataBuilder(AttentionMetadataBuilder[AttnplugVllmMetadata]
         # the group's block size is known now (vLLM may pick another for sliding-window groups): check it
         ctx = self.state.probe_ctx.replace(page_size=kv_cache_spec.block_size,
                                            config=self.state.config.replace(page_size=kv_cache_spec.block_size))
-        reasons = [f"layer {gid} ({describe(s)}): {r}" for gid, s in self.group.specs.items()
+        reasons = [f"layer {gid} ({s.describe()}): {r}" for gid, s in self.group.specs.items()
                    for r in self.state.probe.not_supported_reasons(s, ctx)]
         if reasons:
             raise NotSupportedError(self.state.pair_label, reasons,
