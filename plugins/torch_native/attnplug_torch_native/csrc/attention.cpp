@@ -285,8 +285,10 @@ inline void bf16_rows(const uint16_t** out, const uint16_t* zeros, const uint16_
   }
 }
 
-// acc[g][c] += sum over KB keys j of p[g][j] * row_j[c], for GN rows x CN vectors held in registers
-template <int GN, int CN>
+// acc[g][c] += sum over KB keys j of p[g][j] * row_j[c], for GN rows x CN vectors held in registers.
+// SEL (blocks that hold hidden keys): a key whose probability is 0 for a row (hidden from it) adds
+// nothing to that row, whatever its value row holds (0 * NaN is NaN: select, never multiply by zero)
+template <int GN, int CN, bool SEL = false>
 inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_stride, const float* const* rp, int col) {
   vf t[GN][CN];
   for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) t[g][c] = loadf(acc + g * acc_stride + c * W);
@@ -294,26 +296,10 @@ inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_str
     vf x[CN];
     for (int c = 0; c < CN; ++c) x[c] = loadf(rp[j] + col + c * W);
     for (int g = 0; g < GN; ++g) {
-      const vf pj = splat(p[g * p_stride + j]);
-      for (int c = 0; c < CN; ++c) t[g][c] += pj * x[c];
-    }
-  }
-  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
-}
-
-// accumulate<GN, CN>, selecting: a key whose probability is 0 for a row (hidden from it) adds
-// nothing to that row, whatever its value row holds (blocks that hold hidden keys)
-template <int GN, int CN>
-inline void accumulate_sel(float* acc, int acc_stride, const float* p, int64_t p_stride, const float* const* rp,
-                           int col) {
-  vf t[GN][CN];
-  for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) t[g][c] = loadf(acc + g * acc_stride + c * W);
-  for (int j = 0; j < KB; ++j) {
-    vf x[CN];
-    for (int c = 0; c < CN; ++c) x[c] = loadf(rp[j] + col + c * W);
-    for (int g = 0; g < GN; ++g) {
       const float pg = p[g * p_stride + j];
-      if (pg == 0.0f) continue;
+      if constexpr (SEL) {
+        if (pg == 0.0f) continue;
+      }
       const vf pj = splat(pg);
       for (int c = 0; c < CN; ++c) t[g][c] += pj * x[c];
     }
@@ -542,10 +528,10 @@ int run(const DecodeArgs& a) {
           int g0 = 0;
           for (; g0 + 4 <= RH; g0 += 4)
             for (int c0 = 0; c0 < Dv / W; ++c0)
-              accumulate_sel<4, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+              accumulate<4, 1, true>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
           for (; g0 < RH; ++g0)
             for (int c0 = 0; c0 < Dv / W; ++c0)
-              accumulate_sel<1, 1>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
+              accumulate<1, 1, true>(acc + (hr + g0) * Dv + c0 * W, Dv, sc + (hr + g0) * npad + j0, npad, rp, c0 * W);
           continue;
         }
         int g0 = 0;
