@@ -95,8 +95,11 @@ class OutsidePaged(PagedBackend):
                 ck, cv = self.cache.read_kv(layer.layer_id, self.cache.req_to_token[r, :p])
                 keys = torch.cat([ck, k[start:start + e]])
                 values = torch.cat([cv, v[start:start + e]])
-                probs, vv = _attend(q[start:start + e], keys, values, layer, torch.arange(p, p + e), p + e)
-                out[start:start + e] = torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+                for i in range(e):  # each query over exactly the keys it sees: a hidden key is never read
+                    n = p + i + 1
+                    probs, vv = _attend(q[start + i:start + i + 1], keys[:n], values[:n], layer,
+                                        torch.tensor([p + i]), n)
+                    out[start + i] = torch.einsum("hqk,khd->qhd", probs, vv)[0].to(q.dtype)
             start += e
         return out
 
