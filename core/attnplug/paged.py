@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 import torch
 
 from .backend import AttentionBackend, MetadataGuard
-from .batch import check_qkv
+from .batch import _version, check_qkv
 from .capabilities import support_reasons
 from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
 from .layer import LayerSpec
@@ -91,14 +91,6 @@ class LayerPlan:
         self.staged = staged and not self.cross
         self.kernel: Any = None
 
-
-
-def _version(t: Any) -> int | None:
-    """``t``'s in-place write counter (``None`` for an inference tensor, which keeps none)."""
-    try:
-        return int(t._version)
-    except (RuntimeError, AttributeError):
-        return None
 
 class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
