@@ -5,10 +5,11 @@ import argparse
 import torch
 
 from attnplug import (
-    AttentionConfig, BuildContext, ForwardBatch, LayerSpec, PageAllocator, PagedKVCache,
-    add_attention_args, backend_name_for_mode, config_from_args, default_registry,
+    AttentionConfig, BuildContext, ForwardBatch, LayerSpec, PageAllocator, PagedKVCache, default_registry,
 )
+from attnplug.config import add_attention_args, config_from_args
 from attnplug.resolution import resolve
+from attnplug.selector import backend_name_for_mode
 
 parser = argparse.ArgumentParser()
 add_attention_args(parser)  # --attention-backend, --prefill-/--decode-attention-backend, ...

@@ -5,7 +5,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from attnplug import add_attention_args, config_from_args
+from attnplug.config import add_attention_args, config_from_args
 from attnplug.integrations.transformers import Request, TransformersRunner, generate
 
 parser = argparse.ArgumentParser()

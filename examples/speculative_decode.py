@@ -34,11 +34,10 @@ from attnplug import (
     LayerSpec,
     PageAllocator,
     PagedKVCache,
-    add_attention_args,
-    config_from_args,
     default_registry,
-    detect_host,
 )
+from attnplug.config import add_attention_args, config_from_args
+from attnplug.host import detect_host
 from attnplug.forward_context import current_backend, forward_context
 from attnplug.speculative import build_draft_backends, kernel_for_forward
 

@@ -17,28 +17,26 @@ __version__ = "0.3.0"
 #: ``attnplug.errors`` (every exception), ``attnplug.speculative``, ``attnplug.guard``,
 #: ``attnplug.resolution``, ``attnplug.dtypes``, ``attnplug.testing`` (the conformance suite
 #: and reference), ``attnplug.capabilities`` (``support_reasons``), ``attnplug.kvcache``
-#: (``indptr``, ``UNASSIGNED``), ``attnplug.kvlayout`` (KV-cache layouts), ``attnplug.probes``
-#: (installed-library helpers).
+#: (``indptr``, ``UNASSIGNED``), ``attnplug.kvlayout`` (``KVLayout`` and the KV-cache layouts),
+#: ``attnplug.probes`` (installed-library helpers: ``module_missing``, ``library_missing``,
+#: ``version_tuple``), ``attnplug.config`` (``add_attention_args``, ``config_from_args``),
+#: ``attnplug.selector`` (``half_for_mode``, ``backend_name_for_mode``), ``attnplug.host``
+#: (``detect_host``), ``attnplug.hookspecs`` (the typed ``Register*`` callables a plugin's hooks
+#: receive), ``attnplug.stamps`` (``stamp``, ``copy_stamps``).
 _EXPORTS: dict[str, str] = {
     # configuration and choice (hosts)
     "AttentionConfig": "config",
-    "add_attention_args": "config",
-    "config_from_args": "config",
     "ForwardMode": "modes",
-    "backend_name_for_mode": "selector",
-    "half_for_mode": "selector",
     "resolve": "resolution",
     "Registry": "registry",
     "default_registry": "registry",
     "HostInfo": "host",
-    "detect_host": "host",
     # one forward (hosts and backends)
-    "BuildContext": "context",
+    "BuildContext": "build_context",
     "LayerSpec": "layer",
     "ForwardBatch": "batch",
     "PagedKVCache": "kvcache",
     "PageAllocator": "kvcache",
-    "KVLayout": "kvlayout",
     # writing a backend
     "AttentionBackend": "backend",
     "PagedBackend": "paged",
@@ -47,9 +45,6 @@ _EXPORTS: dict[str, str] = {
     "Capabilities": "capabilities",
     "BackendDescriptor": "descriptor",
     "Availability": "descriptor",
-    "module_missing": "descriptor",
-    "library_missing": "descriptor",
-    "version_tuple": "descriptor",
     "hookimpl": "hookspecs",
     # errors (the rest are in attnplug.errors)
     "AttnplugError": "errors",
@@ -62,28 +57,14 @@ PUBLIC_NAMESPACES: tuple[str, ...] = (
     "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
     "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
     "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes",
+    "attnplug.config", "attnplug.selector", "attnplug.host", "attnplug.hookspecs", "attnplug.stamps",
 )
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-#: Names that were top-level before the surface was trimmed; still resolvable so old imports
-#: keep working, but not public (not in ``__all__``): import them from their module instead.
-_MOVED: dict[str, str] = {
-    "OPTIONAL_METHODS": "backend", "MetadataGuard": "backend", "support_reasons": "capabilities",
-    "stamp": "stamps", "copy_stamps": "stamps", "ResourceLimitError": "errors",
-    "PluginError": "errors", "BackendConflictError": "errors", "UnknownBackendError": "errors",
-    "BackendUnavailableError": "errors", "MetadataNotInitializedError": "errors", "ConfigError": "errors",
-    "NoForwardContextError": "errors", "build_draft_backends": "speculative", "DraftBackends": "speculative",
-    "MultiStepDraftBackend": "speculative", "SidecarWrapper": "speculative",
-    "kernel_for_forward": "speculative", "draft_backend_name": "speculative",
-    "target_verify_backend_name": "speculative", "current_backend": "forward_context",
-    "ForwardFrame": "forward_context", "assert_no_base_field_reads": "guard",
-    "find_base_field_reads": "guard", "GuardError": "guard",
-}
-
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name) or _MOVED.get(name)
+    module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'attnplug' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

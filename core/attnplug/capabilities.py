@@ -15,6 +15,8 @@ from .dtypes import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, dtype_name
 from .layer import LayerSpec
 from .modes import ForwardMode
 
+__all__ = ["RESTRICTIONS", "Capabilities", "host_layer_reasons", "layer_reasons", "support_reasons"]
+
 #: Boolean fields where ``True`` claims *less* (a restriction, not a feature): a descriptor may set one
 #: its backend class leaves unset, never the reverse; listings do not show them as features.
 RESTRICTIONS: tuple[str, ...] = ("kv_cache_dtype_follows_model",)

@@ -14,6 +14,11 @@ from typing import Any, Literal, Mapping
 from .dtypes import AUTO, dtype_name
 from .errors import ConfigError
 
+__all__ = [
+    "AttentionConfig", "BACKEND_FIELDS", "SPECULATIVE_ATTENTION_MODES", "SpeculativeAttentionMode",
+    "add_attention_args", "config_from_args",
+]
+
 SpeculativeAttentionMode = Literal["prefill", "decode"]
 SPECULATIVE_ATTENTION_MODES: tuple[str, ...] = ("prefill", "decode")
 

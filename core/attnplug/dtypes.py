@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = [
+    "AUTO", "BFLOAT16", "FLOAT16", "FLOAT32", "FLOAT64", "FP8_DTYPES", "FP8_E4M3", "FP8_E5M2", "dtype_name",
+    "kv_dtype_name", "torch_dtype",
+]
+
 FLOAT32 = "float32"
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"

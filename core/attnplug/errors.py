@@ -7,6 +7,12 @@ these; they never use ``assert``.
 
 from __future__ import annotations
 
+__all__ = [
+    "AttnplugError", "BackendConflictError", "BackendUnavailableError", "ConfigError", "HostInfoError",
+    "KVLayoutError", "MetadataNotInitializedError", "NoForwardContextError", "NotSupportedError",
+    "PluginError", "PluginFilterError", "ResourceLimitError", "ShapeError", "UnknownBackendError",
+]
+
 
 class AttnplugError(Exception):
     """Base class of every attnplug error."""

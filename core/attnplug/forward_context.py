@@ -38,6 +38,11 @@ from typing import Any, Iterator
 
 from .errors import NoForwardContextError
 
+__all__ = [
+    "DEFAULT_RUNNER", "ForwardFrame", "active_frames", "current_backend", "current_batch", "current_frame",
+    "current_runner", "forward_context", "in_forward",
+]
+
 DEFAULT_RUNNER = "target"
 
 

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from .descriptor import BackendDescriptor
     from .host import HostInfo
 
+__all__ = [
+    "RegisterArchOverride", "RegisterBackend", "RegisterResolutionRule", "all_hook_names",
+    "attnplug_arch_overrides", "attnplug_check_config", "attnplug_register_backends",
+    "attnplug_resolution_rules", "attnplug_resolve_name", "hookimpl", "hookspec",
+]
+
 PROJECT = "attnplug"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

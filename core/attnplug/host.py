@@ -21,6 +21,11 @@ from typing import Any, Iterable, Mapping
 
 from .errors import HostInfoError
 
+__all__ = [
+    "HostInfo", "KNOWN_KERNEL_LIBRARIES", "PLATFORMS", "SAME_MODULE_DISTRIBUTIONS", "detect_host",
+    "equivalent_distributions", "library_versions", "module_provider",
+]
+
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
 
 #: Distributions whose versions every ``HostInfo`` records (plugins may ask for more).

@@ -34,6 +34,8 @@ from .dtypes import FP8_DTYPES, dtype_name, torch_dtype
 from .errors import KVLayoutError, ShapeError
 from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
 
+__all__ = ["FP8_DTYPES", "UNASSIGNED", "PageAllocator", "PagedKVCache", "indptr", "quantize"]
+
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
 #: ``check_batch`` reads up to this many requests' ``req_to_token`` entries as slices (cheaper than the

@@ -41,6 +41,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported by the methods that need it: the registry reads this module's names
     import torch
 
+__all__ = [
+    "BUILTIN_LAYOUTS", "HND", "NHD", "HNDLayout", "KVGeometry", "KVLayout", "NHDLayout", "builtin_layout",
+    "check_layout", "check_wrap_buffer",
+]
+
 #: the layout every backend reads unless it declares otherwise
 NHD = "nhd"
 #: head-major pages: ``[num_pages, num_kv_heads, page_size, dim]``

@@ -11,6 +11,8 @@ from typing import Literal, Protocol
 from .config import AttentionConfig
 from .modes import ForwardMode
 
+__all__ = ["backend_name_for_mode", "half_for_mode"]
+
 Half = Literal["prefill", "decode"]
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["copy_stamps", "stamp", "stamps_of"]
+
 
 def stamp(backend: Any, prefill: str, decode: str | None = None) -> None:
     """Write the effective name(s) into ``backend`` and, if it declares

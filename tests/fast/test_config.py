@@ -7,7 +7,9 @@ import itertools
 
 import pytest
 
-from attnplug import AttentionConfig, ConfigError, add_attention_args, config_from_args
+from attnplug import AttentionConfig
+from attnplug.config import add_attention_args, config_from_args
+from attnplug.errors import ConfigError
 
 # (base, prefill, decode) -> expected (prefill, decode), written out by hand.
 PAIR_TABLE = {

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from attnplug import AttentionConfig, BuildContext, HostInfo, PagedKVCache, add_attention_args, config_from_args
+from attnplug import AttentionConfig, BuildContext, HostInfo, PagedKVCache
+from attnplug.config import add_attention_args, config_from_args
 from attnplug.errors import ConfigError
 from attnplug.kvcache import quantize
 from attnplug.resolution import resolve, trace

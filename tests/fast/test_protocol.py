@@ -6,17 +6,16 @@ import pytest
 import torch
 
 from attnplug import (
-    OPTIONAL_METHODS,
     AttentionBackend,
     BackendWrapper,
     ForwardBatch,
     ForwardMode,
     HybridBackend,
     LayerSpec,
-    MetadataGuard,
-    MetadataNotInitializedError,
     NotSupportedError,
 )
+from attnplug.backend import OPTIONAL_METHODS, MetadataGuard
+from attnplug.errors import MetadataNotInitializedError
 from attnplug.backend import PROTOCOL_METHODS, REQUIRED_METHODS
 
 LAYER = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=6)

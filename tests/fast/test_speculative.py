@@ -22,9 +22,9 @@ from attnplug import (
     ForwardMode,
     HostInfo,
     HybridBackend,
-    PluginError,
     hookimpl,
 )
+from attnplug.errors import PluginError
 from attnplug import selector as selector_module
 from attnplug.backend import PROTOCOL_METHODS
 from attnplug.descriptor import BackendDescriptor
@@ -150,7 +150,7 @@ def test_every_child_of_the_multi_step_container_is_stamped(reg):
 
 
 def test_stamping_the_container_stamps_every_child():
-    from attnplug import stamp
+    from attnplug.stamps import stamp
 
     c = MultiStepDraftBackend([Tag("a"), Tag("b"), Tag("c")])
     stamp(c, "x", "y")

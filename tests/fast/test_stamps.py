@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from attnplug import AttentionBackend, BackendWrapper, copy_stamps, stamp
+from attnplug import AttentionBackend, BackendWrapper
+from attnplug.stamps import copy_stamps, stamp
 from attnplug.stamps import stamps_of
 
 

@@ -31,12 +31,11 @@ from attnplug import (
     ForwardMode,
     HostInfo,
     LayerSpec,
-    MetadataNotInitializedError,
     PageAllocator,
     PagedKVCache,
-    ResourceLimitError,
     ShapeError,
 )
+from attnplug.errors import MetadataNotInitializedError, ResourceLimitError
 from attnplug.errors import AttnplugError
 from attnplug.registry import default_registry
 from attnplug.dtypes import dtype_name

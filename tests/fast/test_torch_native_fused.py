@@ -32,7 +32,6 @@ import torch
 
 from attnplug import (
     AttentionConfig,
-    BackendUnavailableError,
     BuildContext,
     ForwardBatch,
     ForwardMode,
@@ -40,8 +39,8 @@ from attnplug import (
     LayerSpec,
     PageAllocator,
     PagedKVCache,
-    ResourceLimitError,
 )
+from attnplug.errors import BackendUnavailableError, ResourceLimitError
 from attnplug.dtypes import dtype_name
 from attnplug.registry import default_registry
 from attnplug.testing.reference import expected_cache_after, reference_attention

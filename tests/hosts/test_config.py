@@ -7,7 +7,9 @@ import argparse
 import pytest
 
 import hf_models as models
-from attnplug import AttentionConfig, UnknownBackendError, add_attention_args
+from attnplug import AttentionConfig
+from attnplug.config import add_attention_args
+from attnplug.errors import UnknownBackendError
 from attnplug.integrations.transformers import TransformersRunner
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attnplug import assert_no_base_field_reads, find_base_field_reads
+from attnplug.guard import assert_no_base_field_reads, find_base_field_reads
 
 PKG = Path(__file__).resolve().parents[2] / "core" / "attnplug" / "integrations" / "transformers"
 

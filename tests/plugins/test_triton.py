@@ -41,14 +41,14 @@ from attnplug import (  # noqa: E402
     ForwardMode,
     HostInfo,
     LayerSpec,
-    MetadataNotInitializedError,
     PageAllocator,
     PagedKVCache,
-    ResourceLimitError,
     ShapeError,
 )
 from attnplug.dtypes import dtype_name  # noqa: E402
-from attnplug.errors import AttnplugError, BackendUnavailableError, ConfigError  # noqa: E402
+from attnplug.errors import (  # noqa: E402
+    AttnplugError, BackendUnavailableError, ConfigError, MetadataNotInitializedError, ResourceLimitError,
+)
 from attnplug.registry import Registry, in_process_source  # noqa: E402
 from attnplug.resolution import resolve  # noqa: E402
 from attnplug.testing.reference import expected_cache_after, reference_attention  # noqa: E402

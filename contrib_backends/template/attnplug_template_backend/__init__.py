@@ -9,7 +9,8 @@ is imported only when the backend is built.
 
 from __future__ import annotations
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl, module_missing
+from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.probes import module_missing
 
 NAME = "template_sdpa"
 

@@ -28,7 +28,7 @@ import torch
 
 from ..batch import ForwardBatch
 from ..config import AttentionConfig
-from ..context import BuildContext
+from ..build_context import BuildContext
 from ..dtypes import torch_dtype
 from ..errors import NotSupportedError
 from ..kvcache import PageAllocator, PagedKVCache

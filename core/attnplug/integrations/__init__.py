@@ -4,3 +4,6 @@
 attention through a resolved attnplug backend pair. Importing ``attnplug`` (or
 this package) imports neither transformers nor torch.
 """
+
+#: a namespace of modules (each imported by name, so importing the package loads no torch)
+__all__: list[str] = []

@@ -36,6 +36,14 @@ from typing import Any
 
 import pytest
 
+__all__ = [
+    "ALL", "attnplug_record", "BoundCase", "build_report", "CaseInfo", "ConformanceState", "level_lines",
+    "newer_failures", "Outcome", "pytest_addoption", "pytest_collection_finish", "pytest_configure",
+    "pytest_generate_tests", "pytest_pycollect_makeitem", "pytest_report_header", "pytest_runtest_call",
+    "pytest_runtest_makereport", "pytest_sessionfinish", "pytest_terminal_summary", "SelectedBackend",
+    "STATE_KEY", "SUITE_DIR", "SUITE_MODULES", "summary_line",
+]
+
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
 SUITE_MODULES: tuple[str, ...] = ("test_protocol.py", "test_numeric.py", "test_cache.py", "test_determinism.py",
                                   "test_robustness.py", "test_random.py")

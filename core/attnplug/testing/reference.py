@@ -55,6 +55,8 @@ from ..dtypes import FP8_DTYPES
 from ..kvcache import quantize
 from ..modes import ForwardMode
 
+__all__ = ["expected_cache_after", "reference_attention"]
+
 
 def reference_attention(
     q: torch.Tensor,

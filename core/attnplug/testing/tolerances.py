@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+__all__ = ["EXACT", "Tolerance", "tolerance_for", "TOLERANCES"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl, library_missing
+from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl
+from attnplug.probes import library_missing
 
 NAME = "aiter"
 #: AMD's aiter is the distribution ``amd-aiter`` (module ``aiter``). The PyPI distribution named

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.probes import library_missing
 from attnplug.dtypes import kv_dtype_name
 from attnplug.probes import installed_library
 

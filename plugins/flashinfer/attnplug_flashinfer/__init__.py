@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl, library_missing
+from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl
+from attnplug.probes import library_missing
 
 NAME = "flashinfer"
 LIBRARY = "flashinfer-python"

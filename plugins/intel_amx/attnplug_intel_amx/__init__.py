@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.probes import library_missing
 
 NAME = "intel_amx"
 LIBRARY = "sgl-kernel"

@@ -6,7 +6,8 @@ backend is built.
 
 from __future__ import annotations
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl, module_missing
+from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.probes import module_missing
 
 NAME = "torch_native"
 

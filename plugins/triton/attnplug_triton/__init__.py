@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl, library_missing
+from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.probes import library_missing
 
 NAME = "triton"
 LIBRARY = "triton"

@@ -25,6 +25,8 @@ from attnplug import AttnplugError, LayerSpec
 
 from .layers import attnplug_sliding_window
 
+__all__ = ["ATTENTION_NAME", "attnplug_attention_forward", "Forward", "FORWARD_KWARG", "register_attention"]
+
 #: The name under which the function is registered with transformers' AttentionInterface.
 ATTENTION_NAME = "attnplug"
 #: The keyword the runner passes to ``model(...)``; transformers hands it down to every layer.

@@ -24,6 +24,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from attnplug import AttnplugError, PagedKVCache
 
+__all__ = ["AttnplugCache", "PagedCacheLayer", "PagePool", "UNASSIGNED"]
+
 #: ``req_to_token`` value of a position no request owns.
 UNASSIGNED = -1
 

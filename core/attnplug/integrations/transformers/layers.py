@@ -47,6 +47,13 @@ from typing import Any, Sequence
 
 from attnplug import LayerSpec, NotSupportedError
 
+__all__ = [
+    "attnplug_sliding_window", "Call", "Derivation", "derive", "family_of", "HEAD_DIM_NAMES", "head_dim_of",
+    "layer_specs", "LAYER_TYPE_REASONS", "layer_types", "MASK_PROBE_TOKENS", "ModelNotServedError",
+    "PASS_THROUGH_KWARGS", "probe", "PROBE_MASK_NAME", "PROBE_NAME", "PROBE_SHIFT", "PROBE_TOKENS",
+    "refuse_structure", "SERVED_LAYER_TYPES", "SPEC_KWARGS",
+]
+
 #: transformers layer types this integration serves (others are refused by name).
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: why a layer type is not served (the refusal says it by name; unknown types get a generic reason).

@@ -23,6 +23,8 @@ import torch
 
 from .runner import Chunk, StepRecord, TransformersRunner
 
+__all__ = ["generate", "GenerationResult", "greedy", "Request", "Sampler"]
+
 #: ``sampler(rid, index, logits) -> token``: ``index`` counts the request's generated tokens (0 first).
 Sampler = Callable[[Any, int, torch.Tensor], int]
 

@@ -30,15 +30,25 @@ from typing import Any, Sequence
 import torch
 
 from attnplug import (
-    AttentionConfig, AttnplugError, BuildContext, ForwardBatch, ForwardMode, NotSupportedError, PagedKVCache,
-    backend_name_for_mode, config_from_args, default_registry,
+    AttentionConfig,
+    AttnplugError,
+    BuildContext,
+    ForwardBatch,
+    ForwardMode,
+    NotSupportedError,
+    PagedKVCache,
+    default_registry,
 )
+from attnplug.config import config_from_args
+from attnplug.selector import backend_name_for_mode
 from attnplug.dtypes import dtype_name, kv_dtype_name
 from attnplug.resolution import resolve, trace
 
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
 from .layers import ModelNotServedError, derive
+
+__all__ = ["Chunk", "StepRecord", "TASKS", "TransformersRunner"]
 
 
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs

@@ -40,14 +40,28 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from attnplug import (
-    AttentionConfig, AttnplugError, BuildContext, ForwardBatch, ForwardMode, LayerSpec, NotSupportedError,
-    PagedKVCache, add_attention_args, backend_name_for_mode, config_from_args, default_registry,
+    AttentionConfig,
+    AttnplugError,
+    BuildContext,
+    ForwardBatch,
+    ForwardMode,
+    LayerSpec,
+    NotSupportedError,
+    PagedKVCache,
+    default_registry,
 )
+from attnplug.config import add_attention_args, config_from_args
+from attnplug.selector import backend_name_for_mode
 from attnplug.dtypes import dtype_name
 from attnplug.resolution import trace
 from attnplug.resolution.explain import explain_text
 
 from . import ENV_ARGS
+
+__all__ = [
+    "AttnplugVllmBackend", "AttnplugVllmImpl", "AttnplugVllmMetadata", "AttnplugVllmMetadataBuilder",
+    "config_from_env", "engine_state", "engine_states", "EngineState", "Group",
+]
 
 logger = logging.getLogger("vllm.attnplug")
 

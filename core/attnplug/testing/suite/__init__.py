@@ -5,3 +5,6 @@ data); ``harness`` builds problems and checks answers against
 ``attnplug.testing.reference``; the ``test_*`` modules are the cases.
 See ``docs/conformance.md``.
 """
+
+#: a namespace of modules (each imported by name, so importing the package loads no torch)
+__all__: list[str] = []

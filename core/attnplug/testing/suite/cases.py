@@ -23,6 +23,23 @@ from ...kvlayout import HND, NHD
 from ...layer import LayerSpec
 from ...modes import ForwardMode
 
+__all__ = [
+    "ALL_MODE_SCENARIOS", "ANY_DTYPE_FAMILIES", "BIDIRECTIONAL_SCENARIOS", "Case", "case_layer",
+    "cases_for", "CHUNK_FEATURES", "CHUNK_LIMITS", "claimed_shape", "DEFAULT_SHAPE", "DTYPES",
+    "EXTRA_LAYOUTS_FOR_ANY", "FEATURES", "Features", "first_layout", "fit_case", "FP8_KV",
+    "GARBAGE_FEATURES", "GARBAGE_MODES", "GARBAGE_NEW_MODES", "gen_bad_input", "gen_chunked",
+    "gen_cross_attention", "gen_cuda_graph", "gen_determinism", "gen_edge", "gen_feature", "gen_fp8_kv",
+    "gen_garbage", "gen_head_dim_class", "gen_heads", "gen_kv_cache_dtype", "gen_kv_cache_write",
+    "gen_kv_layout", "gen_kv_none", "gen_long", "gen_metadata_required", "gen_mode", "gen_no_save",
+    "gen_odd_heads", "gen_output_ownership", "gen_random", "gen_refusal", "gen_rejected", "gen_rounding",
+    "gen_scaling", "gen_score_range", "gen_sequence", "gen_shared_metadata", "gen_unmapped_slot",
+    "gen_v_head_dim", "gen_workspace", "GENERATORS", "HEAD_DIM_CLASSES", "HEAD_DIMS", "HEAD_LAYOUTS",
+    "LONG_SHAPE", "NOT_CLAIMED", "NUMERIC_FAMILIES", "ODD_HEADS", "PAGE_SIZES", "RANDOM_MODES",
+    "REFUSAL_DTYPES", "REFUSAL_KV_DTYPES", "refusal_model_dtype", "REFUSAL_VARIANTS_NEWER", "REFUSALS",
+    "REJECTIONS", "SCALINGS", "Scenario", "scenario", "Shape", "skip_reason", "unclaimed_refusals",
+    "V_HEAD_DIMS", "WIDE_SHAPE", "WORKSPACE_LIMITS",
+]
+
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 PAGE_SIZES: tuple[int, ...] = (1, 16, 64)
 

@@ -36,7 +36,7 @@ except ImportError:  # `attnplug doctor` uses this harness on a plain install, w
 
 from ...batch import ForwardBatch
 from ...config import AttentionConfig
-from ...context import BuildContext
+from ...build_context import BuildContext
 from ...dtypes import torch_dtype
 from ...kvcache import PageAllocator, PagedKVCache
 from ...layer import LayerSpec
@@ -45,6 +45,14 @@ from ...registry import default_registry
 from .. import reference
 from ..tolerances import Tolerance
 from .cases import Case, Features, Scenario, Shape
+
+__all__ = [
+    "bits", "build_backend", "cache_changes", "check_cache", "check_output_shape", "compare", "Comparison",
+    "device_for", "expected_cache", "expected_output", "FAR_BELOW", "fill_garbage", "fill_garbage_raw",
+    "FIRST_LEAD", "GARBAGE_VALUES", "make_batch", "make_layer", "make_problem", "make_qkv", "MAX_CONTEXT",
+    "MAX_REQUESTS", "poison_last_new_tokens", "Problem", "run", "same_bytes", "shape_scores", "threads",
+    "unalign",
+]
 
 MAX_REQUESTS = 16
 #: req_to_token width: room for the long cases (4.2k tokens) with margin

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from attnplug import AttentionBackend, MetadataGuard, NotSupportedError, ShapeError
+from attnplug import AttentionBackend, NotSupportedError, ShapeError
+from attnplug.backend import MetadataGuard
 from attnplug.batch import check_qkv
 from attnplug.modes import ForwardMode
 from attnplug.testing.reference import reference_attention
