@@ -8,9 +8,31 @@ torch nor any plugin; torch is imported only by the modules that need it
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.3.0"
+
+if TYPE_CHECKING:  # the same names for type checkers; at run time they load on first use
+    from .backend import AttentionBackend as AttentionBackend
+    from .batch import ForwardBatch as ForwardBatch
+    from .build_context import BuildContext as BuildContext
+    from .capabilities import Capabilities as Capabilities
+    from .config import AttentionConfig as AttentionConfig
+    from .descriptor import Availability as Availability, BackendDescriptor as BackendDescriptor
+    from .errors import AttnplugError as AttnplugError
+    from .errors import NotSupportedError as NotSupportedError
+    from .errors import ShapeError as ShapeError
+    from .hookspecs import hookimpl as hookimpl
+    from .host import HostInfo as HostInfo
+    from .hybrid import HybridBackend as HybridBackend
+    from .kvcache import PageAllocator as PageAllocator, PagedKVCache as PagedKVCache
+    from .layer import LayerSpec as LayerSpec
+    from .modes import ForwardMode as ForwardMode
+    from .paged import PagedBackend as PagedBackend
+    from .registry import Registry as Registry, default_registry as default_registry
+    from .resolution import resolve as resolve
+    from .wrapper import BackendWrapper as BackendWrapper
+
 
 #: The public surface: what a host engine and a backend author need (see docs/api.md).
 #: Everything else lives in namespaces imported on purpose (``PUBLIC_NAMESPACES``):

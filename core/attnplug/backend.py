@@ -10,11 +10,18 @@ wrappers can forward every one of them without ``hasattr``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .capabilities import Capabilities, support_reasons
 from .errors import MetadataNotInitializedError, NotSupportedError
 from .modes import ForwardMode
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
+    from .batch import ForwardBatch
+    from .build_context import BuildContext
+    from .layer import LayerSpec
 
 #: Methods every backend must implement.
 REQUIRED_METHODS: tuple[str, ...] = ("init_forward_metadata", "forward_extend", "forward_decode")
@@ -47,9 +54,12 @@ class AttentionBackend:
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
+    #: the build context the registry recorded on a built backend (an annotation only: a backend
+    #: built outside the registry may have none; read it with ``getattr(backend, "ctx", None)``)
+    ctx: BuildContext | None
 
     # -- description ---------------------------------------------------
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+    def not_supported_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None = None) -> list[str]:
         """Sentences saying why this backend cannot serve ``layer`` (under ``ctx``, by default the build
         context the registry recorded on the backend); empty if it can."""
         kw: dict[str, Any] = {}
@@ -72,12 +82,12 @@ class AttentionBackend:
             notes.extend(n for n in runtime_notes_of(child) if n not in notes)
         return notes
 
-    def layer_reasons(self, layer: Any) -> list[str]:
+    def layer_reasons(self, layer: LayerSpec) -> list[str]:
         """Why ``layer`` cannot run here whatever the forward (``require_supported`` memoises it).
         Default: ``not_supported_reasons(layer)``; a backend may narrow it to its own checks."""
         return self.not_supported_reasons(layer)
 
-    def require_supported(self, layer: Any) -> None:
+    def require_supported(self, layer: LayerSpec) -> None:
         """Raise ``NotSupportedError`` when ``layer`` cannot run here.
 
         For backends that check layers inside ``forward``: the verdict is computed
@@ -99,20 +109,29 @@ class AttentionBackend:
             raise NotSupportedError(name, reasons)
 
     # -- required ------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build this forward's metadata once; every layer then reuses it."""
         raise NotImplementedError(f"{type(self).__name__} does not implement init_forward_metadata")
 
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Attention for an extend-shaped batch (every mode but DECODE and IDLE); writes the new K/V unless ``save_kv_cache=False``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward_extend")
 
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Attention for a DECODE batch (one new token per request); writes the new K/V unless ``save_kv_cache=False``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward_decode")
 
     # -- dispatch ------------------------------------------------------
-    def forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Dispatch by ``batch.forward_mode``: idle returns an empty ``[0, heads, v_head_dim]`` output."""
         mode = batch.forward_mode
         if mode is ForwardMode.DECODE:
@@ -126,11 +145,11 @@ class AttentionBackend:
         """Allocate buffers that captured graphs will read. Default: nothing to allocate."""
         return None
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         """Metadata for a forward being captured. Default: the eager path's metadata."""
         self.init_forward_metadata(batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Refresh captured buffers before a replay. Default: the eager path's metadata."""
         self.init_forward_metadata(batch)
 
@@ -166,7 +185,7 @@ def runtime_notes_of(backend: AttentionBackend, distribution: str | None = None)
     return [f"{who}runtime_notes() returned {_short(notes)} ({type(notes).__name__}); expected a list of str"] + extra
 
 
-def _short(value: Any, limit: int = 200) -> str:
+def _short(value: object, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -182,13 +201,13 @@ class MetadataGuard:
 
     def __init__(self, owner: str) -> None:
         self._owner = owner
-        self._batch: Any = None
-        self._metadata: Any = None
+        self._batch: ForwardBatch | None = None
+        self._metadata: Any = None  # whatever the backend built: its own type
 
-    def set(self, batch: Any, metadata: Any) -> None:
+    def set(self, batch: ForwardBatch | None, metadata: Any) -> None:
         self._batch, self._metadata = batch, metadata
 
-    def require(self, batch: Any) -> Any:
+    def require(self, batch: ForwardBatch) -> Any:
         if self._batch is not batch:
             raise MetadataNotInitializedError(
                 f"{self._owner}: forward called before init_forward_metadata for this batch "

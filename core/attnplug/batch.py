@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from .errors import ShapeError
 from .kvcache import indptr
 from .modes import ForwardMode
+
+if TYPE_CHECKING:
+    from .layer import LayerSpec
+
+#: what the constructors take for an index or length field: a tensor, or a list of ints
+IndexLike: TypeAlias = "torch.Tensor | Sequence[int]"
+#: a device as torch takes it
+DeviceLike: TypeAlias = "torch.device | str | int"
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,12 +65,14 @@ class ForwardBatch:
 
     # -- constructors ------------------------------------------------------
     @classmethod
-    def idle(cls, device: Any = "cpu") -> "ForwardBatch":
+    def idle(cls, device: DeviceLike = "cpu") -> ForwardBatch:
         z = torch.zeros(0, dtype=torch.int64, device=device)
         return cls(ForwardMode.IDLE, z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone()).validate()
 
     @classmethod
-    def decode(cls, req_pool_indices: Any, seq_lens: Any, out_cache_loc: Any, **kw: Any) -> "ForwardBatch":
+    def decode(
+        cls, req_pool_indices: IndexLike, seq_lens: IndexLike, out_cache_loc: IndexLike, **kw: Any
+    ) -> ForwardBatch:
         seq = _i64(seq_lens)
         return cls(
             ForwardMode.DECODE, _i64(req_pool_indices), seq, _i64(out_cache_loc),
@@ -71,10 +82,10 @@ class ForwardBatch:
     @classmethod
     def extend(
         cls,
-        req_pool_indices: Any,
-        prefix_lens: Any,
-        extend_lens: Any,
-        out_cache_loc: Any,
+        req_pool_indices: IndexLike,
+        prefix_lens: IndexLike,
+        extend_lens: IndexLike,
+        out_cache_loc: IndexLike,
         mode: ForwardMode = ForwardMode.EXTEND,
         **kw: Any,
     ) -> "ForwardBatch":
@@ -167,7 +178,7 @@ class ForwardBatch:
         since the last ``validate()``, else ``None`` (also when never validated). Cheap (no reduction,
         no sync: torch's per-tensor version counter), so it runs per layer: the host copies and the
         metadata built from them describe the validated values, never the new ones."""
-        snap = self.__dict__.get("_validated")
+        snap: dict[str, tuple[torch.Tensor | None, int | None]] | None = self.__dict__.get("_validated")
         if snap is None:
             return None
         for field, (tensor, version) in snap.items():
@@ -187,32 +198,36 @@ class ForwardBatch:
         """The longest KV length after this forward (``max_seqlen_k``)."""
         return max(self.seq_lens_cpu, default=0)
 
-    def qo_indptr(self, device: Any = None) -> torch.Tensor:
+    def qo_indptr(self, device: DeviceLike | None = None) -> torch.Tensor:
         """int32 ``[batch + 1]``: offset of each request's first new token in q/k/v (``cu_seqlens_q``).
 
         On ``device`` (default: the batch's); built once per device and shared by every layer.
         """
         return self._derived("qo_indptr", device, lambda d: indptr(self.extend_seq_lens_cpu, d))
 
-    def kv_indptr(self, device: Any = None) -> torch.Tensor:
+    def kv_indptr(self, device: DeviceLike | None = None) -> torch.Tensor:
         """int32 ``[batch + 1]``: offsets of each request's keys after this forward (``cu_seqlens_k``)."""
         return self._derived("kv_indptr", device, lambda d: indptr(self.seq_lens_cpu, d))
 
-    def seq_lens_int32(self, device: Any = None) -> torch.Tensor:
+    def seq_lens_int32(self, device: DeviceLike | None = None) -> torch.Tensor:
         """int32 ``[batch]``: each request's KV length after this forward, new tokens included."""
         return self._derived("seq_lens_int32", device,
                              lambda d: torch.as_tensor(self.seq_lens_cpu, dtype=torch.int32, device=d))
 
-    def _derived(self, key: str, device: Any, build: Any) -> torch.Tensor:
+    def _derived(
+        self, key: str, device: DeviceLike | None, build: Callable[[torch.device], torch.Tensor]
+    ) -> torch.Tensor:
         """Memoised per (key, device) until the next ``validate``."""
         dev = torch.device(self.seq_lens.device if device is None else device)
-        memo = self.__dict__.setdefault("_derived_memo", {})
+        memo: dict[tuple[str, torch.device], torch.Tensor] = self.__dict__.setdefault("_derived_memo", {})
         if (key, dev) not in memo:
             memo[key, dev] = build(dev)
         return memo[key, dev]
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any, num_tokens: int) -> None:
+def check_qkv(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, num_tokens: int
+) -> None:
     """Per-call shape/dtype check of q/k/v against the layer; errors name the field."""
     exp = (num_tokens, layer.num_heads, layer.head_dim)
     if tuple(q.shape) != exp:
@@ -239,7 +254,7 @@ _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix
                  "positions", "encoder_lens", "spec_custom_mask")
 
 
-def _version(t: Any) -> int | None:
+def _version(t: torch.Tensor | None) -> int | None:
     """``t``'s in-place write counter (``None`` for ``None`` and for inference tensors, which keep none)."""
     try:
         return None if t is None else int(t._version)
@@ -247,19 +262,19 @@ def _version(t: Any) -> int | None:
         return None
 
 
-def _expect_1d(name: str, t: Any, n: int) -> None:
+def _expect_1d(name: str, t: object, n: int) -> None:
     shape = tuple(getattr(t, "shape", ()))
     if shape != (n,):
         raise ShapeError(f"ForwardBatch.{name} has shape {shape}, expected ({n},)")
 
 
-def _expect_int(name: str, t: Any) -> None:
+def _expect_int(name: str, t: object) -> None:
     dt = getattr(t, "dtype", None)
     if dt is not None and (dt.is_floating_point or dt.is_complex or dt == torch.bool):
         raise ShapeError(f"ForwardBatch.{name} has dtype {dt}, expected an integer tensor")
 
 
-def _i64(x: Any) -> torch.Tensor:
+def _i64(x: IndexLike) -> torch.Tensor:
     t = torch.as_tensor(x)
     if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
         raise ShapeError(f"index/length values must be integers, got dtype {t.dtype}")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import AttentionConfig
 from .dtypes import dtype_name, kv_dtype_name
 from .host import HostInfo
 from .layer import LayerSpec
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    from .kvcache import PagedKVCache
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -29,9 +32,11 @@ class BuildContext:
     num_heads: int = 1
     num_kv_heads: int = 1
     head_dim: int = 64
-    v_head_dim: int | None = None
+    #: typed as what a built object holds: the default ``None`` (omit the argument) means ``head_dim``,
+    #: filled by ``__post_init__``
+    v_head_dim: int = None  # type: ignore[assignment]
     page_size: int = 1
-    kv_cache: Any = None
+    kv_cache: PagedKVCache | None = None
     max_batch_size: int = 256
     max_context_len: int = 4096
     is_draft: bool = False

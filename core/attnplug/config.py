@@ -107,7 +107,7 @@ class AttentionConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
             if value != default:
                 out[f.name] = value
         return out

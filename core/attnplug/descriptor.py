@@ -152,7 +152,7 @@ class BackendDescriptor:
             return self.factory
         module_name, _, attr = self.factory.partition(":")
         module = importlib.import_module(module_name)
-        factory = getattr(module, attr)
+        factory: Callable[..., Any] = getattr(module, attr)
         if not callable(factory):
             raise TypeError(f"{self.factory!r} is a {type(factory).__name__}, not a callable")
         return factory

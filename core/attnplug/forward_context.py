@@ -34,9 +34,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .errors import NoForwardContextError
+
+if TYPE_CHECKING:  # annotations only: this module imports no torch
+    from .backend import AttentionBackend
+    from .batch import ForwardBatch
 
 __all__ = [
     "DEFAULT_RUNNER", "ForwardFrame", "active_frames", "current_backend", "current_batch", "current_frame",
@@ -51,8 +55,8 @@ class ForwardFrame:
     """One active forward: which runner, the backend serving it, and its batch."""
 
     runner: str
-    backend: Any
-    batch: Any
+    backend: AttentionBackend
+    batch: ForwardBatch
 
     def __repr__(self) -> str:
         return f"ForwardFrame(runner={self.runner!r}, backend={type(self.backend).__name__})"
@@ -66,7 +70,7 @@ _FRAMES: contextvars.ContextVar[tuple[ForwardFrame, ...]] = contextvars.ContextV
 
 
 @contextlib.contextmanager
-def forward_context(backend: Any, batch: Any, runner: str = DEFAULT_RUNNER) -> Iterator[ForwardFrame]:
+def forward_context(backend: AttentionBackend, batch: ForwardBatch, runner: str = DEFAULT_RUNNER) -> Iterator[ForwardFrame]:
     """Make ``backend`` the backend serving the forward of ``runner`` on ``batch``.
 
     Nests: the innermost frame answers :func:`current_backend` with no runner
@@ -111,12 +115,12 @@ def current_frame(runner: str | None = None) -> ForwardFrame:
     )
 
 
-def current_backend(runner: str | None = None) -> Any:
+def current_backend(runner: str | None = None) -> AttentionBackend:
     """The backend serving the current forward (of ``runner`` when given)."""
     return current_frame(runner).backend
 
 
-def current_batch(runner: str | None = None) -> Any:
+def current_batch(runner: str | None = None) -> ForwardBatch:
     """The batch of the current forward (of ``runner`` when given)."""
     return current_frame(runner).batch
 

@@ -49,7 +49,7 @@ import stat
 import sys
 import tokenize
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 from .errors import AttnplugError  # stdlib-only module: the guard stays import-free
 
@@ -79,7 +79,7 @@ _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
 
 PathLike = Union[str, "os.PathLike[str]"]
 PathsWithReasons = Union[PathLike, Mapping[PathLike, Union[str, None]], Iterable[PathLike]]
-AllowSpec = Union[str, "AllowEntry", tuple]
+AllowSpec = Union[str, "AllowEntry", tuple[Any, ...]]
 
 
 def default_reason(attr: str = DEFAULT_ATTR) -> str:
@@ -461,7 +461,7 @@ class _Visitor:
         self.attr = attr
         self.consts = consts
         self.hits: list[tuple[ast.AST, str]] = []
-        self._dispatch = {
+        self._dispatch: dict[type[ast.AST], Callable[[Any], None]] = {
             ast.Attribute: self.visit_Attribute, ast.AugAssign: self.visit_AugAssign,
             ast.Subscript: self.visit_Subscript, ast.Compare: self.visit_Compare, ast.Call: self.visit_Call,
             ast.MatchClass: self.visit_MatchClass, ast.MatchMapping: self.visit_MatchMapping,

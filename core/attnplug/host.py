@@ -225,7 +225,7 @@ def _check_field(field: str, value: Any, from_json: bool = False) -> str | None:
                 or not all(isinstance(f, str) for f in value):
             return f"field 'cpu_flags': expected a list of str flags, got {_shown(value)}"
     elif field == "libraries":
-        items = value.items() if isinstance(value, Mapping) else None
+        items: Iterable[Any] | None = value.items() if isinstance(value, Mapping) else None
         if items is None and not from_json and isinstance(value, (list, tuple)) and all(
                 isinstance(x, (list, tuple)) and len(x) == 2 for x in value):
             items = value
@@ -371,4 +371,4 @@ def detect_host(extra_libraries: tuple[str, ...] = ()) -> HostInfo:
     wanted = KNOWN_KERNEL_LIBRARIES + tuple(d for name in extra_libraries for d in equivalent_distributions(name))
     libs = library_versions(tuple(dict.fromkeys(wanted)))
     return HostInfo(cpu_flags=_cpu_flags() if _platform.system() == "Linux" else frozenset(),
-                    libraries=libs, **accel)
+                    libraries=tuple(sorted(libs.items())), **accel)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .backend import AttentionBackend
 from .capabilities import Capabilities
 from .selector import half_for_mode
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
+    from .batch import ForwardBatch
+    from .build_context import BuildContext
+    from .layer import LayerSpec
 
 
 class HybridBackend(AttentionBackend):
@@ -30,27 +37,36 @@ class HybridBackend(AttentionBackend):
     def children(self) -> tuple[AttentionBackend, ...]:
         return (self.prefill_backend, self.decode_backend)
 
-    def _half(self, batch: Any) -> AttentionBackend:
+    def _half(self, batch: ForwardBatch) -> AttentionBackend:
         if half_for_mode(batch.forward_mode, self.speculative_attention_mode) == "decode":
             return self.decode_backend
         return self.prefill_backend
 
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+    def not_supported_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None = None) -> list[str]:
         out = [f"prefill half: {r}" for r in self.prefill_backend.not_supported_reasons(layer, ctx)]
         out += [f"decode half: {r}" for r in self.decode_backend.not_supported_reasons(layer, ctx)]
         return out
 
-    def init_forward_metadata(self, batch: Any) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._half(batch).init_forward_metadata(batch)
 
-    def forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._half(batch).forward(q, k, v, layer, batch, save_kv_cache)
 
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Routed to the half ``half_for_mode`` names for the batch."""
         return self._half(batch).forward_extend(q, k, v, layer, batch, save_kv_cache)
 
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Routed to the half ``half_for_mode`` names for the batch."""
         return self._half(batch).forward_decode(q, k, v, layer, batch, save_kv_cache)
 
@@ -58,10 +74,10 @@ class HybridBackend(AttentionBackend):
         self.prefill_backend.init_cuda_graph_state(max_batch_size, max_num_tokens)
         self.decode_backend.init_cuda_graph_state(max_batch_size, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         self._half(batch).init_forward_metadata_capture_cuda_graph(batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         self._half(batch).init_forward_metadata_replay_cuda_graph(batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

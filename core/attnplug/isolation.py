@@ -32,7 +32,7 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TextIO, TypeVar
 
 from .errors import PluginError
 
@@ -51,7 +51,7 @@ _sigint_previous: Any = None
 class _StdoutRouter:
     """``sys.stdout`` while plugin code runs: per-thread capture, pass-through otherwise."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: TextIO) -> None:
         self._target = target
 
     def write(self, text: str) -> int:

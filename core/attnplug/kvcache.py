@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
 from .dtypes import FP8_DTYPES, dtype_name, torch_dtype
 from .errors import KVLayoutError, ShapeError
 from .kvlayout import NHD, KVGeometry, KVLayout, check_layout
+
+if TYPE_CHECKING:  # batch.py imports this module: annotations only
+    from .batch import ForwardBatch
+    from .layer import LayerSpec
 
 __all__ = ["FP8_DTYPES", "UNASSIGNED", "PageAllocator", "PagedKVCache", "indptr", "quantize"]
 
@@ -178,13 +182,13 @@ class PagedKVCache:
                 f"num_layers={self.num_layers})"
             )
 
-    def check_layer_rows(self, layer: object) -> None:
+    def check_layer_rows(self, layer: LayerSpec) -> None:
         """The cache rows of ``layer`` match its KV heads and head dims."""
-        want_k = (layer.num_kv_heads, layer.head_dim)  # type: ignore[attr-defined]
-        want_v = (layer.num_kv_heads, layer.v_head_dim)  # type: ignore[attr-defined]
+        want_k = (layer.num_kv_heads, layer.head_dim)
+        want_v = (layer.num_kv_heads, layer.v_head_dim)
         if (self.num_kv_heads, self.head_dim) != want_k or (self.num_kv_heads, self.v_head_dim) != want_v:
             raise ShapeError(
-                f"kv_cache rows for layer {layer.layer_id} are k {(self.num_kv_heads, self.head_dim)} / "  # type: ignore[attr-defined]
+                f"kv_cache rows for layer {layer.layer_id} are k {(self.num_kv_heads, self.head_dim)} / "
                 f"v {(self.num_kv_heads, self.v_head_dim)}, expected {want_k} / {want_v} "
                 f"(num_kv_heads, head_dim / v_head_dim)"
             )
@@ -206,7 +210,7 @@ class PagedKVCache:
                 f"{field}[{where}]={bad} is out of range (expected 0 <= slot < num_slots={self.num_slots})"
             )
 
-    def check_batch(self, batch: object, *, new_tokens_mapped: bool = False) -> None:
+    def check_batch(self, batch: ForwardBatch, *, new_tokens_mapped: bool = False) -> None:
         """Every index ``batch`` will use is in bounds for this cache (one pass; call once per forward).
 
         Checks ``req_pool_indices`` against the rows, ``out_cache_loc`` against the slots,
@@ -476,7 +480,7 @@ class PagedKVCache:
             )
 
     # -- kernel inputs shared by backends: page tables read from req_to_token --------------
-    def page_table(self, batch: Any) -> torch.Tensor:
+    def page_table(self, batch: ForwardBatch) -> torch.Tensor:
         """int32 ``[batch, ceil(max_seq_len / page_size)]``: column ``j`` holds the page of positions
         ``j*page_size …`` of each request (its slot at ``j*page_size`` floor-divided by ``page_size``);
         columns past a request's last page are 0. One gather, no host loop; assumes the rows are
@@ -530,7 +534,7 @@ class PagedKVCache:
                              f"{ps} positions to one page of {ps} consecutive slots")
 
 
-def indptr(lengths: Sequence[int] | torch.Tensor, device: Any = None) -> torch.Tensor:
+def indptr(lengths: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """``[0, l0, l0+l1, …]`` as int32 (``[len(lengths) + 1]``): CSR offsets of ragged rows, as kernels take them."""
     if isinstance(lengths, (list, tuple)):  # host lengths (the batch's validated copies): one tensor op
         offsets, total = [0], 0
@@ -563,7 +567,7 @@ class PageAllocator:
         return out
 
 
-def _slot_indices(slots: Any, field: str) -> torch.Tensor:
+def _slot_indices(slots: object, field: str) -> torch.Tensor:
     """``slots`` as a tensor: a tensor as given, a list/tuple/range of ints as int64; anything else a
     ``ShapeError`` naming ``field`` and what it got."""
     if isinstance(slots, torch.Tensor):

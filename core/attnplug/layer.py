@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
 
 
 #: ``LayerSpec.causality`` values: causal (the default) and bidirectional (non-causal self-attention).
@@ -50,11 +54,15 @@ class LayerSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    v_head_dim: int | None = None
-    scaling: float | None = None
+    #: typed as what a built object holds: the default ``None`` (omit the argument) means ``head_dim``,
+    #: filled by ``__post_init__``
+    v_head_dim: int = None  # type: ignore[assignment]
+    #: typed as what a built object holds: the default ``None`` (omit the argument) means
+    #: ``1/sqrt(head_dim)``, filled by ``__post_init__``
+    scaling: float = None  # type: ignore[assignment]
     logit_cap: float | None = None
     sliding_window: int | None = None
-    sinks: Any = None
+    sinks: torch.Tensor | Sequence[float] | None = None
     is_cross_attention: bool = False
     causality: str = "causal"
 

@@ -47,7 +47,8 @@ writes into it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -57,6 +58,11 @@ from .capabilities import support_reasons
 from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
 from .layer import LayerSpec
 from .modes import ForwardMode
+
+if TYPE_CHECKING:
+    from .batch import ForwardBatch
+    from .build_context import BuildContext
+    from .kvcache import PagedKVCache
 
 
 def format_bytes(n: int | float) -> str:
@@ -80,7 +86,7 @@ class LayerPlan:
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel")
 
-    def __init__(self, layer: Any, staged: bool) -> None:
+    def __init__(self, layer: LayerSpec, staged: bool) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
         self.layer_id = layer.layer_id
         self.q_rest = (layer.num_heads, layer.head_dim)
@@ -89,7 +95,7 @@ class LayerPlan:
         self.cross = bool(layer.is_cross_attention)
         #: the KV write is staged around the kernel (``new_kv_source == "cache"``, self-attention)
         self.staged = staged and not self.cross
-        self.kernel: Any = None
+        self.kernel: Any = None  # what the backend's plan_layer returned: its own type
 
 
 class _Forward:
@@ -98,7 +104,7 @@ class _Forward:
     __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "r2t",
                  "r2t_version")
 
-    def __init__(self, backend: "PagedBackend", batch: Any, meta: Any) -> None:
+    def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
         mode = batch.forward_mode
         self.idle = mode is ForwardMode.IDLE
@@ -111,8 +117,10 @@ class _Forward:
         #: layer, so an index field changed after ``init_forward_metadata`` is refused at every layer
         self.changed = getattr(batch, "changed_since_validate", None)
         #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
-        #: tensor, which keeps none): a write into it before a layer runs re-checks that layer's call
-        self.r2t = backend.kv_cache.req_to_token
+        #: tensor, which keeps none, or no cache: a backend built to be inspected may still run an IDLE
+        #: forward): a write into it before a layer runs re-checks that layer's call
+        #: (``Any``: a tensor whenever ``r2t_version`` is set, which the per-layer check reads first)
+        self.r2t: Any = None if backend.kv_cache is None else backend.kv_cache.req_to_token
         self.r2t_version = _version(self.r2t)
 
 
@@ -128,7 +136,9 @@ class PagedBackend(AttentionBackend):
     #: requirement, checked by ``init_forward_metadata``; backends reading token by token leave it False)
     reads_page_table: ClassVar[bool] = False
 
-    def __init__(self, ctx: Any) -> None:
+    ctx: BuildContext  # always set: a paged backend is built with a context
+
+    def __init__(self, ctx: BuildContext) -> None:
         self.ctx = ctx
         self.kv_cache = ctx.kv_cache
         self.device = torch.device(ctx.device if ctx.kv_cache is None else ctx.kv_cache.device)
@@ -154,7 +164,7 @@ class PagedBackend(AttentionBackend):
         return self.prefill_attention_backend_str or type(self).backend_name or type(self).__name__
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> PagedKVCache:
         """The engine's ``PagedKVCache`` (an error naming the backend when it was built without one)."""
         if self.kv_cache is None:
             raise AttnplugError(
@@ -163,18 +173,18 @@ class PagedBackend(AttentionBackend):
             )
         return self.kv_cache
 
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+    def not_supported_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None = None) -> list[str]:
         """Generic reasons from the declared capabilities, then ``backend_reasons``, under ``ctx`` or else
         the build context."""
         ctx = self.ctx if ctx is None else ctx
         return super().not_supported_reasons(layer, ctx) + self.backend_reasons(layer, ctx)
 
-    def layer_reasons(self, layer: Any) -> list[str]:
+    def layer_reasons(self, layer: LayerSpec) -> list[str]:
         """The per-layer verdict (memoised by ``require_supported``): generic layer reasons, then
         ``backend_reasons(layer, None)``."""
         return support_reasons(type(self).capabilities, layer) + self.backend_reasons(layer, None)
 
-    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+    def backend_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None) -> list[str]:
         """Reasons the declared capabilities cannot express (override; default: none).
 
         Called with ``ctx=None`` for the per-layer verdict taken at forward (reasons that depend
@@ -185,25 +195,31 @@ class PagedBackend(AttentionBackend):
         return []
 
     # -- to implement ----------------------------------------------------------
-    def build_metadata(self, batch: Any) -> Any:
+    def build_metadata(self, batch: ForwardBatch) -> Any:
         """This forward's kernel inputs (called once per forward, never for IDLE). Default: ``None``."""
         return None
 
-    def compute_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> Any:
+    def compute_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, meta: Any
+    ) -> torch.Tensor:
         """Attention for an extend-shaped batch; returns ``[tokens, num_heads, v_head_dim]``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement compute_extend")
 
-    def compute_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> Any:
+    def compute_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, meta: Any
+    ) -> torch.Tensor:
         """Attention for a DECODE batch. Default: ``compute_extend`` (one kernel for every mode)."""
         return self.compute_extend(q, k, v, layer, batch, meta)
 
-    def plan_layer(self, layer: Any) -> Any:
+    def plan_layer(self, layer: LayerSpec) -> Any:
         """This backend's per-layer kernel arguments (``LayerPlan.kernel``), built once per layer object
         after the layer passed every check; read it back in a compute with ``layer_plan(layer).kernel``.
         Default: ``None``."""
         return None
 
-    def layer_plan(self, layer: Any) -> LayerPlan:
+    def layer_plan(self, layer: LayerSpec) -> LayerPlan:
         """The plan of ``layer`` (built by its first forward); a layer with no plan yet gets one after
         its layer-only checks (``check_layer_id``, ``check_layer_rows``, the support verdict) pass."""
         plan = self._layer_plans.get(id(layer))
@@ -221,9 +237,9 @@ class PagedBackend(AttentionBackend):
 
     # -- attention sinks as a kernel reads them ----------------------------------------
     #: the torch dtype a kernel reads attention sinks in (``device_sinks``; ``None``: float32)
-    sinks_dtype: ClassVar[Any] = None
+    sinks_dtype: ClassVar[torch.dtype | None] = None
 
-    def device_sinks(self, layer: Any) -> Any:
+    def device_sinks(self, layer: LayerSpec) -> torch.Tensor | None:
         """``layer``'s sinks as a kernel reads them (``sinks_dtype``, one per query head, on this backend's
         device, contiguous), converted ONCE per layer and kept: a host-to-device copy or a cast is refused
         inside CUDA-graph capture, so the capture hooks call ``prepare_sinks`` before capture and a captured
@@ -231,7 +247,7 @@ class PagedBackend(AttentionBackend):
         source is held, so its ``id`` stays its own); ``None`` for a layer without sinks."""
         if layer.sinks is None:
             return None
-        kept: dict[tuple[int, int], tuple[Any, Any]] = self.__dict__.setdefault("_kept_sinks", {})
+        kept: dict[tuple[int, int], tuple[object, torch.Tensor]] = self.__dict__.setdefault("_kept_sinks", {})
         key = (layer.layer_id, id(layer.sinks))
         hit = kept.get(key)
         if hit is None or hit[0] is not layer.sinks:
@@ -246,7 +262,7 @@ class PagedBackend(AttentionBackend):
             self.device_sinks(layer)
 
     # -- per forward -------------------------------------------------------------
-    def init_forward_metadata(self, batch: Any) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Validate the batch against the cache (once per forward), then build the metadata."""
         mode = batch.forward_mode
         meta = None
@@ -262,13 +278,13 @@ class PagedBackend(AttentionBackend):
         self._guard.set(batch, meta)
         self._fwd = _Forward(self, batch, meta)
 
-    def forward_metadata(self, batch: Any) -> Any:
+    def forward_metadata(self, batch: ForwardBatch) -> Any:
         """The metadata ``init_forward_metadata`` built for ``batch`` (``MetadataNotInitializedError`` for
         another batch). CUDA-graph hooks call ``init_forward_metadata`` and then move this into their
         static buffers in place (``graph_metadata`` does both for tensor fields)."""
         return self._guard.require(batch)
 
-    def graph_metadata(self, batch: Any, buffers: dict[str, Any] | None) -> Any:
+    def graph_metadata(self, batch: ForwardBatch, buffers: dict[str, torch.Tensor] | None) -> Any:
         """For the CUDA-graph capture/replay hooks: ``init_forward_metadata(batch)`` (every check
         included), then each metadata field named in ``buffers`` copied into the front of that static
         buffer (a 2-D one zeroed past the copied rows' width) and pointed at the slice, so captured
@@ -303,12 +319,12 @@ class PagedBackend(AttentionBackend):
             raise
         return meta
 
-    def check_batch(self, batch: Any) -> None:
+    def check_batch(self, batch: ForwardBatch) -> None:
         """Every index this forward uses is in bounds (one pass, on the batch's device)."""
         cache = self.cache
         cache.check_batch(batch, new_tokens_mapped=type(self).new_kv_source == "cache")
 
-    def check_page_aligned(self, batch: Any) -> None:
+    def check_page_aligned(self, batch: ForwardBatch) -> None:
         """Every position this forward reads through the page table is page-aligned (``reads_page_table``
         backends; one pass over the batch): the cached prefix, the new tokens too when the kernel reads
         them from the cache, the encoder tokens of cross-attention."""
@@ -319,15 +335,24 @@ class PagedBackend(AttentionBackend):
         self.cache.check_page_aligned(b.req_pool_indices_cpu, lens, who=self.name)
 
     # -- per layer -----------------------------------------------------------------
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Run the skeleton (checks, KV write, compute); the kernel is chosen by the batch mode."""
         return self._forward(q, k, v, layer, batch, save_kv_cache)
 
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Run the skeleton (checks, KV write, compute); the kernel is chosen by the batch mode."""
         return self._forward(q, k, v, layer, batch, save_kv_cache)
 
-    def _forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool) -> Any:
+    def _forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool
+    ) -> torch.Tensor:
         meta = self._guard.require(batch)
         fwd = self._fwd
         if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
@@ -354,11 +379,11 @@ class PagedBackend(AttentionBackend):
         compute = fwd.compute
         if k is None or plan.cross:  # nothing of this forward to write
             return compute(q, k, v, layer, batch, meta)
-        cache = self.kv_cache
+        cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         lid, loc = plan.layer_id, fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
             old = cache.snapshot(lid, loc)
-            cache.set_kv(lid, loc, k, v, checked=False)
+            cache.set_kv(lid, loc, k, v, checked=False)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             try:
                 out = compute(q, k, v, layer, batch, meta)
             except BaseException:
@@ -369,10 +394,12 @@ class PagedBackend(AttentionBackend):
             return out
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
-            cache.set_kv(lid, loc, k, v, checked=False)
+            cache.set_kv(lid, loc, k, v, checked=False)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
 
-    def check_forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
+    def check_forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, batch: ForwardBatch
+    ) -> None:
         """Structural checks of one layer's call (no reductions, no device sync)."""
         cache = self.cache
         changed = batch.changed_since_validate() if hasattr(batch, "changed_since_validate") else None
@@ -411,7 +438,9 @@ class PagedBackend(AttentionBackend):
         self.require_supported(layer)
 
     # -- measuring the skeleton's cost ---------------------------------------------------
-    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> Any:
+    def kernel_call(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, batch: ForwardBatch
+    ) -> Callable[[], torch.Tensor]:
         """A zero-argument call of this backend's own kernel for one layer of ``batch``, every argument
         prepared beforehand: the KV write and the attention, the output allocated by each call as a
         forward does (``attnplug bench --overhead`` times ``forward`` above it: the framework's
@@ -425,22 +454,24 @@ class PagedBackend(AttentionBackend):
         compute = self.compute_decode if batch.forward_mode is ForwardMode.DECODE else self.compute_extend
         write = self.raw_write(layer, batch, k, v)
         if type(self).new_kv_source == "cache":
-            def call() -> Any:
+            def call() -> torch.Tensor:
                 write()
                 return compute(q, k, v, layer, batch, meta)
         else:
-            def call() -> Any:
+            def call() -> torch.Tensor:
                 out = compute(q, k, v, layer, batch, meta)
                 write()
                 return out
         return call
 
-    def raw_write(self, layer: Any, batch: Any, k: Any, v: Any) -> Any:
+    def raw_write(
+        self, layer: LayerSpec, batch: ForwardBatch, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> Callable[[], None]:
         """For ``kernel_call``: a zero-argument call writing this forward's K/V of ``layer`` with nothing
         checked or converted per call (``index_copy_`` into an ``nhd`` cache of the model dtype, else
         the layout's write); a no-op for cross-attention or without K/V."""
         cache = self.cache
-        if k is None or layer.is_cross_attention:
+        if k is None or v is None or layer.is_cross_attention:
             return lambda: None
         loc = batch.out_cache_loc.to(torch.int64).contiguous()
         if cache.layout.name == "nhd" and not cache.quantized and k.dtype == cache.dtype:
@@ -469,7 +500,7 @@ class PagedBackend(AttentionBackend):
             )
 
     @staticmethod
-    def empty_output(q: Any, layer: Any, num_tokens: int | None = None) -> Any:
+    def empty_output(q: torch.Tensor, layer: LayerSpec, num_tokens: int | None = None) -> torch.Tensor:
         """A fresh ``[tokens, num_heads, v_head_dim]`` output in the query dtype."""
         n = q.shape[0] if num_tokens is None else num_tokens
         return q.new_empty((n, layer.num_heads, layer.v_head_dim))

@@ -394,7 +394,9 @@ class Registry:
         return self._resolved[key]
 
     def _resolve_by_hook(self, name: str, host: HostInfo) -> str:
-        answers = [(d, a) for d, a in self.call_hook("attnplug_resolve_name", name=name, host=host) if a is not None]
+        answers: list[tuple[str, str]] = [
+            (d, a) for d, a in self.call_hook("attnplug_resolve_name", name=name, host=host) if a is not None
+        ]
         if not answers:
             raise UnknownBackendError(self._unknown_message(name, host))
         if len({a for _, a in answers}) > 1:

@@ -31,7 +31,7 @@ current forward (from ``attnplug.forward_context``), never a global.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import selector
 from .backend import AttentionBackend
@@ -41,6 +41,15 @@ from .forward_context import active_frames, current_backend
 from .modes import ForwardMode
 from .stamps import stamp, stamps_of
 from .wrapper import BackendWrapper
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
+    from .batch import ForwardBatch
+    from .build_context import BuildContext
+    from .config import AttentionConfig
+    from .layer import LayerSpec
+    from .registry import Registry
 
 __all__ = [
     "DraftBackends",
@@ -107,7 +116,7 @@ class MultiStepDraftBackend(AttentionBackend):
             f"forward_context(container.step(i), batch, runner=...) for step i and calls the step's methods"
         )
 
-    def not_supported_reasons(self, layer: Any, ctx: Any = None) -> list[str]:
+    def not_supported_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None = None) -> list[str]:
         out: list[str] = []
         for s in self._steps:
             for r in s.not_supported_reasons(layer, ctx):
@@ -115,26 +124,35 @@ class MultiStepDraftBackend(AttentionBackend):
                     out.append(r)
         return out
 
-    def init_forward_metadata(self, batch: Any) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._active_step("init_forward_metadata").init_forward_metadata(batch)
 
-    def forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._active_step("forward").forward(q, k, v, layer, batch, save_kv_cache)
 
-    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._active_step("forward_extend").forward_extend(q, k, v, layer, batch, save_kv_cache)
 
-    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._active_step("forward_decode").forward_decode(q, k, v, layer, batch, save_kv_cache)
 
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         for s in self._steps:
             s.init_cuda_graph_state(max_batch_size, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         self._active_step("init_forward_metadata_capture_cuda_graph").init_forward_metadata_capture_cuda_graph(batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         self._active_step("init_forward_metadata_replay_cuda_graph").init_forward_metadata_replay_cuda_graph(batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -160,12 +178,12 @@ class SidecarWrapper(BackendWrapper):
 
     def __init__(self, inner: AttentionBackend) -> None:
         super().__init__(inner)
-        self.hidden_states: Any = None
+        self.hidden_states: torch.Tensor | None = None
 
-    def set_hidden_states(self, hidden_states: Any) -> None:
+    def set_hidden_states(self, hidden_states: torch.Tensor | None) -> None:
         self.hidden_states = hidden_states
 
-    def take_hidden_states(self) -> Any:
+    def take_hidden_states(self) -> torch.Tensor | None:
         """Return the stored hidden states and clear the buffer."""
         hidden, self.hidden_states = self.hidden_states, None
         return hidden
@@ -174,7 +192,7 @@ class SidecarWrapper(BackendWrapper):
 # -- names -------------------------------------------------------------------------------
 
 
-def draft_backend_name(mode: ForwardMode | str, config: Any) -> str:
+def draft_backend_name(mode: ForwardMode | str, config: AttentionConfig) -> str:
     """The backend name the draft runner asks the registry for in ``mode``.
 
     ``config.speculative_draft_attention_backend`` when set; otherwise the
@@ -193,7 +211,7 @@ def draft_backend_name(mode: ForwardMode | str, config: Any) -> str:
     return name
 
 
-def target_verify_backend_name(config: Any) -> str:
+def target_verify_backend_name(config: AttentionConfig) -> str:
     """The configured pair's half serving ``TARGET_VERIFY`` (per ``speculative_attention_mode``)."""
     name = selector.backend_name_for_mode(ForwardMode.TARGET_VERIFY, config, None)
     if name is None:
@@ -243,11 +261,11 @@ class DraftBackends:
 
 
 def build_draft_backends(
-    registry: Any,
-    ctx: Any,
+    registry: Registry,
+    ctx: BuildContext,
     num_steps: int,
     *,
-    target_ctx: Any = None,
+    target_ctx: BuildContext | None = None,
     extend_mode: ForwardMode | str = ForwardMode.DRAFT_EXTEND,
     wrap_extend: Callable[[AttentionBackend], AttentionBackend] | None = SidecarWrapper,
 ) -> DraftBackends:
@@ -314,8 +332,8 @@ def build_draft_backends(
 
 def kernel_for_forward(
     mode: ForwardMode | str,
-    config: Any,
-    backend: Any = None,
+    config: AttentionConfig,
+    backend: AttentionBackend | None = None,
     *,
     runner: str | None = None,
 ) -> str:

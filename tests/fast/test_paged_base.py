@@ -15,7 +15,7 @@ from attnplug import (
     AttentionConfig, BuildContext, Capabilities, ForwardBatch, ForwardMode, HostInfo, LayerSpec, NotSupportedError,
     PageAllocator, PagedBackend, PagedKVCache, ShapeError,
 )
-from attnplug.errors import ResourceLimitError
+from attnplug.errors import AttnplugError, ResourceLimitError
 from attnplug.testing.reference import reference_attention
 
 H, KV, D, PS = 4, 2, 8, 4
@@ -147,6 +147,22 @@ def test_idle_returns_an_empty_output_without_checks():
     backend.init_forward_metadata(batch)
     q = torch.zeros(0, H, D)
     assert backend.forward(q, q[:, :KV], q[:, :KV], LAYER, batch).shape == (0, H, D)
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, CacheReadingToy])
+def test_a_backend_built_without_a_cache_serves_idle_and_refuses_the_rest_by_name(cls):
+    """Found by mypy (BuildContext.kv_cache is optional): an IDLE forward of a backend built without a
+    KV cache raised AttributeError from the forward record; a real forward names the missing cache."""
+    ctx = BuildContext(config=AttentionConfig(), host=HostInfo(platform="cpu"), num_heads=H, num_kv_heads=KV,
+                       head_dim=D, page_size=PS)
+    backend = cls(ctx)
+    batch = ForwardBatch.idle()
+    backend.init_forward_metadata(batch)
+    q = torch.zeros(0, H, D)
+    assert backend.forward(q, q[:, :KV], q[:, :KV], LAYER, batch).shape == (0, H, D)
+    _, cache = make()
+    with pytest.raises(AttnplugError, match="built without a KV cache"):
+        backend.init_forward_metadata(decode_batch(cache))
 
 
 def test_the_kernel_is_chosen_by_the_batch_mode_not_the_method_called():

@@ -191,3 +191,14 @@ def test_every_public_method_has_a_docstring(name: str) -> None:
             if not inspect.getdoc(getattr(cls, n)):
                 missing.append(f"{klass.__name__}.{n}")
     assert missing == []
+
+
+def test_type_checkers_see_exactly_the_lazy_exports() -> None:
+    """``attnplug/__init__.py`` re-exports lazily (PEP 562) and names the same objects under
+    ``TYPE_CHECKING`` (``from .m import X as X``) so mypy sees real types; the two lists must agree."""
+    tree = ast.parse((ROOT / "core" / "attnplug" / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {(n.module, a.name) for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names
+             if a.asname == a.name}
+    lazy = {(module, name) for name, module in attnplug._EXPORTS.items()}
+    assert typed == lazy

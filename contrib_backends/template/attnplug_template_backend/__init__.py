@@ -10,6 +10,7 @@ is imported only when the backend is built.
 from __future__ import annotations
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.hookspecs import RegisterBackend
 from attnplug.probes import module_missing
 
 NAME = "template_sdpa"
@@ -37,7 +38,7 @@ CAPABILITIES = Capabilities(
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,

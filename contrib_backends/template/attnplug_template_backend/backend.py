@@ -22,12 +22,12 @@ garbage reaches exactly the rows that read it, as in the reference.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from attnplug import BuildContext, PagedBackend
+from attnplug import BuildContext, ForwardBatch, LayerSpec, PagedBackend, ShapeError
 
 from . import CAPABILITIES, NAME
 
@@ -45,8 +45,9 @@ class TemplateSDPABackend(PagedBackend):
     new_kv_source = "args"  # the kernel reads this forward's K/V from its arguments
 
     # once per forward, shared by every layer
-    def build_metadata(self, batch: Any) -> list[_Request]:
-        requests, start = [], 0
+    def build_metadata(self, batch: ForwardBatch) -> list[_Request]:
+        requests: list[_Request] = []
+        start = 0
         for row, prefix, new in zip(batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu,
                                     batch.extend_seq_lens_cpu):
             requests.append(_Request(row, prefix, new, start))
@@ -54,8 +55,10 @@ class TemplateSDPABackend(PagedBackend):
         return requests
 
     # every mode: decode is an extend of one token
-    def compute_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
-                       requests: list[_Request]) -> torch.Tensor:
+    def compute_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+                       batch: ForwardBatch, requests: list[_Request]) -> torch.Tensor:
+        if k is None or v is None:  # only cross-attention layers come without K/V; this backend claims none
+            raise ShapeError(f"{NAME}: k and v are None (cross-attention is not supported)")
         k_cache, v_cache = self.cache.get_kv(layer.layer_id)
         group = layer.num_heads // layer.num_kv_heads
         out = self.empty_output(q, layer)
@@ -86,7 +89,7 @@ class TemplateSDPABackend(PagedBackend):
         return out
 
     @staticmethod
-    def _mask(r: _Request, layer: Any, batch: Any, i: int, device: Any) -> torch.Tensor:
+    def _mask(r: _Request, layer: LayerSpec, batch: ForwardBatch, i: int, device: torch.device) -> torch.Tensor:
         """``[new, prefix+new]`` bool: query ``a`` (position ``prefix+a``) may see key ``j``."""
         qpos = torch.arange(r.prefix, r.prefix + r.new, device=device)[:, None]
         kpos = torch.arange(r.prefix + r.new, device=device)[None, :]

@@ -113,7 +113,7 @@ class PagedProblem:
         if registry is not None:
             caps = registry.get(registry.canonical(name, host)).capabilities
             if not caps.reads_layout(cache.layout.name):
-                layout = registry.kv_layout(caps.kv_layouts[0])  # type: ignore[index]
+                layout = registry.kv_layout(caps.kv_layouts[0])
                 reasons = layout.geometry_reasons(cache.geometry)
                 if reasons:  # e.g. a head dim the layout's kernel is not compiled for: not claimed, skipped
                     raise NotSupportedError(registry.canonical(name, host), reasons,
@@ -183,7 +183,7 @@ class PagedProblem:
 
         return call
 
-    def floor_tokens(self, out: Any) -> torch.Tensor:
+    def floor_tokens(self, out: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """The floor's output in the backends' layout, ``[tokens, num_heads, head_dim]``."""
         H, D = self.layer.num_heads, self.layer.head_dim
         if isinstance(out, list):  # per request: [1, H, e, D] each

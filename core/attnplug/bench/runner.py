@@ -89,7 +89,7 @@ def _device(torch: Any, text: str) -> Any:
         raise BenchUsageError(f"--device {text!r} is not a torch device ({str(exc).splitlines()[0]})") from None
     if device.type == "cpu":
         return device
-    module = getattr(torch, device.type, None)
+    module: Any = getattr(torch, device.type, None)
     ok = module is not None and hasattr(module, "is_available") and module.is_available()
     if not ok:
         raise BenchUsageError(f"--device {text!r}: this torch ({torch.__version__}) has no usable "
@@ -139,7 +139,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
     from .timing import cache_flusher, read_bandwidth
 
     spec, device = prep.spec, prep.device
-    bw = {"bytes_per_s": 0.0, "method": "not measured (--overhead)"} if spec.overhead else \
+    bw: dict[str, Any] = {"bytes_per_s": 0.0, "method": "not measured (--overhead)"} if spec.overhead else \
         read_bandwidth(device, spec.bandwidth_mib, clock=spec.clock)
     flush = cache_flusher(device, spec.warm)
     problems = list(spec.problems())

@@ -9,6 +9,7 @@ they are met.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import sys
 
 from ..bench.spec import (DEFAULT_MAX_KV_GIB, MODES, OVERHEAD_PAIRS, BenchUsageError, Spec, dtype_list, int_list,
@@ -75,7 +76,7 @@ def parse_spec(args: argparse.Namespace) -> Spec:
     """The sweep described by ``args``; ``BenchUsageError`` naming the flag for a bad value."""
     given = {k: getattr(args, k, None) for k in DEFAULTS}
     overhead = bool(getattr(args, "overhead", False))
-    value = {k: (given[k] if given[k] is not None else
+    value: dict[str, Any] = {k: (given[k] if given[k] is not None else
                  (QUICK[k] if args.quick and k in QUICK else
                   OVERHEAD[k] if overhead and k in OVERHEAD else DEFAULTS[k])) for k in DEFAULTS}
     pairs = OVERHEAD_PAIRS if overhead and given["batch"] is None and given["context"] is None else None

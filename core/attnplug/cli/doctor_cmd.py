@@ -218,10 +218,10 @@ def _check_case(label: str, case: Any, backend: Any, problem: Any, H: Any, rep: 
     q, k, v = problem.qkv[0]
     kb, vb = problem.before[0]
     if problem.layers[0].is_cross_attention or k is None:
-        want = (kb, vb)
+        want_cache = (kb, vb)
     else:
-        want = expected_cache_after(kb, vb, k, v, problem.batch.out_cache_loc)
-    cache_ok = all(torch.equal(got, exp) for got, exp in zip(problem.cache.read_kv(0), want))
+        want_cache = expected_cache_after(kb, vb, k, v, problem.batch.out_cache_loc)
+    cache_ok = all(torch.equal(got, exp) for got, exp in zip(problem.cache.read_kv(0), want_cache))
     error = None if cmp.ok else cmp.detail
     if not cache_ok:
         error = (error + "; " if error else "") + "KV-cache write differs from the new k/v at out_cache_loc"
@@ -298,7 +298,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"default pair: none: {d['explanation']}")
     else:
         lines.append(f"default pair: NOT RESOLVED: {d['error']}")
-    rows = [("backend", "distribution", "version", "level", "available", "claims checked", "max error", "time",
+    rows: list[tuple[str, ...]] = [("backend", "distribution", "version", "level", "available", "claims checked", "max error", "time",
              "result")]
     for b in report["backends"]:
         avail = "yes" if b["available"] else "no: " + "; ".join(b["reasons"])

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
     print(f"host: {_host_line(data['host'])}")
-    rows = [("backend", "distribution", "version", "aliases", "available")]
+    rows: list[tuple[str, ...]] = [("backend", "distribution", "version", "aliases", "available")]
     for b in data["backends"]:
         aliases = ",".join(b["aliases"] + [f"{a}(deprecated)" for a in b["deprecated_aliases"]]) or "-"
         status = "yes" if b["available"] else "no: " + "; ".join(b["reasons"])

@@ -9,7 +9,8 @@ global state. See ``docs/resolution.md``.
 
 from __future__ import annotations
 
-from .chain import Candidate, Resolution, resolve, trace
+from .chain import resolve, trace
+from .explain import Candidate, Resolution
 from .passes import (
     AUTO,
     DEFAULT_PASSES,

@@ -10,7 +10,7 @@ failures with it).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 from ..config import AttentionConfig
 from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableError, ConfigError, PluginError,
@@ -300,7 +300,7 @@ class _Chain:
                 raise ConfigError(
                     f"{problem}; the {' and '.join(halves)} half uses it. Upgrade {desc.library}, or choose "
                     f"another backend for that half (attnplug resolve explains the choice)")
-        self.check_layout(pair["prefill"], pair["decode"])
+        self.check_layout(cast(str, pair["prefill"]), cast(str, pair["decode"]))  # resolved names here
         self.check_hook(self.config)
 
     def check_layout(self, prefill: str, decode: str) -> None:

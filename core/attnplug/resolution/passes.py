@@ -15,7 +15,8 @@ platform default comes from the priorities plugins declare per host.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
 
 from ..capabilities import host_layer_reasons, layer_reasons, support_reasons
 from ..config import AttentionConfig
@@ -298,7 +299,7 @@ def run_arch_overrides(state: State) -> list[Declaration]:
         if state.arch not in o.archs:
             continue
         label = f"{state.arch}: {o.name}"
-        fields = _call_rule(o.distribution, label, lambda o=o: o.rule(state.host, state.config))
+        fields = _call_rule(o.distribution, label, functools.partial(o.rule, state.host, state.config))
         if fields:
             out.append(Declaration(o.distribution, label, fields))
     return out
@@ -311,7 +312,7 @@ def _run_stage(stage: str) -> Callable[[State], list[Declaration]]:
             if r.stage != stage:
                 continue
             fields = _call_rule(r.distribution, r.name,
-                                lambda r=r: r.rule(state.host, state.config, state.registry))
+                                functools.partial(r.rule, state.host, state.config, state.registry))
             if fields:
                 out.append(Declaration(r.distribution, r.name, fields))
         return out
@@ -380,7 +381,7 @@ def run_kv_layout(state: State) -> list[Declaration]:
     pair = dict(zip(HALVES, cfg.attention_backends()))
     if cfg.kv_layout is not None or any(n is None or n == AUTO or n not in reg.descriptors for n in pair.values()):
         return []  # the user's layout (or an unfilled half) is for the checks
-    p, d = pair["prefill"], pair["decode"]
+    p, d = cast(str, pair["prefill"]), cast(str, pair["decode"])  # both filled and registered (above)
     shared = shared_layouts(reg, p, d)
     if shared:
         return [Declaration(CORE, f"one cache serves both halves ({layout_words(reg, p)}; {layout_words(reg, d)}): "
@@ -396,7 +397,8 @@ def run_kv_layout(state: State) -> list[Declaration]:
             if both:
                 fields = half_declaration(cfg, {half: name})
                 fields["kv_layout"] = both[0]
-                return [Declaration(CORE, f"{layout_words(reg, pair[half])} but {layout_words(reg, other)}: the "
+                moved, other = cast(str, pair[half]), cast(str, other)
+                return [Declaration(CORE, f"{layout_words(reg, moved)} but {layout_words(reg, other)}: the "
                                     f"{half} half moves to {name}, the best backend sharing layout {both[0]}",
                                     fields)]
     return []

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ..dtypes import FP8_DTYPES
+from ..errors import ShapeError
 from ..kvcache import quantize
 from ..modes import ForwardMode
 
@@ -109,6 +110,8 @@ def reference_attention(
             slots = r2t[r, :p0].long()
             keys, vals = _f64(kc[slots]), _f64(vc[slots])
             if n_new:
+                if k is None or v is None:
+                    raise ShapeError(f"reference_attention: k and v are None for self-attention layer {layer.layer_id}")
                 keys = torch.cat([keys, _f64(k[t0:t0 + n_new])])
                 vals = torch.cat([vals, _f64(v[t0:t0 + n_new])])
         mask_rows = None

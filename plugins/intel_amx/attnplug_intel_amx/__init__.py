@@ -10,10 +10,14 @@ tiles (brgemm) for bf16/fp16, so the CPU needs the ``amx_bf16`` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 from attnplug.probes import library_missing
+
+if TYPE_CHECKING:
+    from attnplug import AttentionConfig, HostInfo
+    from attnplug.hookspecs import RegisterArchOverride, RegisterBackend
 
 NAME = "intel_amx"
 LIBRARY = "sgl-kernel"
@@ -47,7 +51,7 @@ CAPABILITIES = Capabilities(
 )
 
 
-def probe(host: Any) -> list[str]:
+def probe(host: HostInfo) -> list[str]:
     """Why intel_amx cannot run on ``host``, in words (reads ``HostInfo`` only)."""
     reasons: list[str] = []
     missing = [f for f in AMX_FLAGS if f not in host.cpu_flags]
@@ -61,7 +65,7 @@ def probe(host: Any) -> list[str]:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -78,11 +82,11 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
     )
 
 
-def gpt_oss_on_amx(host: Any, config: Any) -> dict[str, Any]:
+def gpt_oss_on_amx(host: HostInfo, config: AttentionConfig) -> dict[str, Any]:
     """gpt-oss on an AMX CPU prefers intel_amx"""
     return {"attention_backend": NAME} if host.platform == "cpu" and host.has_amx else {}
 
 
 @hookimpl
-def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     register("GptOssForCausalLM", gpt_oss_on_amx)

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from attnplug import PagedBackend
-from attnplug.errors import BackendUnavailableError
+from attnplug import BuildContext, ForwardBatch, LayerSpec, PagedBackend
+from attnplug.errors import BackendUnavailableError, ShapeError
 
 from . import CAPABILITIES, HEAD_DIM_MULTIPLE, LIBRARY, NAME
 from .metadata import AmxMetadata, build_metadata, window_arg
@@ -133,7 +133,7 @@ class Ops:
 def load_ops() -> Ops:
     """sgl-kernel's CPU ops, bound to their schemas."""
     try:
-        import sgl_kernel  # type: ignore[import-not-found]  # noqa: F401  (registers torch.ops.sgl_kernel)
+        import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
     except ImportError as exc:
         raise BackendUnavailableError(NAME, [f"{type(exc).__name__}: {exc}"],
                                       f"install the CPU build of {LIBRARY}") from exc
@@ -146,7 +146,7 @@ def load_ops() -> Ops:
     return Ops.from_ops(decode, extend)
 
 
-def create(ctx: Any) -> tuple[str, "IntelAmxBackend"]:
+def create(ctx: BuildContext) -> tuple[str, IntelAmxBackend]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, IntelAmxBackend(ctx)
 
@@ -160,12 +160,14 @@ class IntelAmxBackend(PagedBackend):
     #: ``req_to_token``, so the base stages the write (and restores it for ``save_kv_cache=False``)
     new_kv_source = "cache"
 
-    def __init__(self, ctx: Any, *, ops: Ops | None = None) -> None:
+    def __init__(self, ctx: BuildContext, *, ops: Ops | None = None) -> None:
         self.ops = ops or load_ops()
         super().__init__(ctx)
 
-    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
-        reasons = []
+    def backend_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None) -> list[str]:
+        reasons: list[str] = []
+        if layer is None:
+            return reasons
         old = "this {lib} build's ops have no {args} argument (a newer build has)"
         if layer.uses_sliding_window and self.ops.lacks(WINDOW_ARGS):
             reasons.append(f"sliding_window={layer.sliding_window}: " + old.format(lib=LIBRARY, args=WINDOW_ARGS[0]))
@@ -177,11 +179,11 @@ class IntelAmxBackend(PagedBackend):
         return reasons
 
     # -- metadata ----------------------------------------------------------
-    def build_metadata(self, batch: Any) -> AmxMetadata:
+    def build_metadata(self, batch: ForwardBatch) -> AmxMetadata | None:
         return build_metadata(batch, self.cache.req_to_token)
 
     # -- forward -------------------------------------------------------------
-    def _common(self, q: torch.Tensor, layer: Any) -> dict[str, Any]:
+    def _common(self, q: torch.Tensor, layer: LayerSpec) -> dict[str, Any]:
         """What both ops take besides their own inputs, by schema name: the layer's scale and soft-cap,
         the KV scales (1.0 unless the cache is fp8), and the newer ops' window/sinks/cross-attention
         arguments. Sinks go in the query's dtype: the ops read them through ``data_ptr<scalar_t>()``."""
@@ -193,8 +195,9 @@ class IntelAmxBackend(PagedBackend):
                     is_cross_attention=False, sliding_window_size=window_arg(layer.sliding_window),
                     encoder_lens=None, sinks=sinks)
 
-    def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
-                       meta: AmxMetadata) -> torch.Tensor:
+    def compute_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+                       batch: ForwardBatch, meta: AmxMetadata) -> torch.Tensor:
+        k, v = _new_kv(k, v)
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
         kb, vb = self.cache.get_kv(layer.layer_id)
         self.ops.decode(dict(
@@ -203,8 +206,9 @@ class IntelAmxBackend(PagedBackend):
             req_pool_indices=meta.req_pool_indices, seq_lens=meta.seq_lens))
         return out
 
-    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
-                       meta: AmxMetadata) -> torch.Tensor:
+    def compute_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+                       batch: ForwardBatch, meta: AmxMetadata) -> torch.Tensor:
+        k, v = _new_kv(k, v)
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
         kb, vb = self.cache.get_kv(layer.layer_id)
         self.ops.extend(dict(
@@ -213,3 +217,11 @@ class IntelAmxBackend(PagedBackend):
             extend_seq_lens=meta.extend_seq_lens, extend_start_loc=meta.extend_start_loc,
             max_len_extend=meta.max_len_extend, tree_mask=None, is_causal=True))
         return out
+
+
+def _new_kv(k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This forward's K/V: the skeleton passes ``None`` only for cross-attention, which intel_amx does not
+    claim (its ``not_supported_reasons`` refuses such a layer before a forward)."""
+    if k is None or v is None:
+        raise ShapeError(f"{NAME}: k and v are None (cross-attention is not supported by this backend)")
+    return k, v

@@ -27,11 +27,9 @@ counts the visible keys including the query's own (SGLang passes its window
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import torch
 
-from attnplug import ForwardMode
+from attnplug import ForwardBatch, ForwardMode
 
 #: kv splits of the decode op's scratch buffer (SGLang's IntelAMXAttnBackend uses 8)
 NUM_KV_SPLITS = 8
@@ -62,7 +60,7 @@ class AmxMetadata:
         return self._logits[key]
 
 
-def build_metadata(batch: Any, req_to_token: torch.Tensor) -> AmxMetadata | None:
+def build_metadata(batch: ForwardBatch, req_to_token: torch.Tensor) -> AmxMetadata | None:
     """The ops' per-forward arguments for ``batch`` (``None`` when idle)."""
     mode = batch.forward_mode
     if mode is ForwardMode.IDLE:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from attnplug import LayerSpec, NotSupportedError
 
@@ -292,14 +292,14 @@ def derive(model: Any) -> Derivation:
     if reasons:
         raise ModelNotServedError(model, reasons, "this model's attention layout is not served by attnplug")
     notes: list[str] = []
-    specs = []
+    specs: list[LayerSpec] = []
     for i in range(n):
         c = by_layer[i][0]
         spec, why, said = _spec(i, c, config)
         if why:
             reasons += [f"layer {i}: {w}" for w in why]
         else:
-            specs.append(spec)
+            specs.append(cast(LayerSpec, spec))  # no reasons: _spec built one
         notes += [f"layer {i}: {s}" for s in said]
     if reasons:
         raise ModelNotServedError(model, reasons, "the layers named cannot be expressed as attnplug LayerSpecs; "

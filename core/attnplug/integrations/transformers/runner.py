@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -137,7 +137,7 @@ class TransformersRunner:
         self.dtype, self.device = param.dtype, param.device
         num_pages = num_pages or max_requests * -(-max_context_len // page_size)
         # one cache serves both halves: in the layout and KV dtype resolution chose for the pair
-        kv_dtype = kv_dtype_name(self.config.kv_cache_dtype, self.dtype)
+        kv_dtype = kv_dtype_name(self.config.kv_cache_dtype, self.dtype) or dtype_name(self.dtype)
         layout = self.config.kv_layout or "nhd"
         try:
             self.kv_cache = PagedKVCache(
@@ -312,7 +312,7 @@ class TransformersRunner:
              keep_all: bool = False) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
-        positions = batch.positions.to(dev)
+        positions = cast(torch.Tensor, batch.positions).to(dev)  # ForwardBatch.extend filled them
         last = torch.tensor(list(_cumsum(len(c.tokens) for c in chunks)), dtype=torch.long, device=dev) - 1
         self.backend.init_forward_metadata(batch)  # once per forward, shared by every layer
         fwd = Forward(self.backend, batch, self.layers)

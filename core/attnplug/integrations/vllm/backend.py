@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import shlex
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -149,11 +149,12 @@ class EngineState:
             what = f"layer {layer_id}" + (f" ({spec.describe()})" if spec is not None else "")
             raise NotSupportedError(self.pair_label, [f"{what}: {r}" for r in reasons],
                                     what=f"this model ({self.arch}) in vLLM")
+        spec = cast(LayerSpec, spec)  # no reasons: make_spec returned one
         if not self.layers:
             logger.info("attnplug rank %d: layer 0 served as %s (heads/KV heads per rank)", self.tp_rank,
-                        spec.describe())  # type: ignore[arg-type]
-        self.layers.append(spec)  # type: ignore[arg-type]
-        return spec  # type: ignore[return-value]
+                        spec.describe())
+        self.layers.append(spec)
+        return spec
 
     def rebuild(self, config: AttentionConfig) -> None:
         """Serve the same engine through another pair (re-resolved; every layer checked again; each group's

@@ -545,7 +545,7 @@ def gen_garbage() -> list[Case]:
     in bfloat16; at page sizes 1 and 64 every mode plain and three modes with window+sinks (the
     garbage kind alternating); cross-attention; ``save_kv_cache=False`` per mode."""
     out = []
-    kinds = (("float32", "nan"), ("bfloat16", "inf"))
+    kinds: tuple[tuple[str, str], ...] = (("float32", "nan"), ("bfloat16", "inf"))
     for name in GARBAGE_MODES:
         cross = name.startswith("cross")
         for ps in PAGE_SIZES:
@@ -826,7 +826,7 @@ def gen_kv_layout(caps: Capabilities) -> list[Case]:
     """Every mode family in each KV layout the backend reads besides its first (each core layout for
     a backend reading any), at fp32 and bf16 where claimed: the layout is a claim like any other."""
     layouts = list(EXTRA_LAYOUTS_FOR_ANY) if caps.kv_layouts is None else list(caps.kv_layouts[1:])
-    dtypes = [d for d in ("float32", "bfloat16") if d in caps.dtypes] or [caps.dtypes[0]]
+    dtypes: list[str] = [d for d in ("float32", "bfloat16") if d in caps.dtypes] or [caps.dtypes[0]]
     out = []
     for layout in layouts:
         for dt in dtypes:
@@ -856,7 +856,8 @@ def case_layer(case: Case, layer_id: int = 0) -> LayerSpec:
     sh, f = case.shape, case.features
     return LayerSpec(
         layer_id=layer_id, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads, head_dim=sh.head_dim,
-        v_head_dim=sh.v_dim, scaling=f.scaling, logit_cap=f.logit_cap, sliding_window=f.sliding_window,
+        v_head_dim=sh.v_dim, logit_cap=f.logit_cap, sliding_window=f.sliding_window,
+        scaling=f.scaling,  # type: ignore[arg-type]  # None: LayerSpec's default
         sinks=(0.0,) * sh.num_heads if f.sinks else None, is_cross_attention=f.cross_attention,
         causality="bidirectional" if f.bidirectional else "causal",
     )

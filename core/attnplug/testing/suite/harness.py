@@ -34,10 +34,12 @@ except ImportError:  # `attnplug doctor` uses this harness on a plain install, w
 
     pytest = _WithoutPytest()  # type: ignore[assignment]
 
+from ...backend import AttentionBackend
 from ...batch import ForwardBatch
 from ...config import AttentionConfig
 from ...build_context import BuildContext
 from ...dtypes import torch_dtype
+from ...errors import ShapeError
 from ...kvcache import PageAllocator, PagedKVCache
 from ...layer import LayerSpec
 from ...modes import ForwardMode
@@ -49,7 +51,7 @@ from .cases import Case, Features, Scenario, Shape
 __all__ = [
     "bits", "build_backend", "cache_changes", "check_cache", "check_output_shape", "compare", "Comparison",
     "device_for", "expected_cache", "expected_output", "FAR_BELOW", "fill_garbage", "fill_garbage_raw",
-    "FIRST_LEAD", "GARBAGE_VALUES", "make_batch", "make_layer", "make_problem", "make_qkv", "MAX_CONTEXT",
+    "FIRST_LEAD", "GARBAGE_VALUES", "make_batch", "make_layer", "make_problem", "make_qkv", "self_attention_qkv", "MAX_CONTEXT",
     "MAX_REQUESTS", "poison_last_new_tokens", "Problem", "run", "same_bytes", "shape_scores", "threads",
     "unalign",
 ]
@@ -114,7 +116,7 @@ class Problem:
             max_batch_size=MAX_REQUESTS,
             max_context_len=MAX_CONTEXT,
             layers=tuple(self.layers),
-            **({} if c.max_workspace_bytes is None else {"max_workspace_bytes": c.max_workspace_bytes}),
+            **({} if c.max_workspace_bytes is None else {"max_workspace_bytes": c.max_workspace_bytes}),  # type: ignore[arg-type]
         )
 
 
@@ -135,7 +137,7 @@ def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Gener
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         v_head_dim=shape.v_dim,
-        scaling=features.scaling,
+        scaling=features.scaling,  # type: ignore[arg-type]  # None: LayerSpec's default
         logit_cap=features.logit_cap,
         sliding_window=features.sliding_window,
         sinks=sinks,
@@ -391,6 +393,16 @@ def make_batch(sc: Scenario, cache: PagedKVCache, rows: Sequence[int], gen: torc
     return ForwardBatch.extend(rows_t, prefix, ext, out_loc, mode=mode, **kw)
 
 
+def self_attention_qkv(problem: Problem, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``layer_idx``'s q/k/v for a check that needs this forward's K/V (only a cross-attention
+    layer has none: such a check is not generated for it; an error naming the layer if it is)."""
+    q, k, v = problem.qkv[layer_idx]
+    if k is None or v is None:
+        raise ShapeError(f"layer {layer_idx} of case {problem.case} has no k/v (cross-attention): this check needs "
+                         f"self-attention K/V")
+    return q, k, v
+
+
 def make_qkv(problem: Problem, layer: LayerSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     c, gen, dev = problem.case, problem.gen, problem.device
     t = problem.batch.num_tokens
@@ -440,8 +452,9 @@ def expected_cache(problem: Problem, layer_idx: int, kv_before: tuple[torch.Tens
                                           *problem.cache.kv_scales(layer_idx))
 
 
-def run(backend: Any, problem: Problem, layer_idx: int = 0, *, init: bool = True, save: bool | None = None,
-        qkv: Any = None) -> torch.Tensor:
+def run(backend: AttentionBackend, problem: Problem, layer_idx: int = 0, *, init: bool = True,
+        save: bool | None = None,
+        qkv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     if init:
         backend.init_forward_metadata(problem.batch)
     q, k, v = qkv or problem.qkv[layer_idx]

@@ -133,7 +133,10 @@ def test_output_ownership(attnplug_case: Any, attnplug_record: Any) -> None:
     H.run(backend, problem, 1, init=False)  # layer 1 of the same forward
     # ... and a whole other forward on the same backend and cache, with other values
     gen = torch.Generator(device="cpu").manual_seed(case.seed + 1)
-    other = tuple(None if t is None else torch.randn(t.shape, generator=gen).to(t) for t in problem.qkv[0])
+    q0, k0, v0 = problem.qkv[0]
+    q1 = torch.randn(q0.shape, generator=gen).to(q0)  # drawn in q, k, v order
+    k1, v1 = (None if t is None else torch.randn(t.shape, generator=gen).to(t) for t in (k0, v0))
+    other = (q1, k1, v1)
     backend.init_forward_metadata(problem.batch)
     H.run(backend, problem, 0, init=False, save=False, qkv=other)
     tol = tolerance_for(case.dtype)

@@ -47,7 +47,7 @@ def test_determinism(attnplug_case: Any, attnplug_record: Any) -> None:
     alone_sc = Scenario(sc.name + "_alone", sc.mode, (sc.prefix[i],), (sc.extend[i],), draft=sc.draft)
     _restore(problem)
     batch = H.make_batch(alone_sc, problem.cache, [problem.req_rows[i]], problem.gen, problem.device)
-    q, k, v = problem.qkv[0]
+    q, k, v = H.self_attention_qkv(problem, 0)
     backend.init_forward_metadata(batch)
     alone = backend.forward(q[rows], k[rows], v[rows], problem.layers[0], batch, save_kv_cache=True)
     diff = _max_diff(first[rows], alone)
@@ -63,10 +63,10 @@ def test_cuda_graph(attnplug_case: Any, attnplug_record: Any) -> None:
     problem = H.make_problem(case, "cuda")
     backend = H.build_backend(name, problem)
     layer, batch = problem.layers[0], problem.batch
-    q, k, v = (t.clone() for t in problem.qkv[0])
+    q, k, v = (t.clone() for t in H.self_attention_qkv(problem, 0))
     backend.init_cuda_graph_state(H.MAX_REQUESTS, H.MAX_REQUESTS)
     backend.init_forward_metadata_capture_cuda_graph(batch)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch types its __init__ loosely
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         backend.forward(q, k, v, layer, batch, save_kv_cache=True)
@@ -78,7 +78,8 @@ def test_cuda_graph(attnplug_case: Any, attnplug_record: Any) -> None:
     _restore(problem)
     new = H.make_qkv(problem, layer)
     for static, fresh in zip((q, k, v), new):
-        static.copy_(fresh)
+        if fresh is not None:  # self-attention: all three are given
+            static.copy_(fresh)
     backend.init_forward_metadata_replay_cuda_graph(batch)
     graph.replay()
     torch.cuda.synchronize()

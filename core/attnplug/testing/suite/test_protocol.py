@@ -140,7 +140,7 @@ def test_bad_input(attnplug_case: Any) -> None:
     name, case = attnplug_case.backend, attnplug_case.case
     problem = _small_problem(name, case.scenario.name)
     backend = H.build_backend(name, problem, check_support=False)
-    q, k, v = _bad_inputs(case.variant, *problem.qkv[0])
+    q, k, v = _bad_inputs(case.variant, *H.self_attention_qkv(problem, 0))
     before = problem.snapshot()
     backend.init_forward_metadata(problem.batch)
     field = _BAD_FIELD[case.variant]

@@ -47,7 +47,7 @@ def _claimed_case(name: str, case: Case, **kw: Any) -> Case:
     return dataclasses.replace(case, dtype=refusal_model_dtype(caps), page_size=ps, scenario=sc, **kw)
 
 
-def _attempt(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[str, Any]:
+def _attempt(call: Callable[[], Any], problem: H.Problem, error: type[BaseException]) -> dict[str, Any]:
     """Run ``call``; what it raised (or that it returned) and what it changed in the cache."""
     before, r2t = problem.snapshot(), problem.cache.req_to_token.clone()
     result: dict[str, Any] = {"raised": None, "msg": ""}
@@ -67,7 +67,7 @@ def _coverage_running() -> bool:
     return cov is not None and getattr(cov, "Coverage").current() is not None
 
 
-def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type) -> dict[str, Any]:
+def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type[BaseException]) -> dict[str, Any]:
     """``_attempt`` in a forked child on the CPU: a kernel that dereferences an out-of-range index
     can kill the process (the Triton interpreter segfaults), and that must fail this case only.
     In-process on other devices and while coverage.py measures (the gate needs the error paths)."""
@@ -91,7 +91,8 @@ def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type) 
         data = fh.read()
     _, status = os.waitpid(pid, 0)
     if data:
-        return pickle.loads(data)
+        result: dict[str, Any] = pickle.loads(data)
+        return result
     how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
     return {"raised": f"a crash of the process ({how})", "msg": "an invalid index or length reached the kernel",
             "changes": []}
@@ -103,7 +104,7 @@ def _expect_refused(name: str, what: str, call: Callable[[], Any], problem: H.Pr
     ``must_name``, and leave the cache and ``req_to_token`` byte-identical. Returns the message.
     ``requirement``: the requirement id a failure names (default: the family's)."""
     r = _attempt_isolated(call, problem, error)
-    msg = r["msg"]
+    msg: str = r["msg"]
     if r["raised"] is None:
         fail(f"{name}: {what} was accepted (expected attnplug.{error.__name__})", requirement)
     if r["raised"] != "expected":
@@ -195,7 +196,8 @@ def test_rejected(attnplug_case: Any) -> None:
             batch = ForwardBatch.extend(rows_t, prefix, ext, batch.out_cache_loc, mode=batch.forward_mode)
         must += [f"{_num(width + 5)}|{_num(width)}"]
     elif variant == "dtype_int32":
-        q, k, v = ((t.float() * 8).to(torch.int32) for t in (q, k, v))
+        q = (q.float() * 8).to(torch.int32)
+        k, v = (None if t is None else (t.float() * 8).to(torch.int32) for t in (k, v))
     else:
         raise KeyError(variant)
     _expect_refused(name, f"a forward with {variant}", _forward(backend, problem, q, k, v, layer,
@@ -247,7 +249,7 @@ def test_refusal(attnplug_case: Any) -> None:
             known = None  # the core's dtype names do not cover it: the forward check below still applies
         if known is not None and not backend.not_supported_reasons(problem.layers[0], ctx.replace(dtype=known)):
             fail(f"{name} does not claim dtype {dt}, but not_supported_reasons() for a {dt} context is empty", words)
-        q, k, v = (_as_dtype(t, dt) for t in problem.qkv[0])
+        q, k, v = (None if t is None else _as_dtype(t, dt) for t in problem.qkv[0])
         _expect_refused(name, f"a forward with q/k/v in unclaimed dtype {dt}", _forward(backend, problem, q, k, v),
                         problem, NotSupportedError, [re.escape(dt)], forward)
         return
