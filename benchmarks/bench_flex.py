@@ -35,9 +35,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_torch_native import Problem, timed  # noqa: E402
+from bench_torch_native import Problem, timed
 
-from attnplug_torch_native.backend import TorchNativeBackend  # noqa: E402
+from attnplug_torch_native.backend import TorchNativeBackend
 
 
 def flex_decode_call(p: Problem) -> Callable[[], Any]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import io
 import json
 import subprocess
 import sys

@@ -15,8 +15,12 @@ from .dtypes import AUTO, dtype_name
 from .errors import ConfigError
 
 __all__ = [
-    "AttentionConfig", "BACKEND_FIELDS", "SPECULATIVE_ATTENTION_MODES", "SpeculativeAttentionMode",
-    "add_attention_args", "config_from_args",
+    "BACKEND_FIELDS",
+    "SPECULATIVE_ATTENTION_MODES",
+    "AttentionConfig",
+    "SpeculativeAttentionMode",
+    "add_attention_args",
+    "config_from_args",
 ]
 
 SpeculativeAttentionMode = Literal["prefill", "decode"]

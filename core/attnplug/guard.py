@@ -78,7 +78,7 @@ _ALLOW_RE = re.compile(r"#.*\battnplug:\s*allow-base-field\b")
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
 
 PathLike = Union[str, "os.PathLike[str]"]
-PathsWithReasons = Union[PathLike, Mapping[PathLike, Union[str, None]], Iterable[PathLike]]
+PathsWithReasons = Union[PathLike, Mapping[PathLike, str | None], Iterable[PathLike]]  # noqa: UP007 (run-time alias)
 AllowSpec = Union[str, "AllowEntry", tuple[Any, ...]]
 
 

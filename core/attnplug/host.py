@@ -22,8 +22,14 @@ from typing import Any, Iterable, Mapping
 from .errors import HostInfoError
 
 __all__ = [
-    "HostInfo", "KNOWN_KERNEL_LIBRARIES", "PLATFORMS", "SAME_MODULE_DISTRIBUTIONS", "detect_host",
-    "equivalent_distributions", "library_versions", "module_provider",
+    "KNOWN_KERNEL_LIBRARIES",
+    "PLATFORMS",
+    "SAME_MODULE_DISTRIBUTIONS",
+    "HostInfo",
+    "detect_host",
+    "equivalent_distributions",
+    "library_versions",
+    "module_provider",
 ]
 
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu")
@@ -355,7 +361,7 @@ def _accelerator_from_tools() -> dict[str, Any]:
     return {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detect_host(extra_libraries: tuple[str, ...] = ()) -> HostInfo:
     """Detect this machine once per process (per set of extra library names).
 

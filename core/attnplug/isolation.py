@@ -214,7 +214,7 @@ def call_plugin(distribution: str, what: str, fn: Callable[..., T], *args: Any,
             if _sigint_count != before:
                 raise  # the user pressed Ctrl-C: stop, as any Python program does
             raise PluginError(distribution, f"{what} raised {describe_exception(exc)}") from exc
-        except BaseException as exc:  # noqa: B036 - plugin code may raise anything; it is reported
+        except BaseException as exc:
             raise PluginError(distribution, f"{what} raised {describe_exception(exc)}") from exc
     return result, "".join(buf)
 

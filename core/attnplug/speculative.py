@@ -31,7 +31,7 @@ current forward (from ``attnplug.forward_context``), never a global.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import selector
 from .backend import AttentionBackend

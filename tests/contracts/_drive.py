@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 import _library_contracts as C
 from attnplug import ForwardMode
 

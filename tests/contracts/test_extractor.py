@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-import io
 import zipfile
 from pathlib import Path
 

@@ -51,7 +51,7 @@ def test_quick_sweep_completes_and_writes_valid_json(tmp_path):
             (v,) = res["validation"]
             assert v["backend"] == "torch_native" and v["bounds_checks_ms"] > 0 and v["init_forward_metadata_ms"] > 0
     table = proc.stdout
-    assert "10x" not in table and "goals met in 8 of 8" in table or "goals met in" in table
+    assert ("10x" not in table and "goals met in 8 of 8" in table) or "goals met in" in table
     assert table.count("met (") == 8  # one verdict per backend row (4 modes x 2 contexts)
 
 

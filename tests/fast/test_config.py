@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import pytest
@@ -44,7 +45,7 @@ def test_split_only_config_answers_from_the_fields_that_were_set():
 
 def test_config_is_immutable_and_replace_returns_new():
     cfg = AttentionConfig(attention_backend="x")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.attention_backend = "y"  # type: ignore[misc]
     new = cfg.replace(decode_attention_backend="z")
     assert cfg.attention_backends() == ("x", "x")

@@ -74,7 +74,7 @@ def test_exception_inside_restores():
     with forward_context(t, None):
         with pytest.raises(ZeroDivisionError):
             with forward_context(d, None, runner="draft"):
-                1 / 0
+                1 / 0  # noqa: B018 (raises)
         assert current_backend() is t
     assert active_frames() == ()
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_json, run_python
+from tests.conftest import run_json
 
 DIST = "attnplug-test-hostile"
 BOTH = f"{DIST},attnplug-test-other"
@@ -76,7 +76,7 @@ def test_doctor_survives_a_plugin_exiting_at_import(test_dists_site):
 @pytest.mark.parametrize("mode,fragment", [("factory_systemexit", "SystemExit: 9"),
                                            ("factory_keyboardinterrupt", "KeyboardInterrupt")])
 def test_factory_raising_base_exception_is_a_plugin_error(test_dists_site, mode, fragment):
-    out = run_json(f"""
+    out = run_json("""
         import json
         from attnplug import AttentionConfig, BuildContext, HostInfo
         from attnplug.registry import Registry

@@ -224,7 +224,7 @@ def test_keyboard_interrupt_off_the_main_thread_is_the_plugins():
     def worker():
         try:
             call_plugin("attnplug-x", "probe", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
-        except BaseException as exc:  # noqa: B036
+        except BaseException as exc:
             caught.append(exc)
 
     t = threading.Thread(target=worker)

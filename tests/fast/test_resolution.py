@@ -8,10 +8,10 @@ provenance record ``(pass, source distribution, {field: value})``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -470,7 +470,7 @@ def test_resolution_returns_a_new_config_and_writes_nothing_global(monkeypatch):
     assert res.config is not cfg and cfg == AttentionConfig(prefill_attention_backend="flashinfer")
     assert res.user_config is cfg
     assert dict(os.environ) == env and reg.names() == names and reg.descriptors == descs
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         res.config.page_size = 1  # frozen
 
 

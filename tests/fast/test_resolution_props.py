@@ -118,6 +118,6 @@ def test_resolution_is_sound_pinned_and_deterministic(cfg, host, arch):
         if mine is not None and mine != AUTO:
             assert got == _canonical(reg, host, mine)
     # every overruled declaration touched something the user pinned
-    for record, field, _, why in res.overruled():
+    for _record, _field, _, why in res.overruled():
         assert why.startswith("pinned") or why.startswith("would change the"), why
     assert out is not cfg

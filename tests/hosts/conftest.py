@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="the hosts tier needs transformers (p
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 sys.path.insert(0, str(Path(__file__).parent))
 
-import hf_models as models  # noqa: E402
+import hf_models as models
 
 _REFS: dict[tuple[str, int], list] = {}
 

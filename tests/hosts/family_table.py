@@ -146,7 +146,7 @@ def classify(model_type: str, class_name: str) -> Row:
                            f"(sizes the shrink does not reach; limit {MAX_PARAMS / 1e6:g}M)")
             torch.manual_seed(SEED)
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    except Exception as exc:  # noqa: BLE001 - the reason is the row
+    except Exception as exc:
         return Row(model_type, class_name, "skipped", f"not buildable tiny offline: {_short(exc)}")
     vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
         else VOCAB
@@ -165,19 +165,19 @@ def classify(model_type: str, class_name: str) -> Row:
                     seq.append(int(torch.argmax(logits)))
                 ref_tokens.append(seq[len(p):])
                 ref_logits.append(torch.stack(steps))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return Row(model_type, class_name, "skipped", f"transformers' own eager forward fails: {_short(exc)}")
     try:
         runner = TransformersRunner(model, AttentionConfig(attention_backend="torch_native"), page_size=4,
                                     max_requests=len(prompts), max_context_len=32)
     except NotSupportedError as exc:
         return Row(model_type, class_name, "refused", f"{_category(str(exc))}: {_short(exc, 400)}")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return Row(model_type, class_name, "fails", f"at build: {_short(exc)}")
     follower = greedy_rule.Follower(ref_tokens, ref_logits, tolerance_for("float32"))
     try:
         generate(runner, [Request(p, NEW_TOKENS) for p in prompts], sampler=follower)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return Row(model_type, class_name, "fails", f"at a forward: {_short(exc)}")
     ties = f", {len(follower.near_ties)} near-tie(s)" if follower.near_ties else ""
     feats = sorted({f for s in runner.layers for f in _features(s)})

@@ -37,7 +37,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 # -- real signatures -------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recorded() -> dict[str, Any]:
     return json.loads(SIGNATURES.read_text())["libraries"]
 

@@ -19,7 +19,6 @@ import math
 import pytest
 import torch
 
-import attnplug_fa3
 from attnplug import AttentionConfig, BuildContext, ForwardMode
 from attnplug.errors import BackendUnavailableError, NotSupportedError, ShapeError
 from attnplug.resolution import resolve

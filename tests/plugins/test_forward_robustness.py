@@ -27,23 +27,22 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 
-import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
-from typing import Any  # noqa: E402
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from typing import Any
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from attnplug import LayerSpec, ShapeError  # noqa: E402
-from attnplug.errors import AttnplugError  # noqa: E402
-from attnplug.registry import default_registry  # noqa: E402
-from attnplug.testing import reference  # noqa: E402
-from attnplug.testing.suite import harness as H  # noqa: E402
-from attnplug.testing.suite.cases import Case, Features, Scenario, Shape  # noqa: E402
-from attnplug.testing.tolerances import tolerance_for  # noqa: E402
+from attnplug import LayerSpec, ShapeError
+from attnplug.registry import default_registry
+from attnplug.testing import reference
+from attnplug.testing.suite import harness as H
+from attnplug.testing.suite.cases import Case, Features, Scenario, Shape
+from attnplug.testing.tolerances import tolerance_for
 
 #: (backend, torch_native's fused knob or None): every CPU backend, torch_native on both paths
 BACKENDS = [("torch_native", "auto"), ("torch_native", "off"), ("template_sdpa", None), ("triton", None),
@@ -82,7 +81,7 @@ def _claims(name: str, what: str) -> bool:
     return bool(getattr(default_registry().get(name).capabilities, what))
 
 
-def make_case(name: str, sc: Scenario, *, features: Features = Features(), dtype: str = "float32",
+def make_case(name: str, sc: Scenario, *, features: Features = Features(), dtype: str = "float32",  # noqa: B008 (frozen)
               page_size: int = 16, **kw: Any) -> Case:
     return Case("robustness2", f"{name}-{sc.name}-{dtype}-{features}", sc, dtype=dtype, page_size=page_size,
                 shape=SHAPE, features=features, kv_layout=_layout(name), **kw)
@@ -127,7 +126,7 @@ def poison_later_tokens(problem: H.Problem, value: float, which: str) -> list[in
         if e >= 2:
             tokens.append(t0 + e - 1)
         t0 += e
-    for q, k, v in problem.qkv:
+    for _q, k, v in problem.qkv:
         for t in tokens:
             if which in ("k", "kv"):
                 k[t] = value

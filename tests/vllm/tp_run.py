@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import vllm_models as models  # noqa: E402
+import vllm_models as models
 
 if __name__ == "__main__":  # vLLM starts worker processes
     path, tp = sys.argv[1], int(sys.argv[2])

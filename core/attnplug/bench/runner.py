@@ -299,10 +299,11 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
         from ..paged import PagedBackend
 
         for name, backend in built.items():
-            meta = median_ms(lambda: backend.init_forward_metadata(prob.batch), spec.repeats, spec.warmup, prob.sync,
+            # each lambda runs at once, in this iteration (prob is deleted only after the loop)
+            meta = median_ms(lambda: backend.init_forward_metadata(prob.batch), spec.repeats, spec.warmup, prob.sync,  # noqa: B023, F821
                              clock)
             mapped = getattr(type(backend), "new_kv_source", "args") == "cache"
-            checks = median_ms(lambda: prob.cache.check_batch(prob.batch, new_tokens_mapped=mapped), spec.repeats,
+            checks = median_ms(lambda: prob.cache.check_batch(prob.batch, new_tokens_mapped=mapped), spec.repeats,  # noqa: B023, F821
                                spec.warmup, prob.sync, clock)
             validation.append({"backend": name, "init_forward_metadata_ms": meta, "bounds_checks_ms": checks,
                                "checks_in_init_forward_metadata": isinstance(backend, PagedBackend),

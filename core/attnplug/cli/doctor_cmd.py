@@ -25,7 +25,7 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 DTYPE_PREFERENCE = ("float32", "bfloat16", "float16")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32

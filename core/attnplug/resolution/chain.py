@@ -10,7 +10,7 @@ failures with it).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from ..config import AttentionConfig
 from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableError, ConfigError, PluginError,
@@ -221,7 +221,7 @@ class _Chain:
             try:
                 tentative = self.config.replace(**{field: value})
             except (TypeError, ValueError) as exc:
-                raise _plugin_error(decl.source)(f"{p.name} rule {decl.rule!r} declared {field}={value!r}: {exc}")
+                raise _plugin_error(decl.source)(f"{p.name} rule {decl.rule!r} declared {field}={value!r}: {exc}") from exc
             why = self._half_conflict(p, tentative)
             if why:
                 overruled[field] = why

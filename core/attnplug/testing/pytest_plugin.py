@@ -37,11 +37,30 @@ from typing import Any
 import pytest
 
 __all__ = [
-    "ALL", "attnplug_record", "BoundCase", "build_report", "CaseInfo", "ConformanceState", "level_lines",
-    "newer_failures", "Outcome", "pytest_addoption", "pytest_collection_finish", "pytest_configure",
-    "pytest_generate_tests", "pytest_pycollect_makeitem", "pytest_report_header", "pytest_runtest_call",
-    "pytest_runtest_makereport", "pytest_sessionfinish", "pytest_terminal_summary", "SelectedBackend",
-    "STATE_KEY", "SUITE_DIR", "SUITE_MODULES", "summary_line",
+    "ALL",
+    "STATE_KEY",
+    "SUITE_DIR",
+    "SUITE_MODULES",
+    "BoundCase",
+    "CaseInfo",
+    "ConformanceState",
+    "Outcome",
+    "SelectedBackend",
+    "attnplug_record",
+    "build_report",
+    "level_lines",
+    "newer_failures",
+    "pytest_addoption",
+    "pytest_collection_finish",
+    "pytest_configure",
+    "pytest_generate_tests",
+    "pytest_pycollect_makeitem",
+    "pytest_report_header",
+    "pytest_runtest_call",
+    "pytest_runtest_makereport",
+    "pytest_sessionfinish",
+    "pytest_terminal_summary",
+    "summary_line",
 ]
 
 SUITE_DIR = Path(__file__).resolve().parent / "suite"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EXACT", "Tolerance", "tolerance_for", "TOLERANCES"]
+__all__ = ["EXACT", "TOLERANCES", "Tolerance", "tolerance_for"]
 
 
 @dataclasses.dataclass(frozen=True)

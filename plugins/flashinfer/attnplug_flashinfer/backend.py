@@ -87,7 +87,7 @@ def create(ctx: Any) -> tuple[str, "FlashInferBackend"]:
 def _import_flashinfer() -> Any:
     import importlib.metadata as im
 
-    import flashinfer  # noqa: F401  (the real library: only here, only at build)
+    import flashinfer
 
     try:
         version = im.version("flashinfer-python")

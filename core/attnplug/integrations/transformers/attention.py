@@ -25,7 +25,7 @@ from attnplug import AttnplugError, LayerSpec
 
 from .layers import attnplug_sliding_window
 
-__all__ = ["ATTENTION_NAME", "attnplug_attention_forward", "Forward", "FORWARD_KWARG", "register_attention"]
+__all__ = ["ATTENTION_NAME", "FORWARD_KWARG", "Forward", "attnplug_attention_forward", "register_attention"]
 
 #: The name under which the function is registered with transformers' AttentionInterface.
 ATTENTION_NAME = "attnplug"

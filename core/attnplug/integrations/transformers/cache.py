@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from attnplug import AttnplugError, PagedKVCache
 
-__all__ = ["AttnplugCache", "PagedCacheLayer", "PagePool", "UNASSIGNED"]
+__all__ = ["UNASSIGNED", "AttnplugCache", "PagePool", "PagedCacheLayer"]
 
 #: ``req_to_token`` value of a position no request owns.
 UNASSIGNED = -1

@@ -48,10 +48,27 @@ from typing import Any, Sequence, cast
 from attnplug import LayerSpec, NotSupportedError
 
 __all__ = [
-    "attnplug_sliding_window", "Call", "Derivation", "derive", "family_of", "HEAD_DIM_NAMES", "head_dim_of",
-    "layer_specs", "LAYER_TYPE_REASONS", "layer_types", "MASK_PROBE_TOKENS", "ModelNotServedError",
-    "PASS_THROUGH_KWARGS", "probe", "PROBE_MASK_NAME", "PROBE_NAME", "PROBE_SHIFT", "PROBE_TOKENS",
-    "refuse_structure", "SERVED_LAYER_TYPES", "SPEC_KWARGS",
+    "HEAD_DIM_NAMES",
+    "LAYER_TYPE_REASONS",
+    "MASK_PROBE_TOKENS",
+    "PASS_THROUGH_KWARGS",
+    "PROBE_MASK_NAME",
+    "PROBE_NAME",
+    "PROBE_SHIFT",
+    "PROBE_TOKENS",
+    "SERVED_LAYER_TYPES",
+    "SPEC_KWARGS",
+    "Call",
+    "Derivation",
+    "ModelNotServedError",
+    "attnplug_sliding_window",
+    "derive",
+    "family_of",
+    "head_dim_of",
+    "layer_specs",
+    "layer_types",
+    "probe",
+    "refuse_structure",
 ]
 
 #: transformers layer types this integration serves (others are refused by name).

@@ -23,7 +23,7 @@ import torch
 
 from .runner import Chunk, StepRecord, TransformersRunner
 
-__all__ = ["generate", "GenerationResult", "greedy", "Request", "Sampler"]
+__all__ = ["GenerationResult", "Request", "Sampler", "generate", "greedy"]
 
 #: ``sampler(rid, index, logits) -> token``: ``index`` counts the request's generated tokens (0 first).
 Sampler = Callable[[Any, int, torch.Tensor], int]

@@ -48,7 +48,7 @@ from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attentio
 from .cache import AttnplugCache
 from .layers import ModelNotServedError, derive
 
-__all__ = ["Chunk", "StepRecord", "TASKS", "TransformersRunner"]
+__all__ = ["TASKS", "Chunk", "StepRecord", "TransformersRunner"]
 
 
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs
@@ -186,7 +186,7 @@ class TransformersRunner:
             self.forward([Chunk(a, (1 % vocab, 2 % vocab))] + ([Chunk(b, (3 % vocab,))] if two else []))
             if task == "generate":  # cached prefixes of different lengths, a decode and an extend at once
                 self.forward([Chunk(a, (1 % vocab,), decode=True)] + ([Chunk(b, (2 % vocab, 1 % vocab))] if two else []))
-        except Exception as exc:  # noqa: BLE001 - any failure of the rehearsal is the refusal's reason
+        except Exception as exc:
             self.model.set_attn_implementation(before)
             text = " ".join(str(exc).split())[:300]
             reasons = [f"a rehearsal forward over a ragged batch through the paged cache failed: "

@@ -59,8 +59,15 @@ from attnplug.resolution.explain import explain_text
 from . import ENV_ARGS
 
 __all__ = [
-    "AttnplugVllmBackend", "AttnplugVllmImpl", "AttnplugVllmMetadata", "AttnplugVllmMetadataBuilder",
-    "config_from_env", "engine_state", "engine_states", "EngineState", "Group",
+    "AttnplugVllmBackend",
+    "AttnplugVllmImpl",
+    "AttnplugVllmMetadata",
+    "AttnplugVllmMetadataBuilder",
+    "EngineState",
+    "Group",
+    "config_from_env",
+    "engine_state",
+    "engine_states",
 ]
 
 logger = logging.getLogger("vllm.attnplug")

@@ -49,10 +49,34 @@ from ..tolerances import Tolerance
 from .cases import Case, Features, Scenario, Shape
 
 __all__ = [
-    "bits", "build_backend", "cache_changes", "check_cache", "check_output_shape", "compare", "Comparison",
-    "device_for", "expected_cache", "expected_output", "FAR_BELOW", "fill_garbage", "fill_garbage_raw",
-    "FIRST_LEAD", "GARBAGE_VALUES", "make_batch", "make_layer", "make_problem", "make_qkv", "self_attention_qkv", "MAX_CONTEXT",
-    "MAX_REQUESTS", "poison_last_new_tokens", "Problem", "run", "same_bytes", "shape_scores", "threads",
+    "FAR_BELOW",
+    "FIRST_LEAD",
+    "GARBAGE_VALUES",
+    "MAX_CONTEXT",
+    "MAX_REQUESTS",
+    "Comparison",
+    "Problem",
+    "bits",
+    "build_backend",
+    "cache_changes",
+    "check_cache",
+    "check_output_shape",
+    "compare",
+    "device_for",
+    "expected_cache",
+    "expected_output",
+    "fill_garbage",
+    "fill_garbage_raw",
+    "make_batch",
+    "make_layer",
+    "make_problem",
+    "make_qkv",
+    "poison_last_new_tokens",
+    "run",
+    "same_bytes",
+    "self_attention_qkv",
+    "shape_scores",
+    "threads",
     "unalign",
 ]
 
@@ -252,7 +276,7 @@ def shape_scores(problem: Problem, how: str) -> None:
                 problem.qkv[i] = (q64.to(qd), (k.to(torch.float64) * 0.5 - a * u).to(k.dtype), v)
         else:
             firsts = []
-            for r, p, e in zip(problem.req_rows, sc.prefix, sc.extend):
+            for r, p in zip(problem.req_rows, sc.prefix):
                 if p > 0:  # the first key is cached
                     firsts.append(int(cache.req_to_token[r, 0]))
             if firsts:

@@ -25,9 +25,24 @@ import json
 import re
 
 __all__ = [
-    "changelog_sections", "digest", "DOC", "for_family", "installed_level", "known_levels", "level_anchor",
-    "level_key", "level_of", "levels", "newer_than", "parse_level", "policy_problems",
-    "REFUSAL_VARIANTS_0_1", "Requirement", "requirement", "RequirementError", "REQUIREMENTS",
+    "DOC",
+    "REFUSAL_VARIANTS_0_1",
+    "REQUIREMENTS",
+    "Requirement",
+    "RequirementError",
+    "changelog_sections",
+    "digest",
+    "for_family",
+    "installed_level",
+    "known_levels",
+    "level_anchor",
+    "level_key",
+    "level_of",
+    "levels",
+    "newer_than",
+    "parse_level",
+    "policy_problems",
+    "requirement",
 ]
 
 DOC = "docs/conformance.md"

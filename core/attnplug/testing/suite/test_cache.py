@@ -4,7 +4,6 @@ an output stays the caller's after later layers and forwards."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -56,7 +55,7 @@ def test_shared_metadata(attnplug_case: Any, attnplug_record: Any) -> None:
     backend.init_forward_metadata(problem.batch)
     tol = tolerance_for(case.dtype)
     worst = 0.0
-    for i, layer in enumerate(problem.layers):
+    for i in range(len(problem.layers)):
         out = H.run(backend, problem, i, init=False)
         H.check_output_shape(out, problem, i)
         cmp = H.compare(out, H.expected_output(problem, i), tol, what=f"layer {i} output")

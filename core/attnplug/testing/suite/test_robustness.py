@@ -64,7 +64,7 @@ def _attempt(call: Callable[[], Any], problem: H.Problem, error: type[BaseExcept
 def _coverage_running() -> bool:
     """coverage.py cannot see a forked child that ends in ``os._exit``: measure in-process then."""
     cov = sys.modules.get("coverage")
-    return cov is not None and getattr(cov, "Coverage").current() is not None
+    return cov is not None and cov.Coverage.current() is not None
 
 
 def _attempt_isolated(call: Callable[[], Any], problem: H.Problem, error: type[BaseException]) -> dict[str, Any]:

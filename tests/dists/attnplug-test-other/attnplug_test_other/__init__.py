@@ -4,7 +4,7 @@ from attnplug import BackendDescriptor, Capabilities, hookimpl
 
 
 def make(ctx):
-    from attnplug_test_fa3like.kernels import RecordingBackend  # noqa: PLC0415 (test-only reuse)
+    from attnplug_test_fa3like.kernels import RecordingBackend
 
     return "fake_triton", RecordingBackend("fake_triton")
 
