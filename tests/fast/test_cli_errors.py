@@ -186,10 +186,11 @@ def test_lint_cost_is_linear_in_findings(tmp_path, monkeypatch):
     """The guard splits and encodes the source once, however many findings: a one-line file
     with 3,000 reads encodes that line once (before: the source was re-split per finding)."""
     import attnplug.guard as guard
+    from attnplug.guard import analysis
 
     encoded = []
     splits = []
-    real_raw, real_split = guard._Lines.raw, guard._split_lines
+    real_raw, real_split = analysis._Lines.raw, analysis._split_lines
 
     def raw(self, lineno):
         if lineno not in self._bytes:
@@ -200,8 +201,8 @@ def test_lint_cost_is_linear_in_findings(tmp_path, monkeypatch):
         splits.append(len(source))
         return real_split(source)
 
-    monkeypatch.setattr(guard._Lines, "raw", raw)
-    monkeypatch.setattr(guard, "_split_lines", split)
+    monkeypatch.setattr(analysis._Lines, "raw", raw)
+    monkeypatch.setattr(analysis, "_split_lines", split)
     path = tmp_path / "one_line.py"
     path.write_text("x = [" + ", ".join(f"c{i}.attention_backend" for i in range(3000)) + "]\n")
     report = guard.check([path])
