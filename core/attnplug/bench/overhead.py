@@ -12,7 +12,7 @@ of ``--repeats``), with the CPU caches warm and again flushed before every call 
   (``first_layer_extra_us``: what the first layer of a forward pays above the others, such as
   kernel metadata a backend builds at the first layer that needs it).
 
-``overhead_us`` = forward - kernel: the per-layer cost of the framework. The goals (issue 30): at most
+``overhead_us`` = forward - kernel: the per-layer cost of the framework. The goals (docs/performance.md, "The framework's own cost per layer"): at most
 ``OVERHEAD_GOAL_US`` per layer with warm caches, and ``init_forward_metadata`` at most
 ``INIT_GOAL_US`` or ``INIT_GOAL_SHARE`` of ``MODEL_LAYERS`` layers' forwards, whichever is larger.
 """

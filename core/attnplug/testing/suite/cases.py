@@ -157,7 +157,7 @@ def scenario(name: str, page_size: int = 16) -> Scenario:
         # cross-attention: queries read the first encoder[i] cached tokens of the request
         "cross_extend": lambda: Scenario(name, "extend", (7, 12, 20), (4, 6, 2), encoder=(5, 12, 9)),
         "cross_decode": lambda: Scenario(name, "decode", (7, 16, 29), (1, 1, 1), encoder=(5, 16, 9)),
-        # -- edges (issue 15) --
+        # -- edges --
         # an empty encoder: the query rows of request 1 see no key (output zero)
         "cross_extend_empty": lambda: Scenario(name, "extend", (7, 12, 20), (4, 6, 2), encoder=(5, 0, 9)),
         "cross_decode_empty": lambda: Scenario(name, "decode", (7, 16, 29), (1, 1, 1), encoder=(0, 16, 0)),
