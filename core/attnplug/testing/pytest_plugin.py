@@ -32,9 +32,12 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
+
+#: the ``attnplug_record`` fixture's value: ``record(max_abs_err=..., tolerance=...)``
+Recorder = Callable[..., None]
 
 __all__ = [
     "ALL",
@@ -45,6 +48,7 @@ __all__ = [
     "CaseInfo",
     "ConformanceState",
     "Outcome",
+    "Recorder",
     "SelectedBackend",
     "attnplug_record",
     "build_report",
@@ -292,6 +296,8 @@ class BoundCase:
     """The value of the ``attnplug_case`` parameter: one case for one backend."""
 
     backend: str
+    #: a ``Case``; ``None`` only in the placeholder of a family with no case for the backend (skipped,
+    #: never run), hence ``Any`` rather than ``Case | None`` for the families that read it
     case: Any
 
     def __repr__(self) -> str:
@@ -345,7 +351,7 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Any:
 
 
 @pytest.fixture
-def attnplug_record(request: pytest.FixtureRequest) -> Any:
+def attnplug_record(request: pytest.FixtureRequest) -> Recorder:
     """``attnplug_record(max_abs_err=..., tolerance=...)``: attach numbers to this case's report."""
 
     def record(**data: Any) -> None:

@@ -4,7 +4,7 @@ an output stays the caller's after later layers and forwards."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from . import harness as H
 from ._common import capabilities, fail
 from .cases import Features, Scenario
 
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase, Recorder
+
 
 def _cache_err(problem: H.Problem, layer_idx: int, want: tuple[torch.Tensor, torch.Tensor]) -> float:
     got = problem.cache.read_kv(layer_idx)
@@ -22,7 +25,7 @@ def _cache_err(problem: H.Problem, layer_idx: int, want: tuple[torch.Tensor, tor
     return max(errs)
 
 
-def test_kv_cache_write(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_kv_cache_write(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     name, case = attnplug_case.backend, attnplug_case.case
     problem = H.make_problem(case, H.device_for(capabilities(name)))
     r2t = problem.cache.req_to_token.clone()
@@ -46,7 +49,7 @@ def _layer_features(caps: Any) -> list[Features]:
     ]
 
 
-def test_shared_metadata(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_shared_metadata(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """One ``init_forward_metadata``, then every layer's forward (as a model runs)."""
     name, case = attnplug_case.backend, attnplug_case.case
     caps = capabilities(name)
@@ -76,7 +79,7 @@ _SEQUENCES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
 }
 
 
-def test_sequence(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_sequence(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Forwards in a row; later ones read the K/V the backend wrote in earlier ones."""
     name, case = attnplug_case.backend, attnplug_case.case
     steps = _SEQUENCES[case.variant]
@@ -112,7 +115,7 @@ def test_sequence(attnplug_case: Any, attnplug_record: Any) -> None:
 
 
 
-def test_output_ownership(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_output_ownership(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Contract: a forward returns a fresh tensor owned by the caller; no later forward or layer
     overwrites it (no aliasing of a reused workspace, of q/k/v or of the cache)."""
     name, case = attnplug_case.backend, attnplug_case.case

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +12,9 @@ from ..tolerances import EXACT, tolerance_for
 from . import harness as H
 from ._common import capabilities, fail
 from .cases import Scenario
+
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase, Recorder
 
 
 def _restore(problem: H.Problem) -> None:
@@ -24,7 +27,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
 
 
-def test_determinism(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_determinism(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     name, case = attnplug_case.backend, attnplug_case.case
     problem = H.make_problem(case, H.device_for(capabilities(name)))
     backend = H.build_backend(name, problem)
@@ -57,7 +60,7 @@ def test_determinism(attnplug_case: Any, attnplug_record: Any) -> None:
              f"batch of {len(sc.prefix)} differs from the same request alone (max abs difference {diff:.3g})")
 
 
-def test_cuda_graph(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_cuda_graph(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Capture one decode forward in a CUDA graph, then replay it on new q/k/v."""
     name, case = attnplug_case.backend, attnplug_case.case
     problem = H.make_problem(case, "cuda")

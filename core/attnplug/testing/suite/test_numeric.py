@@ -18,7 +18,7 @@ does not save, or for cross-attention).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from ...registry import default_registry
 from ..tolerances import EXACT, tolerance_for
 from . import harness as H
 from ._common import capabilities, fail
+
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase, Recorder
 
 
 def _check_one_forward(bound: Any, record: Any) -> tuple[H.Problem, Any]:
@@ -59,66 +62,66 @@ def _check_result(name: str, problem: H.Problem, out: Any, record: Any) -> None:
         fail(f"{name}: KV cache wrong after a {case.scenario.mode} forward with {what}: " + "; ".join(diffs))
 
 
-def test_mode(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_mode(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_heads(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_heads(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_v_head_dim(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_v_head_dim(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_feature(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_feature(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_cross_attention(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_cross_attention(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_kv_cache_dtype(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_kv_cache_dtype(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_fp8_kv(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_fp8_kv(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """An fp8 cache with scales: the output matches the reference on the stored values × scales, and
     the new K/V are stored quantized (round(x / scale), saturated) at exactly ``out_cache_loc``."""
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_kv_layout(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_kv_layout(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """The forward is right, and writes only its slots, in every KV layout the backend declares."""
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_long(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_long(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_scaling(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_scaling(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_no_save(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_no_save(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_unmapped_slot(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_unmapped_slot(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_edge(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_edge(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_garbage(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_garbage(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_workspace(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_workspace(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Built with a small ``max_workspace_bytes``: the output equals the reference (the backend
     worked in pieces that fit), or the build or forward raised ``attnplug.ResourceLimitError``
     naming ``max_workspace_bytes`` and nothing was written. A backend claiming deterministic
@@ -126,7 +129,7 @@ def test_workspace(attnplug_case: Any, attnplug_record: Any) -> None:
     _check_under_limit(attnplug_case, attnplug_record)
 
 
-def test_chunked(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_chunked(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """``workspace``'s check where the limit cuts each request's queries into chunks: windows,
     sinks, soft-cap and the verify mask stay those of the request, at one and two threads."""
     _check_under_limit(attnplug_case, attnplug_record)
@@ -165,17 +168,17 @@ def _check_under_limit(bound: Any, record: Any) -> None:
              f"from the same forward without the limit (max abs difference {diff:.3g})")
 
 
-def test_head_dim_class(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_head_dim_class(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Head dims 72/80/96/112 (multiples of 8, 16 and 32 but not of 64) in every dtype."""
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_score_range(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_score_range(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Every score hundreds below zero, or the row maximum in the first key block only."""
     _check_one_forward(attnplug_case, attnplug_record)
 
 
-def test_odd_heads(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_odd_heads(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """Odd KV-head counts over decode batches of 1-6 requests, at one and two threads."""
     _check_one_forward(attnplug_case, attnplug_record)
 
@@ -200,7 +203,7 @@ def rounding_bias(out: Any, ref: Any, dtype: str) -> tuple[float, int]:
     return (float(err.mean()) if err.numel() else 0.0), int(err.numel())
 
 
-def test_rounding(attnplug_case: Any, attnplug_record: Any) -> None:
+def test_rounding(attnplug_case: BoundCase, attnplug_record: Recorder) -> None:
     """A 16-bit output within tolerance element by element AND unbiased on average: its mean
     signed error, in ulps of the output dtype, is within ``ROUNDING_BIAS_ULPS`` of zero."""
     name, case = attnplug_case.backend, attnplug_case.case

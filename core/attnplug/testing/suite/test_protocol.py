@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,6 +18,9 @@ from ...registry import default_registry
 from . import harness as H
 from ._common import capabilities, fail
 from .cases import Case, claimed_shape, first_layout, scenario
+
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase
 
 
 def _small_problem(name: str, sc: str = "decode") -> H.Problem:
@@ -91,7 +94,7 @@ def test_capabilities_agree(attnplug_backend: str) -> None:
              f"{type(backend).__name__}.capabilities does not")
 
 
-def test_metadata_required(attnplug_case: Any) -> None:
+def test_metadata_required(attnplug_case: BoundCase) -> None:
     name, case = attnplug_case.backend, attnplug_case.case
     problem = _small_problem(name, case.scenario.name)
     backend = H.build_backend(name, problem, check_support=False)
@@ -136,7 +139,7 @@ def _bad_inputs(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     raise KeyError(variant)
 
 
-def test_bad_input(attnplug_case: Any) -> None:
+def test_bad_input(attnplug_case: BoundCase) -> None:
     name, case = attnplug_case.backend, attnplug_case.case
     problem = _small_problem(name, case.scenario.name)
     backend = H.build_backend(name, problem, check_support=False)

@@ -24,7 +24,7 @@ reproducible; a failure is shrunk to a minimal batch and printed as a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -36,6 +36,9 @@ from ..tolerances import tolerance_for
 from . import harness as H
 from ._common import capabilities
 from .cases import DTYPES, Case, Features, Scenario, Shape
+
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase, Recorder
 
 DEFAULT_EXAMPLES = 12
 _LAYOUTS = ((4, 4), (8, 2), (8, 1), (6, 3))
@@ -125,7 +128,7 @@ def check_example(name: str, case: Case, device: str) -> str:
     return "ok"
 
 
-def test_random(attnplug_case: Any, attnplug_record: Any, request: pytest.FixtureRequest) -> None:
+def test_random(attnplug_case: BoundCase, attnplug_record: Recorder, request: pytest.FixtureRequest) -> None:
     hypothesis = pytest.importorskip("hypothesis", reason="random: hypothesis is not installed")
     from hypothesis import strategies as st
 

@@ -23,7 +23,7 @@ import os
 import pickle
 import re
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -35,6 +35,9 @@ from . import harness as H
 from ._common import capabilities, fail
 from .cases import (DEFAULT_SHAPE, REJECTIONS, Case, Features, Shape, claimed_shape, first_layout,
                     refusal_model_dtype, scenario)
+
+if TYPE_CHECKING:
+    from ..pytest_plugin import BoundCase
 
 
 def _claimed_case(name: str, case: Case, **kw: Any) -> Case:
@@ -129,7 +132,7 @@ def _forward(backend: Any, problem: H.Problem, q: Any, k: Any, v: Any, layer: An
     return call
 
 
-def test_kv_none(attnplug_case: Any) -> None:
+def test_kv_none(attnplug_case: BoundCase) -> None:
     name = attnplug_case.backend
     case = _claimed_case(name, attnplug_case.case)
     problem = H.make_problem(case, H.device_for(capabilities(name)))
@@ -143,7 +146,7 @@ def _num(x: int) -> str:
     return rf"(?<![\d.]){re.escape(str(x))}(?![\d.])"
 
 
-def test_rejected(attnplug_case: Any) -> None:
+def test_rejected(attnplug_case: BoundCase) -> None:
     name, variant = attnplug_case.backend, attnplug_case.case.variant
     case = _claimed_case(name, attnplug_case.case)
     problem = H.make_problem(case, H.device_for(capabilities(name)))
@@ -226,7 +229,7 @@ def _as_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
     return t.to(target)
 
 
-def test_refusal(attnplug_case: Any) -> None:
+def test_refusal(attnplug_case: BoundCase) -> None:
     """What the backend does not claim is refused in words, and a forward using it is refused."""
     name, case = attnplug_case.backend, attnplug_case.case
     caps = capabilities(name)
