@@ -17,6 +17,7 @@ from attnplug import (
 from attnplug.backend import OPTIONAL_METHODS, MetadataGuard
 from attnplug.errors import MetadataNotInitializedError
 from attnplug.backend import PROTOCOL_METHODS, REQUIRED_METHODS
+from tests.protocol_spy import ProtocolSpy, call_protocol_method
 
 LAYER = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=6)
 
@@ -89,32 +90,11 @@ def test_containers_define_every_protocol_method(container):
 
 
 def _call(backend, name, batch):
-    args = {
-        "init_forward_metadata": (batch,),
-        "forward": (None, None, None, LAYER, batch),
-        "forward_extend": (None, None, None, LAYER, batch),
-        "forward_decode": (None, None, None, LAYER, batch),
-        "not_supported_reasons": (LAYER,),
-        "init_cuda_graph_state": (4, 4),
-        "init_forward_metadata_capture_cuda_graph": (batch,),
-        "init_forward_metadata_replay_cuda_graph": (batch,),
-        "get_cuda_graph_seq_len_fill_value": (),
-        "on_after_cuda_graph_warmup": (),
-    }[name]
-    return getattr(backend, name)(*args)
+    return call_protocol_method(backend, name, batch, LAYER)
 
 
-class Spy(Recorder):
+class Spy(ProtocolSpy, Recorder):
     """Records every protocol method by name (optional ones included)."""
-
-    def __init__(self, tag):
-        super().__init__(tag)
-        self.names = []
-
-    def __getattribute__(self, name):
-        if name in PROTOCOL_METHODS:
-            object.__getattribute__(self, "names").append(name)
-        return object.__getattribute__(self, name)
 
 
 @pytest.mark.parametrize("name", PROTOCOL_METHODS)

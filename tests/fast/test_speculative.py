@@ -42,6 +42,7 @@ from attnplug.speculative import (
 )
 from attnplug.stamps import stamps_of
 from tests.conftest import run_json
+from tests.protocol_spy import ProtocolSpy, call_protocol_method
 
 HOST = HostInfo()
 
@@ -282,30 +283,11 @@ def test_no_static_rename_or_mode_table_in_speculative():
 
 
 def _call(backend, name, batch):
-    args = {
-        "init_forward_metadata": (batch,),
-        "forward": (None, None, None, None, batch),
-        "forward_extend": (None, None, None, None, batch),
-        "forward_decode": (None, None, None, None, batch),
-        "not_supported_reasons": (attnplug.LayerSpec(0, 2, 1, 8),),
-        "init_cuda_graph_state": (4, 4),
-        "init_forward_metadata_capture_cuda_graph": (batch,),
-        "init_forward_metadata_replay_cuda_graph": (batch,),
-        "get_cuda_graph_seq_len_fill_value": (),
-        "on_after_cuda_graph_warmup": (),
-    }[name]
-    return getattr(backend, name)(*args)
+    return call_protocol_method(backend, name, batch, attnplug.LayerSpec(0, 2, 1, 8))
 
 
-class Spy(Tag):
-    def __init__(self, tag):
-        super().__init__(tag)
-        self.names = []
-
-    def __getattribute__(self, name):
-        if name in PROTOCOL_METHODS:
-            object.__getattribute__(self, "names").append(name)
-        return object.__getattribute__(self, name)
+class Spy(ProtocolSpy, Tag):
+    pass
 
 
 def test_container_defines_every_protocol_method():

@@ -1,0 +1,46 @@
+"""One protocol spy and one way to call any protocol method, shared by the container/wrapper tests.
+
+``ProtocolSpy`` (a mixin in front of any backend class) records every protocol method looked up on
+the instance, optional ones included, so a test sees which child a container or wrapper routed a
+call to; ``call_protocol_method`` calls one method by name with placeholder arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnplug.backend import PROTOCOL_METHODS
+
+
+class ProtocolSpy:
+    """Mixin: ``self.names`` lists the protocol methods looked up on this object, in order."""
+
+    names: list[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["names"] = []
+        super().__init__(*args, **kwargs)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in PROTOCOL_METHODS:
+            object.__getattribute__(self, "__dict__").setdefault("names", []).append(name)
+        return object.__getattribute__(self, name)
+
+
+def call_protocol_method(backend: Any, name: str, batch: Any, layer: Any) -> Any:
+    """``backend.<name>(...)`` with placeholder arguments (q/k/v ``None``; ``batch`` and ``layer`` as given)."""
+    args = {
+        "init_forward_metadata": (batch,),
+        "forward": (None, None, None, layer, batch),
+        "forward_extend": (None, None, None, layer, batch),
+        "forward_decode": (None, None, None, layer, batch),
+        "not_supported_reasons": (layer,),
+        "init_cuda_graph_state": (4, 4),
+        "init_forward_metadata_capture_cuda_graph": (batch,),
+        "init_forward_metadata_replay_cuda_graph": (batch,),
+        "get_cuda_graph_seq_len_fill_value": (),
+        "on_after_cuda_graph_warmup": (),
+    }
+    if set(args) != set(PROTOCOL_METHODS):  # a new protocol method needs its placeholder arguments here
+        raise AssertionError(f"call_protocol_method knows {sorted(args)}, the protocol is {sorted(PROTOCOL_METHODS)}")
+    return getattr(backend, name)(*args[name])
