@@ -12,6 +12,7 @@ from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl
 from attnplug.probes import library_missing
+from attnplug.hookspecs import RegisterArchOverride, RegisterBackend
 
 NAME = "aiter"
 #: AMD's aiter is the distribution ``amd-aiter`` (module ``aiter``). The PyPI distribution named
@@ -59,7 +60,7 @@ def probe(host: HostInfo) -> list[str]:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -80,5 +81,5 @@ def gpt_oss_on_rocm(host: HostInfo, config: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     register("GptOssForCausalLM", gpt_oss_on_rocm)

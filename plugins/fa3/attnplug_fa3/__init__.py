@@ -14,12 +14,16 @@ The kernel module ``attnplug_fa3.backend`` is imported only when the backend is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 from attnplug.probes import library_missing
 from attnplug.dtypes import kv_dtype_name
 from attnplug.probes import installed_library
+from attnplug.hookspecs import RegisterArchOverride, RegisterBackend
+
+if TYPE_CHECKING:
+    from attnplug import AttentionConfig, HostInfo
 
 NAME = "fa3"
 
@@ -113,7 +117,7 @@ def priority(host: Any) -> int | None:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -145,7 +149,7 @@ def fp8_kv_problems(config: Any, host: Any) -> list[str]:
 
 
 @hookimpl
-def attnplug_check_config(config, host):  # type: ignore[no-untyped-def]
+def attnplug_check_config(config: AttentionConfig, host: HostInfo) -> list[str] | None:
     return fp8_kv_problems(config, host) or None
 
 
@@ -155,5 +159,5 @@ def gpt_oss_on_hopper(host: Any, config: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     register("GptOssForCausalLM", gpt_oss_on_hopper)

@@ -14,6 +14,7 @@ from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, HostInfo, hookimpl
 from attnplug.probes import library_missing
+from attnplug.hookspecs import RegisterBackend, RegisterResolutionRule
 
 NAME = "flashinfer"
 LIBRARY = "flashinfer-python"
@@ -65,7 +66,7 @@ def priority(host: HostInfo) -> int | None:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -88,5 +89,5 @@ def diffusion_lm_needs_flashinfer(host: HostInfo, config: Any, registry: Any) ->
 
 
 @hookimpl
-def attnplug_resolution_rules(register):  # type: ignore[no-untyped-def]
+def attnplug_resolution_rules(register: RegisterResolutionRule) -> None:
     register("diffusion_lm_flashinfer", "force", diffusion_lm_needs_flashinfer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 from attnplug.probes import module_missing
+from attnplug.hookspecs import RegisterBackend
 
 NAME = "torch_native"
 
@@ -43,7 +44,7 @@ CAPABILITIES = Capabilities(
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,

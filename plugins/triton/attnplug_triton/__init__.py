@@ -24,6 +24,7 @@ from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 from attnplug.probes import library_missing
+from attnplug.hookspecs import RegisterArchOverride, RegisterBackend
 
 NAME = "triton"
 LIBRARY = "triton"
@@ -95,7 +96,7 @@ def probe(host: Any) -> list[str]:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -127,7 +128,7 @@ def gpt_oss_mxfp4_dtype(host: Any, config: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     # The family catch-all: a negative precedence so every plugin's specific override
     # (fa3 on SM90, trtllm_mha on SM100, aiter on ROCm, intel_amx on AMX CPUs) applies later and wins.
     register(GPT_OSS, gpt_oss_default, name="gpt_oss_default", precedence=-10)

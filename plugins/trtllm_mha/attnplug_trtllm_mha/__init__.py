@@ -17,11 +17,15 @@ The kernel module ``attnplug_trtllm_mha.backend`` is imported only when the back
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
 from attnplug.probes import library_missing
 from attnplug.dtypes import kv_dtype_name
+from attnplug.hookspecs import RegisterArchOverride, RegisterBackend, RegisterResolutionRule
+
+if TYPE_CHECKING:
+    from attnplug import AttentionConfig, HostInfo
 
 NAME = "trtllm_mha"
 LIBRARY = "flashinfer-python"
@@ -83,12 +87,12 @@ def fp8_kv_problems(config: Any, host: Any) -> list[str]:
 
 
 @hookimpl
-def attnplug_check_config(config, host):  # type: ignore[no-untyped-def]
+def attnplug_check_config(config: AttentionConfig, host: HostInfo) -> list[str] | None:
     return fp8_kv_problems(config, host) or None
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
@@ -116,10 +120,10 @@ def trtllm_page_size(host: Any, config: Any, registry: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+def attnplug_arch_overrides(register: RegisterArchOverride) -> None:
     register("GptOssForCausalLM", gpt_oss_on_blackwell)
 
 
 @hookimpl
-def attnplug_resolution_rules(register):  # type: ignore[no-untyped-def]
+def attnplug_resolution_rules(register: RegisterResolutionRule) -> None:
     register("trtllm_mha_page_size", "fallback", trtllm_page_size)

