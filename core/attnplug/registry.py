@@ -54,8 +54,10 @@ from .errors import (
     UnknownBackendError,
 )
 from .host import HostInfo, detect_host
+from .hostview import HostView
 from .isolation import call_plugin, echo_output, output_note
 from .kvlayout import BUILTIN_LAYOUTS, KVLayout, builtin_layout
+from .settle import settle
 from .stamps import stamp
 
 __all__ = [
@@ -90,7 +92,8 @@ class Registry:
         self.conflicts: dict[str, BackendConflictError] = {}
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
-        self._availability: dict[tuple[str, HostInfo], Availability] = {}
+        #: the frozen view of each host settled so far (``view()``); dropped when the table changes
+        self._views: dict[HostInfo, HostView] = {}
         self._resolved: dict[tuple[str, HostInfo], str] = {}
         #: name or alias -> (distribution, why) for plugins set aside after registering it
         self._set_aside: dict[str, tuple[str, str]] = {}
@@ -144,6 +147,7 @@ class Registry:
             record.status, record.error = "failed", exc.detail
             return
         self._commit(staged, src)
+        self._views.clear()
         record.backends = [d.name for d in staged if self.descriptors.get(d.name) is d]
 
     # -- hooks -----------------------------------------------------------
@@ -272,6 +276,7 @@ class Registry:
             if record.distribution == distribution and record.status == "loaded":
                 record.status, record.error = "failed", why
         self._resolved.clear()
+        self._views.clear()
 
     # -- queries -------------------------------------------------------
     @property
@@ -296,7 +301,7 @@ class Registry:
         try:
             return self.descriptors[name]
         except KeyError:
-            raise UnknownBackendError(self._unknown_message(name, self.host)) from None
+            raise UnknownBackendError(self.unknown_message(name, self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
         """Plugins set aside (import error, broken hook, malformed value), with distribution and error."""
@@ -306,45 +311,39 @@ class Registry:
         """Plugins skipped by ``ATTNPLUG_PLUGINS`` / ``ATTNPLUG_DISABLE_PLUGINS``."""
         return [p for p in self.plugins if p.status == "filtered"]
 
-    def availability(self, name: str, host: HostInfo | None = None) -> Availability:
-        """Whether ``name`` can run on ``host``, with the reasons when not (cached per host)."""
+    def view(self, host: HostInfo | None = None) -> HostView:
+        """The frozen view of ``host`` (this registry's host when not given): every probe, priority
+        function and collecting hook asked once (``settle.settle``), kept until the table changes."""
         host = host or self.host
+        view = self._views.get(host)
+        if view is None:
+            view = self._views[host] = settle(self, host)
+        return view
+
+    def availability(self, name: str, host: HostInfo | None = None) -> Availability:
+        """Whether ``name`` can run on ``host``, with the reasons when not (the host's view)."""
         if name in self._set_aside:
             return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
-        key = (name, host)
-        if key not in self._availability:
-            desc = self.get(name)
-            try:
-                # the priority function is asked here too, so a malformed one is found before
-                # the backend is chosen, not after
-                desc.priority_on(host)
-                self._availability[key] = desc.check_availability(host)
-            except PluginError as exc:  # a probe or priority function broke the contract
-                self.set_aside(desc.distribution, exc.detail)
-                return Availability(False, (f"set aside: {exc}",))
-        return self._availability[key]
+        view = self.view(host)
+        if name in self._set_aside:  # settling the host set its plugin aside
+            return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
+        return view.availability(name)
 
     def settle(self, host: HostInfo | None = None) -> None:
-        """Ask every backend's probe and priority function about ``host`` now, so a plugin that
-        breaks the contract is set aside before anything iterates the names (cached per host)."""
-        for name in self.names():
-            self.availability(name, host)
+        """Settle ``host`` now (see ``view``), so a plugin that breaks the contract is set aside
+        before anything iterates the names."""
+        self.view(host)
 
     def priority(self, name: str, host: HostInfo | None = None) -> int | None:
-        """``name``'s default priority on ``host``; a priority function that raises or answers
-        with the wrong type sets its plugin aside (and counts as no priority)."""
+        """``name``'s default priority on ``host`` (the host's view; a set-aside plugin has none)."""
+        view = self.view(host)
         if name in self._set_aside:
             return None
-        desc = self.get(name)
-        try:
-            return desc.priority_on(host or self.host)
-        except PluginError as exc:
-            self.set_aside(desc.distribution, exc.detail)
-            return None
+        return view.priority(name)
 
     def available_names(self, host: HostInfo | None = None) -> list[str]:
         """Canonical names of the backends available on ``host``."""
-        return [n for n in self.names() if self.availability(n, host)]
+        return self.view(host).available_names()
 
     def empty_hint(self) -> str:
         """What to say when no backend is registered: filtered, failed, or none installed."""
@@ -387,7 +386,10 @@ class Registry:
                     stacklevel=2,
                 )
             return canonical
-        host = host or self.host
+        return self.resolve_name(name, host or self.host)
+
+    def resolve_name(self, name: str, host: HostInfo) -> str:
+        """A host-dependent ``name`` answered by the ``attnplug_resolve_name`` hook, once per (name, host)."""
         key = (name, host)
         if key not in self._resolved:
             self._resolved[key] = self._resolve_by_hook(name, host)
@@ -396,7 +398,7 @@ class Registry:
     def _resolve_by_hook(self, name: str, host: HostInfo) -> str:
         answers = [(d, a) for d, a in self.call_hook("attnplug_resolve_name", name=name, host=host) if a is not None]
         if not answers:
-            raise UnknownBackendError(self._unknown_message(name, host))
+            raise UnknownBackendError(self.unknown_message(name, host))
         if len({a for _, a in answers}) > 1:
             raise AttnplugError(
                 f"name {name!r} is resolved differently by "
@@ -430,7 +432,8 @@ class Registry:
             return True
         return any(p.status == "failed" and not p.backends for p in self.plugins)
 
-    def _unknown_message(self, name: str, host: HostInfo) -> str:
+    def unknown_message(self, name: str, host: HostInfo) -> str:
+        """Why ``name`` is unknown: what is available here, unavailable, in conflict, set aside or filtered."""
         self.settle(host)
         avail = [n for n in self.names() if self.availability(n, host)]
         unavail = [f"{n} ({'; '.join(self.availability(n, host).reasons)})" for n in self.names()
