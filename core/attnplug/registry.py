@@ -30,7 +30,7 @@ import pluggy
 
 from . import hookspecs
 from .backend import AttentionBackend
-from .capabilities import host_layer_reasons, layer_reasons, support_reasons
+from . import building
 from .descriptor import Availability, BackendDescriptor, descriptor_problems
 from .discovery import (  # re-exported: the registry's public names before discovery moved out
     ENTRY_POINT_GROUP,
@@ -47,9 +47,7 @@ from .discovery import (  # re-exported: the registry's public names before disc
 from .errors import (
     AttnplugError,
     BackendConflictError,
-    BackendUnavailableError,
     ConfigError,
-    NotSupportedError,
     PluginError,
     UnknownBackendError,
 )
@@ -58,7 +56,6 @@ from .hostview import HostView
 from .isolation import call_plugin, echo_output, output_note
 from .kvlayout import BUILTIN_LAYOUTS, KVLayout, builtin_layout
 from .settle import settle
-from .stamps import stamp
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENV_ALLOW", "ENV_DENY", "PluginRecord", "PluginSource", "Registry", "default_registry",
@@ -121,7 +118,9 @@ class Registry:
 
     def load_sources(self, sources: list[PluginSource], env: Mapping[str, str] | None = None) -> None:
         """Filter, import and register ``sources`` (see :mod:`attnplug.discovery`)."""
-        load_sources(self, sources, {} if env is None else env)
+        load_sources(sources, {} if env is None else env, register=self.register_plugin, add=self.plugins.append,
+                     note=self.problems.append)
+        self._views.clear()
 
     def register_plugin(self, module: Any, src: PluginSource, record: PluginRecord) -> None:
         """Add a loaded descriptor module: its hooks, then the backends it registers (all or none)."""
@@ -489,124 +488,22 @@ class Registry:
         self._layouts[name] = layout
         return layout
 
-    # -- building ------------------------------------------------------
+    # -- building (attnplug.building) ------------------------------------
     def build_problems(self, desc: BackendDescriptor, ctx: Any) -> list[str]:
-        """Why ``desc``'s declared capabilities cannot serve the build context ``ctx`` (the core's
-        ``support_reasons``: dtype, KV-cache dtype, page size, device, head dims, the layers)."""
-        device = str(getattr(ctx, "device", "cpu")).split(":", 1)[0]
-        if device == "cuda" and ctx.host.platform == "rocm":
-            device = "rocm"  # torch names ROCm devices "cuda"
-        caps = desc.capabilities
-        layout = getattr(getattr(ctx, "kv_cache", None), "layout", None)
-        reasons = support_reasons(caps, dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype,
-                                  page_size=ctx.page_size, device=device,
-                                  kv_layout=getattr(layout, "name", None))
-        if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
-            reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
-        for layer in getattr(ctx, "layers", ()) or ():
-            for reason in layer_reasons(caps, layer) + host_layer_reasons(caps, layer, getattr(ctx, "host", None)):
-                text = f"layer {getattr(layer, 'layer_id', '?')}: {reason}"
-                if reason not in reasons and text not in reasons:
-                    reasons.append(text)
-        return reasons
+        """Why ``desc`` cannot serve the build context ``ctx`` (``building.build_problems``)."""
+        return building.build_problems(desc, ctx)
 
     def build(self, name: str, ctx: Any) -> tuple[str, AttentionBackend]:
-        """Build backend ``name`` for ``ctx``; returns the stamped ``(effective_name, backend)``.
-
-        Refuses with ``NotSupportedError`` (the reasons of ``support_reasons``)
-        when ``ctx`` asks for what the backend does not claim.
-        """
-        host = ctx.host
-        canonical = self.canonical(name, host)
-        desc = self.get(canonical)
-        avail = self.availability(canonical, host)
-        if not avail:
-            others = [n for n in self.available_names(host) if n != canonical]
-            raise BackendUnavailableError(canonical, avail.reasons, f"Available here: {', '.join(others) or 'none'}")
-        problems = self.build_problems(desc, ctx)
-        if problems:
-            raise NotSupportedError(canonical, problems, what="the build context it was asked for "
-                                    "(its declared capabilities do not claim it)")
-        what = f"loading factory {desc.factory!r} of backend {canonical!r}"
-        factory, out = call_plugin(desc.distribution, what, desc.load_factory)
-        echo_output(desc.distribution, what, out)
-        what = f"factory of backend {canonical!r}"
-        try:
-            result, out = call_plugin(desc.distribution, what, factory, ctx)
-        except PluginError as exc:
-            if isinstance(exc.__cause__, AttnplugError) and not isinstance(exc.__cause__, PluginError):
-                raise exc.__cause__ from None  # already names what is at fault (e.g. NotSupportedError)
-            raise
-        echo_output(desc.distribution, what, out)
-        effective, backend = self.validate_factory_result(result, desc)
-        stamp(backend, effective)
-        if getattr(backend, "ctx", None) is None:
-            try:  # what it was built for: not_supported_reasons(layer) answers for it
-                backend.ctx = ctx
-            except AttributeError:  # pragma: no cover - a backend with __slots__ or a read-only ctx
-                pass
-        return effective, backend
+        """Build backend ``name`` for ``ctx``; the stamped ``(effective_name, backend)`` (``building.build``)."""
+        return building.build(self, name, ctx)
 
     def validate_factory_result(self, result: Any, desc: BackendDescriptor) -> tuple[str, AttentionBackend]:
-        """Check a factory's ``(effective_name, backend)``; ``PluginError`` naming the distribution otherwise."""
-        where = f"factory of backend {desc.name!r} returned"
-        if result is None:
-            raise PluginError(desc.distribution, f"{where} None; it must return (effective_name, backend)")
-        if isinstance(result, AttentionBackend):
-            raise PluginError(
-                desc.distribution,
-                f"{where} a bare {type(result).__name__}; it must return (effective_name, backend)",
-            )
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise PluginError(desc.distribution, f"{where} {result!r}; it must return (effective_name, backend)")
-        effective, backend = result
-        if not isinstance(effective, str):
-            raise PluginError(desc.distribution, f"{where} effective name {effective!r}; it must be a str")
-        if effective in self._aliases:
-            raise PluginError(
-                desc.distribution,
-                f"{where} the alias {effective!r} as its effective name; return the canonical name "
-                f"{self._aliases[effective][0]!r}",
-            )
-        if effective not in self.descriptors:
-            raise PluginError(
-                desc.distribution,
-                f"{where} effective name {effective!r}, which is not a registered backend "
-                f"(registered: {', '.join(self.names())})",
-            )
-        owner = self.descriptors[effective].distribution
-        if owner != desc.distribution and effective not in desc.delegates_to:
-            raise PluginError(
-                desc.distribution,
-                f"{where} effective name {effective!r}, which belongs to distribution {owner!r}; a factory "
-                f"answers a name of its own distribution, or one it declares in BackendDescriptor.delegates_to",
-            )
-        if not isinstance(backend, AttentionBackend):
-            raise PluginError(
-                desc.distribution,
-                f"{where} ({effective!r}, {type(backend).__name__}); the backend must subclass "
-                f"attnplug.AttentionBackend",
-            )
-        return effective, backend
+        """Check a factory's ``(effective_name, backend)`` (``building.validate_factory_result``)."""
+        return building.validate_factory_result(self, result, desc)
 
     def build_pair(self, ctx: Any) -> AttentionBackend:
-        """Build the backend serving ``ctx.config``'s resolved pair: one backend, or a
-        ``HybridBackend`` when the halves differ."""
-        from .hybrid import HybridBackend
-
-        prefill, decode = ctx.config.attention_backends()
-        if prefill is None or decode is None:
-            raise AttnplugError(
-                f"the attention pair is not resolved (prefill={prefill!r}, decode={decode!r}); "
-                f"run attnplug.resolve(config) first or set --attention-backend"
-            )
-        host = ctx.host
-        p, d = self.canonical(prefill, host), self.canonical(decode, host)
-        _, pb = self.build(p, ctx)
-        if p == d:
-            return pb
-        _, db = self.build(d, ctx)
-        return HybridBackend(pb, db, ctx.config.speculative_attention_mode)
+        """The backend serving ``ctx.config``'s resolved pair (``building.build_pair``)."""
+        return building.build_pair(self, ctx)
 
 
 _default: Registry | None = None

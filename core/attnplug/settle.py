@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .errors import AttnplugError, PluginError, UnknownBackendError
+from .errors import PluginError
 from .hookspecs import RegisterArchOverride, RegisterResolutionRule
 from .host import HostInfo
 from .hostview import BackendOnHost, HostView, ViewPorts

@@ -10,14 +10,14 @@ failures with it).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..config import AttentionConfig
 from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableError, ConfigError, PluginError,
                       UnknownBackendError)
 from ..host import HostInfo
 from .explain import Candidate, Resolution
-from .passes import best_for, layout_words, serve_problems, support_problems
+from .passes import layout_words, serve_problems, support_problems
 from .vocabulary import (
     AUTO,
     CONFIG_FIELDS,

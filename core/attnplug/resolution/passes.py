@@ -16,13 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from ..capabilities import host_layer_reasons, layer_reasons, support_reasons
+from .. import support
 from ..config import AttentionConfig
-from ..dtypes import kv_dtype_name
 from ..errors import PluginError
 from ..layer import LayerSpec
-from ..modes import ForwardMode
-from ..selector import half_for_mode
+from ..support import SupportQuery
 from .vocabulary import (  # noqa: F401  (re-exported: the vocabulary's names before it had a module)
     AUTO,
     BASE_FIELD,
@@ -55,34 +53,17 @@ def speculative_enabled(config: AttentionConfig) -> bool:
 def support_problems(view: Any, name: str, config: AttentionConfig, half: str,
                      layers: Sequence[LayerSpec] = ()) -> list[str]:
     """Why backend ``name`` cannot serve ``half`` of ``config`` (capabilities only; and the model's
-    attention ``layers`` when the host gives them); empty when it can."""
-    caps = view.get(name).capabilities
-    reasons = support_reasons(
-        caps, dtype=config.dtype, kv_cache_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
-        page_size=config.page_size,
-        kv_layout=config.kv_layout, cuda_graph=config.cuda_graph, deterministic=config.deterministic,
-    )
-    if speculative_enabled(config):
-        for mode in (ForwardMode.TARGET_VERIFY,):
-            if half_for_mode(mode, config.speculative_attention_mode) == half:
-                reasons.extend(support_reasons(caps, mode=mode))
-    for layer in layers:
-        for reason in layer_reasons(caps, layer):
-            text = f"layer {layer.layer_id}: {reason}"
-            if not any(r.endswith(reason) for r in reasons):  # one line per reason, naming its first layer
-                reasons.append(text)
-    return reasons
+    attention ``layers`` when the host gives them); empty when it can. The support query's answer."""
+    return support.reasons(SupportQuery.from_config(config, half, tuple(layers)), view.get(name).capabilities)
 
 
 def serve_problems(view: "HostView", name: str, config: AttentionConfig, half: str,
                    layers: Sequence[LayerSpec] = ()) -> list[str]:
-    """Availability on the view's host plus support for ``half`` of ``config`` (and ``layers``); empty
-    when ``name`` serves it."""
-    view.get(name)  # a conflict, or an unknown name, says so
-    entry = view.backends[name]
-    host_only = list(dict.fromkeys(f"layer {layer.layer_id}: {r}" for layer in layers
-                                   for r in host_layer_reasons(entry.capabilities, layer, view.host)))
-    return list(entry.availability.reasons) + support_problems(view, name, config, half, layers) + host_only[:1]
+    """Availability on the view's host plus support for ``half`` of ``config`` (and ``layers``, on this
+    host); empty when ``name`` serves it."""
+    caps = view.get(name).capabilities
+    query = SupportQuery.from_config(config, half, tuple(layers), host=view.host)
+    return list(view.backends[name].availability.reasons) + support.reasons(query, caps)
 
 
 def best_for(view: "HostView", config: AttentionConfig, half: str,
