@@ -47,14 +47,14 @@ from .discovery import (  # re-exported: the registry's public names before disc
 from .errors import (
     AttnplugError,
     BackendConflictError,
-    ConfigError,
     PluginError,
     UnknownBackendError,
 )
 from .host import HostInfo, detect_host
 from .hostview import HostView
 from .isolation import call_plugin, echo_output, output_note
-from .kvlayout import BUILTIN_LAYOUTS, KVLayout, builtin_layout
+from .kvlayout import KVLayout
+from .kvlayouts import LayoutTable
 from .settle import settle
 
 __all__ = [
@@ -94,11 +94,8 @@ class Registry:
         self._resolved: dict[tuple[str, HostInfo], str] = {}
         #: name or alias -> (distribution, why) for plugins set aside after registering it
         self._set_aside: dict[str, tuple[str, str]] = {}
-        #: KV layouts plugins define: name -> (distribution, "module:attr"); built ones cached in _layouts
-        self.layout_sources: dict[str, tuple[str, str]] = {}
-        #: layout name -> why it is unusable (two distributions define it, or a plugin redefines a core one)
-        self.layout_conflicts: dict[str, str] = {}
-        self._layouts: dict[str, KVLayout] = {}
+        #: the KV layouts plugins define (``kvlayouts.LayoutTable``)
+        self.layouts = LayoutTable()
 
     # -- discovery -----------------------------------------------------
     @classmethod
@@ -220,20 +217,7 @@ class Registry:
                     self._aliases[alias] = (d.name, deprecated)
                     self._alias_owner[alias] = src.distribution
             for layout, path in d.kv_layout_factories.items():
-                self._claim_layout(layout, path, src.distribution)
-
-    def _claim_layout(self, name: str, path: str, dist: str) -> None:
-        """Record ``dist``'s definition of KV layout ``name``; a clash makes it unusable, naming both."""
-        if name in BUILTIN_LAYOUTS:
-            self.layout_conflicts[name] = f"plugin {dist!r} redefines the core's layout {name!r} (ignored)"
-            return
-        owner = self.layout_sources.get(name)
-        if owner is not None and owner != (dist, path):
-            self.layout_conflicts[name] = (f"KV layout {name!r} is defined by both {owner[0]!r} ({owner[1]}) and "
-                                           f"{dist!r} ({path}); neither is used")
-            return
-        if name not in self.layout_conflicts:
-            self.layout_sources[name] = (dist, path)
+                self.layouts.claim(layout, path, src.distribution)
 
     def _claim(self, name: str, what: str, dist: str, claimed: dict[str, str]) -> bool:
         """Record ``dist``'s claim on ``name``; True when it conflicts with another distribution."""
@@ -451,42 +435,24 @@ class Registry:
             msg += ". Plugins filtered out: " + self._filtered_summary()
         return msg + ". Run `attnplug list` for details."
 
-    # -- KV layouts ----------------------------------------------------
+    # -- KV layouts (attnplug.kvlayouts) ---------------------------------------
+    @property
+    def layout_sources(self) -> dict[str, tuple[str, str]]:
+        """KV layouts plugins define: name -> (distribution, ``"module:attr"``)."""
+        return self.layouts.sources
+
+    @property
+    def layout_conflicts(self) -> dict[str, str]:
+        """Layout name -> why it is unusable (two distributions define it, or a plugin redefines a core one)."""
+        return self.layouts.conflicts
+
     def layout_names(self) -> dict[str, str]:
         """Every usable KV layout: name -> who defines it (``"core"`` or a distribution)."""
-        out = {n: "core" for n in BUILTIN_LAYOUTS}
-        out.update({n: dist for n, (dist, _) in self.layout_sources.items() if n not in self.layout_conflicts})
-        return out
+        return self.layouts.names()
 
     def kv_layout(self, name: str) -> KVLayout:
         """The ``KVLayout`` called ``name`` (the core's, or a plugin's, imported on first use)."""
-        if name in BUILTIN_LAYOUTS:
-            return builtin_layout(name)
-        if name in self._layouts:
-            return self._layouts[name]
-        if name in self.layout_conflicts:
-            raise ConfigError(self.layout_conflicts[name])
-        if name not in self.layout_sources:
-            raise ConfigError(f"KV layout {name!r} is not defined by the core or any installed plugin (known: "
-                              f"{', '.join(sorted(self.layout_names()))})")
-        dist, path = self.layout_sources[name]
-        module_name, _, attr = path.partition(":")
-
-        def load() -> Any:
-            import importlib
-
-            return getattr(importlib.import_module(module_name), attr)
-
-        what = f"loading KV layout {name!r} ({path})"
-        cls, out = call_plugin(dist, what, load)
-        echo_output(dist, what, out)
-        layout = cls
-        if isinstance(cls, type) and issubclass(cls, KVLayout):
-            layout, out = call_plugin(dist, what, cls)
-        if not isinstance(layout, KVLayout) or layout.name != name:
-            raise PluginError(dist, f"{path} must be a KVLayout subclass whose name is {name!r}; got {cls!r}")
-        self._layouts[name] = layout
-        return layout
+        return self.layouts.get(name)
 
     # -- building (attnplug.building) ------------------------------------
     def build_problems(self, desc: BackendDescriptor, ctx: Any) -> list[str]:
