@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
@@ -352,24 +351,7 @@ class Registry:
         Deprecated aliases warn with the replacement. Host-dependent names are
         answered by the ``attnplug_resolve_name`` hook once per (name, host).
         """
-        if not isinstance(name, str) or not name:
-            raise UnknownBackendError(f"attention backend name {name!r}: expected a non-empty str")
-        if name in self.conflicts:
-            raise self.conflicts[name]
-        if name in self.descriptors:
-            return name
-        if name in self._aliases:
-            canonical, deprecated = self._aliases[name]
-            if canonical in self.conflicts:
-                raise self.conflicts[canonical]
-            if deprecated:
-                warnings.warn(
-                    f"attention backend name {name!r} is deprecated; use {canonical!r}",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-            return canonical
-        return self.resolve_name(name, host or self.host)
+        return self.view(host).canonical(name)
 
     def resolve_name(self, name: str, host: HostInfo) -> str:
         """A host-dependent ``name`` answered by the ``attnplug_resolve_name`` hook, once per (name, host)."""

@@ -17,7 +17,7 @@ from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableErr
                       UnknownBackendError)
 from ..host import HostInfo
 from .explain import Candidate, Resolution
-from .passes import layout_words, serve_problems, support_problems
+from .passes import DEFAULT_PASSES, layout_words, serve_problems, support_problems
 from .vocabulary import (
     AUTO,
     CONFIG_FIELDS,
@@ -32,7 +32,6 @@ from .vocabulary import (
     Record,
     State,
 )
-from .passes import DEFAULT_PASSES
 
 if TYPE_CHECKING:
     from ..hostview import HostView

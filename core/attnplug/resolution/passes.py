@@ -21,24 +21,7 @@ from ..config import AttentionConfig
 from ..errors import PluginError
 from ..layer import LayerSpec
 from ..support import SupportQuery
-from .vocabulary import (  # noqa: F401  (re-exported: the vocabulary's names before it had a module)
-    AUTO,
-    BASE_FIELD,
-    CONFIG_FIELDS,
-    CORE,
-    DRAFT_FIELD,
-    HALF_FIELDS,
-    HALVES,
-    PAIR_FIELDS,
-    STAGES,
-    USER,
-    ArchOverride,
-    Declaration,
-    Pass,
-    Record,
-    ResolutionRule,
-    State,
-)
+from .vocabulary import AUTO, BASE_FIELD, CORE, HALF_FIELDS, HALVES, PAIR_FIELDS, Declaration, Pass, State
 
 if TYPE_CHECKING:
     from ..hostview import HostView
