@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .capabilities import Capabilities, support_reasons
+from .capabilities import Capabilities
 from .errors import MetadataNotInitializedError, NotSupportedError
 from .modes import ForwardMode
 
@@ -62,12 +62,15 @@ class AttentionBackend:
     def not_supported_reasons(self, layer: LayerSpec | None, ctx: BuildContext | None = None) -> list[str]:
         """Sentences saying why this backend cannot serve ``layer`` (under ``ctx``, by default the build
         context the registry recorded on the backend); empty if it can."""
-        kw: dict[str, Any] = {}
+        from .support import SupportQuery, reasons
+
         if ctx is None:
             ctx = self.__dict__.get("ctx")
-        if ctx is not None:
-            kw = dict(dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype, page_size=ctx.page_size, device=ctx.device)
-        return support_reasons(type(self).capabilities, layer, **kw)
+        # the support query of the context (its device as the host names it, its cache's layout), asked
+        # about this one layer: the context's own head dim, host and library floor were the build's to check
+        query = SupportQuery() if ctx is None else SupportQuery.from_context(ctx)
+        query = query.replace(layers=(layer,), name_layers=False, head_dim=None, host=None, floor_problem=None)
+        return reasons(query, type(self).capabilities)
 
     def children(self) -> tuple["AttentionBackend", ...]:
         """Backends this one contains (containers and wrappers override)."""

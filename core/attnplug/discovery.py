@@ -6,7 +6,8 @@ never loaded twice). ``plugin_filter()`` reads ``ATTNPLUG_PLUGINS`` and
 ``ATTNPLUG_DISABLE_PLUGINS``. ``load_sources()`` imports every source the
 filter lets through -- as plugin code, through :mod:`attnplug.isolation`, so
 whatever it raises or prints is recorded against its distribution -- and
-hands the module to the registry, which asks it to register its backends.
+hands the module to the ``register`` callable it was given (the registry's, which asks it to
+register its backends); this module knows no registry.
 
 The environment, as documented in ``docs/plugins.md``: both variables are
 comma-separated lists of distribution or entry-point names (``_``/``-``/``.``
@@ -22,13 +23,10 @@ import importlib
 import importlib.metadata as md
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .errors import PluginError, PluginFilterError
 from .isolation import call_plugin, output_note
-
-if TYPE_CHECKING:
-    from .registry import Registry
 
 ENTRY_POINT_GROUP = "attnplug.backends"
 ENV_ALLOW = "ATTNPLUG_PLUGINS"
@@ -161,43 +159,40 @@ def _shadowed_copies(dists: Mapping[str, str]) -> list[str]:
     return notes
 
 
-def load_sources(registry: "Registry", sources: Iterable[PluginSource], env: Mapping[str, str]) -> None:
-    """Filter, import and register ``sources`` into ``registry`` (see the module doc)."""
+#: ``register(module, source, record)``: hands a loaded descriptor module to whoever keeps the names
+Register = Callable[[Any, "PluginSource", PluginRecord], None]
+
+
+def load_sources(sources: Iterable[PluginSource], env: Mapping[str, str], *, register: Register,
+                 add: Callable[[PluginRecord], None], note: Callable[[str], None]) -> None:
+    """Filter and import ``sources``; each gets a ``PluginRecord`` (``add``), each loaded module goes to
+    ``register``, and what is worth telling (a filter naming nothing installed, a plugin that printed
+    while importing) to ``note``. Knows no registry: the caller passes these three callables."""
     sources = list(sources)
     flt = plugin_filter(env)
     known = {norm(s.name) for s in sources} | {norm(s.distribution) for s in sources}
     for var, names in ((ENV_ALLOW, flt.allow), (ENV_DENY, flt.deny)):
         for n in names:
             if norm(n) not in known:
-                registry.problems.append(
-                    f"{var} names {n!r}, which is no installed plugin "
-                    f"(installed: {', '.join(sorted(s.distribution for s in sources)) or 'none'})"
-                )
+                note(f"{var} names {n!r}, which is no installed plugin "
+                     f"(installed: {', '.join(sorted(s.distribution for s in sources)) or 'none'})")
     for src in sources:
         record = PluginRecord(src.name, src.distribution, src.version, src.module)
-        registry.plugins.append(record)
+        add(record)
         why = flt.reason_filtered(record)
         if why is not None:
             record.status, record.error = "filtered", why
             continue
-        _load_one(registry, src, record)
-
-
-def _load_one(registry: "Registry", src: PluginSource, record: PluginRecord) -> None:
-    what = f"import of {src.module!r}"
-    try:
-        module, out = call_plugin(src.distribution, what, src.loader)
-    except PluginError as exc:
-        record.status, record.error = "failed", exc.detail
-        return
-    _note_output(registry, record, what, out)
-    registry.register_plugin(module, src, record)
-
-
-def _note_output(registry: "Registry", record: PluginRecord, what: str, text: str) -> None:
-    if text:
-        record.output += text
-        registry.problems.append(output_note(record.distribution, what, text))
+        what = f"import of {src.module!r}"
+        try:
+            module, out = call_plugin(src.distribution, what, src.loader)
+        except PluginError as exc:
+            record.status, record.error = "failed", exc.detail
+            continue
+        if out:
+            record.output += out
+            note(output_note(record.distribution, what, out))
+        register(module, src, record)
 
 
 def in_process_source(module: Any, distribution: str, version: str = "0", name: str | None = None) -> PluginSource:

@@ -103,8 +103,9 @@ def attnplug_resolution_rules(register: RegisterResolutionRule) -> None:
     """Declare compatibility-fallback and forcing rules for the resolution chain.
 
     Call ``register(name, stage, rule, *, description=None)``; ``stage`` is
-    ``"fallback"`` or ``"force"`` and ``rule(host, config, registry) -> dict``
-    returns the fields it declares. ``force`` rules run right after the
+    ``"fallback"`` or ``"force"`` and ``rule(host, config, view) -> dict``
+    returns the fields it declares (``view``: the frozen ``HostView`` of ``host``,
+    read-only -- names, descriptors, availability and priority there). ``force`` rules run right after the
     architecture overrides; ``fallback`` rules run after the core's
     availability fallback, so they see a pair that can run here. Rules never
     override a field the user set.

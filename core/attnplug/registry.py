@@ -23,14 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
 from . import hookspecs
 from .backend import AttentionBackend
-from .capabilities import host_layer_reasons, layer_reasons, support_reasons
+from . import building
 from .descriptor import Availability, BackendDescriptor, descriptor_problems
 from .discovery import (  # re-exported: the registry's public names before discovery moved out
     ENTRY_POINT_GROUP,
@@ -47,16 +46,15 @@ from .discovery import (  # re-exported: the registry's public names before disc
 from .errors import (
     AttnplugError,
     BackendConflictError,
-    BackendUnavailableError,
-    ConfigError,
-    NotSupportedError,
     PluginError,
     UnknownBackendError,
 )
 from .host import HostInfo, detect_host
+from .hostview import HostView
 from .isolation import call_plugin, echo_output, output_note
-from .kvlayout import BUILTIN_LAYOUTS, KVLayout, builtin_layout
-from .stamps import stamp
+from .kvlayout import KVLayout
+from .kvlayouts import LayoutTable
+from .settle import settle
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENV_ALLOW", "ENV_DENY", "PluginRecord", "PluginSource", "Registry", "default_registry",
@@ -90,15 +88,13 @@ class Registry:
         self.conflicts: dict[str, BackendConflictError] = {}
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
-        self._availability: dict[tuple[str, HostInfo], Availability] = {}
+        #: the frozen view of each host settled so far (``view()``); dropped when the table changes
+        self._views: dict[HostInfo, HostView] = {}
         self._resolved: dict[tuple[str, HostInfo], str] = {}
         #: name or alias -> (distribution, why) for plugins set aside after registering it
         self._set_aside: dict[str, tuple[str, str]] = {}
-        #: KV layouts plugins define: name -> (distribution, "module:attr"); built ones cached in _layouts
-        self.layout_sources: dict[str, tuple[str, str]] = {}
-        #: layout name -> why it is unusable (two distributions define it, or a plugin redefines a core one)
-        self.layout_conflicts: dict[str, str] = {}
-        self._layouts: dict[str, KVLayout] = {}
+        #: the KV layouts plugins define (``kvlayouts.LayoutTable``)
+        self.layouts = LayoutTable()
 
     # -- discovery -----------------------------------------------------
     @classmethod
@@ -118,7 +114,9 @@ class Registry:
 
     def load_sources(self, sources: list[PluginSource], env: Mapping[str, str] | None = None) -> None:
         """Filter, import and register ``sources`` (see :mod:`attnplug.discovery`)."""
-        load_sources(self, sources, {} if env is None else env)
+        load_sources(sources, {} if env is None else env, register=self.register_plugin, add=self.plugins.append,
+                     note=self.problems.append)
+        self._views.clear()
 
     def register_plugin(self, module: Any, src: PluginSource, record: PluginRecord) -> None:
         """Add a loaded descriptor module: its hooks, then the backends it registers (all or none)."""
@@ -144,6 +142,7 @@ class Registry:
             record.status, record.error = "failed", exc.detail
             return
         self._commit(staged, src)
+        self._views.clear()
         record.backends = [d.name for d in staged if self.descriptors.get(d.name) is d]
 
     # -- hooks -----------------------------------------------------------
@@ -217,20 +216,7 @@ class Registry:
                     self._aliases[alias] = (d.name, deprecated)
                     self._alias_owner[alias] = src.distribution
             for layout, path in d.kv_layout_factories.items():
-                self._claim_layout(layout, path, src.distribution)
-
-    def _claim_layout(self, name: str, path: str, dist: str) -> None:
-        """Record ``dist``'s definition of KV layout ``name``; a clash makes it unusable, naming both."""
-        if name in BUILTIN_LAYOUTS:
-            self.layout_conflicts[name] = f"plugin {dist!r} redefines the core's layout {name!r} (ignored)"
-            return
-        owner = self.layout_sources.get(name)
-        if owner is not None and owner != (dist, path):
-            self.layout_conflicts[name] = (f"KV layout {name!r} is defined by both {owner[0]!r} ({owner[1]}) and "
-                                           f"{dist!r} ({path}); neither is used")
-            return
-        if name not in self.layout_conflicts:
-            self.layout_sources[name] = (dist, path)
+                self.layouts.claim(layout, path, src.distribution)
 
     def _claim(self, name: str, what: str, dist: str, claimed: dict[str, str]) -> bool:
         """Record ``dist``'s claim on ``name``; True when it conflicts with another distribution."""
@@ -272,6 +258,7 @@ class Registry:
             if record.distribution == distribution and record.status == "loaded":
                 record.status, record.error = "failed", why
         self._resolved.clear()
+        self._views.clear()
 
     # -- queries -------------------------------------------------------
     @property
@@ -296,7 +283,7 @@ class Registry:
         try:
             return self.descriptors[name]
         except KeyError:
-            raise UnknownBackendError(self._unknown_message(name, self.host)) from None
+            raise UnknownBackendError(self.unknown_message(name, self.host)) from None
 
     def failed_plugins(self) -> list[PluginRecord]:
         """Plugins set aside (import error, broken hook, malformed value), with distribution and error."""
@@ -306,45 +293,39 @@ class Registry:
         """Plugins skipped by ``ATTNPLUG_PLUGINS`` / ``ATTNPLUG_DISABLE_PLUGINS``."""
         return [p for p in self.plugins if p.status == "filtered"]
 
-    def availability(self, name: str, host: HostInfo | None = None) -> Availability:
-        """Whether ``name`` can run on ``host``, with the reasons when not (cached per host)."""
+    def view(self, host: HostInfo | None = None) -> HostView:
+        """The frozen view of ``host`` (this registry's host when not given): every probe, priority
+        function and collecting hook asked once (``settle.settle``), kept until the table changes."""
         host = host or self.host
+        view = self._views.get(host)
+        if view is None:
+            view = self._views[host] = settle(self, host)
+        return view
+
+    def availability(self, name: str, host: HostInfo | None = None) -> Availability:
+        """Whether ``name`` can run on ``host``, with the reasons when not (the host's view)."""
         if name in self._set_aside:
             return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
-        key = (name, host)
-        if key not in self._availability:
-            desc = self.get(name)
-            try:
-                # the priority function is asked here too, so a malformed one is found before
-                # the backend is chosen, not after
-                desc.priority_on(host)
-                self._availability[key] = desc.check_availability(host)
-            except PluginError as exc:  # a probe or priority function broke the contract
-                self.set_aside(desc.distribution, exc.detail)
-                return Availability(False, (f"set aside: {exc}",))
-        return self._availability[key]
+        view = self.view(host)
+        if name in self._set_aside:  # settling the host set its plugin aside
+            return Availability(False, (f"set aside: {self._set_aside[name][1]}",))
+        return view.availability(name)
 
     def settle(self, host: HostInfo | None = None) -> None:
-        """Ask every backend's probe and priority function about ``host`` now, so a plugin that
-        breaks the contract is set aside before anything iterates the names (cached per host)."""
-        for name in self.names():
-            self.availability(name, host)
+        """Settle ``host`` now (see ``view``), so a plugin that breaks the contract is set aside
+        before anything iterates the names."""
+        self.view(host)
 
     def priority(self, name: str, host: HostInfo | None = None) -> int | None:
-        """``name``'s default priority on ``host``; a priority function that raises or answers
-        with the wrong type sets its plugin aside (and counts as no priority)."""
+        """``name``'s default priority on ``host`` (the host's view; a set-aside plugin has none)."""
+        view = self.view(host)
         if name in self._set_aside:
             return None
-        desc = self.get(name)
-        try:
-            return desc.priority_on(host or self.host)
-        except PluginError as exc:
-            self.set_aside(desc.distribution, exc.detail)
-            return None
+        return view.priority(name)
 
     def available_names(self, host: HostInfo | None = None) -> list[str]:
         """Canonical names of the backends available on ``host``."""
-        return [n for n in self.names() if self.availability(n, host)]
+        return self.view(host).available_names()
 
     def empty_hint(self) -> str:
         """What to say when no backend is registered: filtered, failed, or none installed."""
@@ -370,24 +351,10 @@ class Registry:
         Deprecated aliases warn with the replacement. Host-dependent names are
         answered by the ``attnplug_resolve_name`` hook once per (name, host).
         """
-        if not isinstance(name, str) or not name:
-            raise UnknownBackendError(f"attention backend name {name!r}: expected a non-empty str")
-        if name in self.conflicts:
-            raise self.conflicts[name]
-        if name in self.descriptors:
-            return name
-        if name in self._aliases:
-            canonical, deprecated = self._aliases[name]
-            if canonical in self.conflicts:
-                raise self.conflicts[canonical]
-            if deprecated:
-                warnings.warn(
-                    f"attention backend name {name!r} is deprecated; use {canonical!r}",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-            return canonical
-        host = host or self.host
+        return self.view(host).canonical(name)
+
+    def resolve_name(self, name: str, host: HostInfo) -> str:
+        """A host-dependent ``name`` answered by the ``attnplug_resolve_name`` hook, once per (name, host)."""
         key = (name, host)
         if key not in self._resolved:
             self._resolved[key] = self._resolve_by_hook(name, host)
@@ -398,7 +365,7 @@ class Registry:
             (d, a) for d, a in self.call_hook("attnplug_resolve_name", name=name, host=host) if a is not None
         ]
         if not answers:
-            raise UnknownBackendError(self._unknown_message(name, host))
+            raise UnknownBackendError(self.unknown_message(name, host))
         if len({a for _, a in answers}) > 1:
             raise AttnplugError(
                 f"name {name!r} is resolved differently by "
@@ -432,7 +399,8 @@ class Registry:
             return True
         return any(p.status == "failed" and not p.backends for p in self.plugins)
 
-    def _unknown_message(self, name: str, host: HostInfo) -> str:
+    def unknown_message(self, name: str, host: HostInfo) -> str:
+        """Why ``name`` is unknown: what is available here, unavailable, in conflict, set aside or filtered."""
         self.settle(host)
         avail = [n for n in self.names() if self.availability(n, host)]
         unavail = [f"{n} ({'; '.join(self.availability(n, host).reasons)})" for n in self.names()
@@ -451,161 +419,41 @@ class Registry:
             msg += ". Plugins filtered out: " + self._filtered_summary()
         return msg + ". Run `attnplug list` for details."
 
-    # -- KV layouts ----------------------------------------------------
+    # -- KV layouts (attnplug.kvlayouts) ---------------------------------------
+    @property
+    def layout_sources(self) -> dict[str, tuple[str, str]]:
+        """KV layouts plugins define: name -> (distribution, ``"module:attr"``)."""
+        return self.layouts.sources
+
+    @property
+    def layout_conflicts(self) -> dict[str, str]:
+        """Layout name -> why it is unusable (two distributions define it, or a plugin redefines a core one)."""
+        return self.layouts.conflicts
+
     def layout_names(self) -> dict[str, str]:
         """Every usable KV layout: name -> who defines it (``"core"`` or a distribution)."""
-        out = {n: "core" for n in BUILTIN_LAYOUTS}
-        out.update({n: dist for n, (dist, _) in self.layout_sources.items() if n not in self.layout_conflicts})
-        return out
+        return self.layouts.names()
 
     def kv_layout(self, name: str) -> KVLayout:
         """The ``KVLayout`` called ``name`` (the core's, or a plugin's, imported on first use)."""
-        if name in BUILTIN_LAYOUTS:
-            return builtin_layout(name)
-        if name in self._layouts:
-            return self._layouts[name]
-        if name in self.layout_conflicts:
-            raise ConfigError(self.layout_conflicts[name])
-        if name not in self.layout_sources:
-            raise ConfigError(f"KV layout {name!r} is not defined by the core or any installed plugin (known: "
-                              f"{', '.join(sorted(self.layout_names()))})")
-        dist, path = self.layout_sources[name]
-        module_name, _, attr = path.partition(":")
+        return self.layouts.get(name)
 
-        def load() -> Any:
-            import importlib
-
-            return getattr(importlib.import_module(module_name), attr)
-
-        what = f"loading KV layout {name!r} ({path})"
-        cls, out = call_plugin(dist, what, load)
-        echo_output(dist, what, out)
-        layout = cls
-        if isinstance(cls, type) and issubclass(cls, KVLayout):
-            layout, out = call_plugin(dist, what, cls)
-        if not isinstance(layout, KVLayout) or layout.name != name:
-            raise PluginError(dist, f"{path} must be a KVLayout subclass whose name is {name!r}; got {cls!r}")
-        self._layouts[name] = layout
-        return layout
-
-    # -- building ------------------------------------------------------
+    # -- building (attnplug.building) ------------------------------------
     def build_problems(self, desc: BackendDescriptor, ctx: Any) -> list[str]:
-        """Why ``desc``'s declared capabilities cannot serve the build context ``ctx`` (the core's
-        ``support_reasons``: dtype, KV-cache dtype, page size, device, head dims, the layers)."""
-        device = str(getattr(ctx, "device", "cpu")).split(":", 1)[0]
-        if device == "cuda" and ctx.host.platform == "rocm":
-            device = "rocm"  # torch names ROCm devices "cuda"
-        caps = desc.capabilities
-        layout = getattr(getattr(ctx, "kv_cache", None), "layout", None)
-        reasons = support_reasons(caps, dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype,
-                                  page_size=ctx.page_size, device=device,
-                                  kv_layout=getattr(layout, "name", None))
-        if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
-            reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
-        for layer in getattr(ctx, "layers", ()) or ():
-            for reason in layer_reasons(caps, layer) + host_layer_reasons(caps, layer, getattr(ctx, "host", None)):
-                text = f"layer {getattr(layer, 'layer_id', '?')}: {reason}"
-                if reason not in reasons and text not in reasons:
-                    reasons.append(text)
-        return reasons
+        """Why ``desc`` cannot serve the build context ``ctx`` (``building.build_problems``)."""
+        return building.build_problems(desc, ctx)
 
     def build(self, name: str, ctx: Any) -> tuple[str, AttentionBackend]:
-        """Build backend ``name`` for ``ctx``; returns the stamped ``(effective_name, backend)``.
-
-        Refuses with ``NotSupportedError`` (the reasons of ``support_reasons``)
-        when ``ctx`` asks for what the backend does not claim.
-        """
-        host = ctx.host
-        canonical = self.canonical(name, host)
-        desc = self.get(canonical)
-        avail = self.availability(canonical, host)
-        if not avail:
-            others = [n for n in self.available_names(host) if n != canonical]
-            raise BackendUnavailableError(canonical, avail.reasons, f"Available here: {', '.join(others) or 'none'}")
-        problems = self.build_problems(desc, ctx)
-        if problems:
-            raise NotSupportedError(canonical, problems, what="the build context it was asked for "
-                                    "(its declared capabilities do not claim it)")
-        what = f"loading factory {desc.factory!r} of backend {canonical!r}"
-        factory, out = call_plugin(desc.distribution, what, desc.load_factory)
-        echo_output(desc.distribution, what, out)
-        what = f"factory of backend {canonical!r}"
-        try:
-            result, out = call_plugin(desc.distribution, what, factory, ctx)
-        except PluginError as exc:
-            if isinstance(exc.__cause__, AttnplugError) and not isinstance(exc.__cause__, PluginError):
-                raise exc.__cause__ from None  # already names what is at fault (e.g. NotSupportedError)
-            raise
-        echo_output(desc.distribution, what, out)
-        effective, backend = self.validate_factory_result(result, desc)
-        stamp(backend, effective)
-        if getattr(backend, "ctx", None) is None:
-            try:  # what it was built for: not_supported_reasons(layer) answers for it
-                backend.ctx = ctx
-            except AttributeError:  # pragma: no cover - a backend with __slots__ or a read-only ctx
-                pass
-        return effective, backend
+        """Build backend ``name`` for ``ctx``; the stamped ``(effective_name, backend)`` (``building.build``)."""
+        return building.build(self, name, ctx)
 
     def validate_factory_result(self, result: Any, desc: BackendDescriptor) -> tuple[str, AttentionBackend]:
-        """Check a factory's ``(effective_name, backend)``; ``PluginError`` naming the distribution otherwise."""
-        where = f"factory of backend {desc.name!r} returned"
-        if result is None:
-            raise PluginError(desc.distribution, f"{where} None; it must return (effective_name, backend)")
-        if isinstance(result, AttentionBackend):
-            raise PluginError(
-                desc.distribution,
-                f"{where} a bare {type(result).__name__}; it must return (effective_name, backend)",
-            )
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise PluginError(desc.distribution, f"{where} {result!r}; it must return (effective_name, backend)")
-        effective, backend = result
-        if not isinstance(effective, str):
-            raise PluginError(desc.distribution, f"{where} effective name {effective!r}; it must be a str")
-        if effective in self._aliases:
-            raise PluginError(
-                desc.distribution,
-                f"{where} the alias {effective!r} as its effective name; return the canonical name "
-                f"{self._aliases[effective][0]!r}",
-            )
-        if effective not in self.descriptors:
-            raise PluginError(
-                desc.distribution,
-                f"{where} effective name {effective!r}, which is not a registered backend "
-                f"(registered: {', '.join(self.names())})",
-            )
-        owner = self.descriptors[effective].distribution
-        if owner != desc.distribution and effective not in desc.delegates_to:
-            raise PluginError(
-                desc.distribution,
-                f"{where} effective name {effective!r}, which belongs to distribution {owner!r}; a factory "
-                f"answers a name of its own distribution, or one it declares in BackendDescriptor.delegates_to",
-            )
-        if not isinstance(backend, AttentionBackend):
-            raise PluginError(
-                desc.distribution,
-                f"{where} ({effective!r}, {type(backend).__name__}); the backend must subclass "
-                f"attnplug.AttentionBackend",
-            )
-        return effective, backend
+        """Check a factory's ``(effective_name, backend)`` (``building.validate_factory_result``)."""
+        return building.validate_factory_result(self, result, desc)
 
     def build_pair(self, ctx: Any) -> AttentionBackend:
-        """Build the backend serving ``ctx.config``'s resolved pair: one backend, or a
-        ``HybridBackend`` when the halves differ."""
-        from .hybrid import HybridBackend
-
-        prefill, decode = ctx.config.attention_backends()
-        if prefill is None or decode is None:
-            raise AttnplugError(
-                f"the attention pair is not resolved (prefill={prefill!r}, decode={decode!r}); "
-                f"run attnplug.resolve(config) first or set --attention-backend"
-            )
-        host = ctx.host
-        p, d = self.canonical(prefill, host), self.canonical(decode, host)
-        _, pb = self.build(p, ctx)
-        if p == d:
-            return pb
-        _, db = self.build(d, ctx)
-        return HybridBackend(pb, db, ctx.config.speculative_attention_mode)
+        """The backend serving ``ctx.config``'s resolved pair (``building.build_pair``)."""
+        return building.build_pair(self, ctx)
 
 
 _default: Registry | None = None

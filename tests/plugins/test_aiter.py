@@ -287,9 +287,13 @@ def test_decode_window_trims_rows_and_verify_rows_follow_the_tree():
 def test_guards_and_versions():
     assert M.parse_version("0.1.10.post1+rocm7.0") > M.parse_version("0.1.10") > M.parse_version("0.1.9.post1")
     assert M.parse_version("0.1.10+rocm7.0") == M.parse_version("0.1.10")
-    M.check_library_version("0.1.12", "0.1.10")
-    with pytest.raises(RuntimeError, match="found 0.1.9"):
-        M.check_library_version("0.1.9", "0.1.10")
+    # the floor is Registry.build's (the support query), before the factory imports aiter
+    for version, refused in (("0.1.12", False), ("0.1.9", True)):
+        host = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": version})
+        problems = _registry(DIST).build_problems(_registry(DIST).get("aiter"),
+                                                  BuildContext(config=AttentionConfig(), host=host, device="cuda",
+                                                               dtype="bfloat16", head_dim=128))
+        assert any("found 0.1.9" in p for p in problems) is refused, problems
     assert M.window_size(LayerSpec(0, 2, 1, 64, sliding_window=8)) == (8, 0)
     assert M.window_size(LayerSpec(0, 2, 1, 64)) == (-1, -1)
     assert M.max_num_partitions(4096) == 16 and M.max_num_partitions(4097) == 17

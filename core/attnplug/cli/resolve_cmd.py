@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from attnplug.config import config_from_args
     from attnplug.host import HostInfo
     from attnplug.registry import default_registry
-    from attnplug.resolution import collect_arch_overrides, collect_resolution_rules, trace
+    from attnplug.resolution import trace
     from attnplug.resolution.explain import overrides_table
 
     from attnplug.errors import AttnplugError, UnknownBackendError
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     registry = default_registry()
     if args.list_overrides:
         try:
-            overrides, rules = collect_arch_overrides(registry), collect_resolution_rules(registry)
+            view = registry.view()
+            overrides, rules = list(view.overrides), list(view.rules)
         except AttnplugError as exc:  # a plugin's hook raised: it is named in the message
             print(f"attnplug resolve: {exc}", file=sys.stderr)
             return 1

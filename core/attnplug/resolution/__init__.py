@@ -9,19 +9,11 @@ global state. See ``docs/resolution.md``.
 
 from __future__ import annotations
 
-from .chain import resolve, trace
-from .explain import Candidate, Resolution
-from .passes import (
-    AUTO,
-    DEFAULT_PASSES,
-    ArchOverride,
-    Declaration,
-    Pass,
-    Record,
-    ResolutionRule,
-    collect_arch_overrides,
-    collect_resolution_rules,
-)
+from typing import Any
+
+from .chain import Candidate, Resolution, host_view, resolve, trace
+from .passes import DEFAULT_PASSES
+from .vocabulary import AUTO, ArchOverride, Declaration, Pass, Record, ResolutionRule
 
 __all__ = [
     "AUTO",
@@ -35,6 +27,17 @@ __all__ = [
     "ResolutionRule",
     "collect_arch_overrides",
     "collect_resolution_rules",
+    "host_view",
     "resolve",
     "trace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # the collectors run plugin hooks: they belong to settling a host (attnplug.settle), imported
+    # only when asked for, so resolution's own modules never import the registry's world
+    if name in ("collect_arch_overrides", "collect_resolution_rules"):
+        from .. import settle
+
+        return getattr(settle, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

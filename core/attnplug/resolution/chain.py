@@ -17,11 +17,11 @@ from ..errors import (AttnplugError, BackendConflictError, BackendUnavailableErr
                       UnknownBackendError)
 from ..host import HostInfo
 from .explain import Candidate, Resolution
-from .passes import (
+from .passes import DEFAULT_PASSES, layout_words, serve_problems, support_problems
+from .vocabulary import (
     AUTO,
     CONFIG_FIELDS,
     CORE,
-    DEFAULT_PASSES,
     DRAFT_FIELD,
     HALF_FIELDS,
     HALVES,
@@ -31,15 +31,10 @@ from .passes import (
     Pass,
     Record,
     State,
-    collect_arch_overrides,
-    collect_resolution_rules,
-    ranked,
-    layout_words,
-    serve_problems,
-    support_problems,
 )
 
 if TYPE_CHECKING:
+    from ..hostview import HostView
     from ..registry import Registry
 
 NAME_FIELDS: frozenset[str] = PAIR_FIELDS | {DRAFT_FIELD}
@@ -67,32 +62,31 @@ def trace(
     config: AttentionConfig | None = None,
     arch: str | None = None,
     host: HostInfo | None = None,
-    registry: "Registry | None" = None,
+    registry: "Registry | HostView | None" = None,
     passes: Sequence[Pass] = DEFAULT_PASSES,
     layers: Sequence[Any] = (),
 ) -> Resolution:
-    """Run the chain; never raises an ``AttnplugError``/``ValueError``: it is returned in ``error``."""
-    if registry is None:
-        from ..registry import default_registry
+    """Run the chain; never raises an ``AttnplugError``/``ValueError``: it is returned in ``error``.
 
-        registry = default_registry()
+    Reads only the registry's frozen view of ``host`` (``registry`` may be that view itself): the
+    plugins' probes, priorities and collecting hooks ran when the host was settled, not here."""
+    view = host_view(registry, host)
     config = AttentionConfig() if config is None else config
-    host = host or registry.host
-    registry.settle(host)  # a plugin with a malformed probe/priority is set aside before the passes
-    set_aside: dict[str, str] = {}
+    set_aside: dict[str, str] = dict(view.set_aside)
     while True:
-        chain = _Chain(config, arch, host, registry, tuple(layers))
+        chain = _Chain(config, arch, view, tuple(layers))
         try:
             chain.run(passes)
         except PluginError as exc:
-            if not _sets_aside(registry, exc):
+            if not _sets_aside(view, exc):
                 chain.error = exc
             else:
-                # a plugin's hook raised or answered with a malformed value (check_config returning a
-                # str, a rule with an unknown stage, an override returning a list): the contract sets
-                # that plugin aside, and resolution runs again for everyone else
-                registry.set_aside(exc.distribution, exc.detail)
+                # a plugin's rule raised or answered with a malformed value (check_config returning a
+                # str, an override returning a list): the contract sets that plugin aside, and
+                # resolution runs again for everyone else, over the host settled without it
+                view = view.without(exc.distribution, exc.detail)
                 set_aside[exc.distribution] = exc.detail
+                set_aside.update(view.set_aside)
                 continue
         except (AttnplugError, ValueError) as exc:
             chain.error = exc
@@ -101,36 +95,48 @@ def trace(
     return dataclasses.replace(result, set_aside=set_aside) if set_aside else result
 
 
-def vet_hooks(registry: "Registry", host: HostInfo | None = None) -> dict[str, str]:
-    """Ask every resolution hook now, the way ``Registry.settle`` asks every probe: the default
-    resolution once, then once per architecture the plugins declare overrides for (what ``attnplug
-    resolve [--arch A]`` does), so a plugin whose hook breaks the contract is set aside before
-    ``attnplug list`` shows the table. Returns ``{distribution: why}`` of the plugins set aside."""
-    host = host or registry.host
-    found = dict(trace(AttentionConfig(), host=host, registry=registry).set_aside)
-    try:
-        archs = sorted({a for o in collect_arch_overrides(registry) for a in o.archs})
-    except AttnplugError:  # pragma: no cover - the trace above set a raising collector aside
-        archs = []
-    for arch in archs:
-        found.update(trace(AttentionConfig(), arch=arch, host=host, registry=registry).set_aside)
+def host_view(registry: "Registry | HostView | None", host: HostInfo | None = None) -> "HostView":
+    """The frozen view resolution reads: ``registry`` settled for ``host`` (the process's registry
+    and this host when not given)."""
+    if registry is None:
+        from ..registry import default_registry
+
+        registry = default_registry()
+    if hasattr(registry, "view"):
+        return registry.view(host)
+    if host is not None and host != registry.host:
+        raise ValueError(f"a view of host {registry.host.describe()} cannot resolve for {host.describe()}")
+    return registry
+
+
+def vet_hooks(registry: "Registry | HostView", host: HostInfo | None = None) -> dict[str, str]:
+    """Ask every resolution rule now, the way settling asks every probe: the default resolution
+    once, then once per architecture the plugins declare overrides for (what ``attnplug resolve
+    [--arch A]`` does), so a plugin whose rule breaks the contract is set aside before ``attnplug
+    list`` shows the table. Returns ``{distribution: why}`` of the plugins set aside."""
+    view = host_view(registry, host)
+    found = dict(trace(AttentionConfig(), registry=view).set_aside)
+    view = host_view(registry, host) if found else view
+    for arch in sorted({a for o in view.overrides for a in o.archs}):
+        found.update(trace(AttentionConfig(), arch=arch, registry=view).set_aside)
+        view = host_view(registry, host)
     return found
 
 
-def _sets_aside(registry: "Registry", exc: PluginError) -> bool:
+def _sets_aside(view: "HostView", exc: PluginError) -> bool:
     """Whether ``exc`` is a loaded plugin breaking the hook contract (set it aside), rather than a
     name conflict or a plugin that is already out."""
     if isinstance(exc, BackendConflictError):
         return False
-    return any(p.distribution == exc.distribution and p.status == "loaded" for p in registry.plugins)
+    return exc.distribution in view.loaded
 
 
 class _Chain:
     """One run of the chain. Holds the pins; every change goes through ``offer``."""
 
-    def __init__(self, user: AttentionConfig, arch: str | None, host: HostInfo, registry: "Registry",
+    def __init__(self, user: AttentionConfig, arch: str | None, view: "HostView",
                  layers: tuple[Any, ...] = ()) -> None:
-        self.user, self.arch, self.host, self.registry = user, arch, host, registry
+        self.user, self.arch, self.host, self.view = user, arch, view.host, view
         self.layers = layers
         self.config = user
         self.records: list[Record] = []
@@ -174,15 +180,15 @@ class _Chain:
             raise _plugin_error(source)(f"{field}={value!r} is not a backend name")
         if source == USER:
             try:
-                return self.registry.canonical(value, self.host)
+                return self.view.canonical(value)
             except UnknownBackendError as exc:
                 flag = "--" + field.replace("_", "-")
                 err = UnknownBackendError(f"{field}={value!r} (flag {flag}): {exc}")
                 #: not the user's mistake: the name's plugin failed to load or was set aside
-                err.plugin_fault = self.registry.removed_by_plugin_fault(value)  # type: ignore[attr-defined]
+                err.plugin_fault = self.view.removed_by_plugin_fault(value)  # type: ignore[attr-defined]
                 raise err from None
         try:
-            return self.registry.canonical(value, self.host)
+            return self.view.canonical(value)
         except PluginError:
             raise
         except AttnplugError as exc:
@@ -191,12 +197,10 @@ class _Chain:
     # -- passes ----------------------------------------------------------
     def run(self, passes: Sequence[Pass]) -> None:
         self.pin_user_choices()
-        overrides = tuple(collect_arch_overrides(self.registry))
-        rules = tuple(collect_resolution_rules(self.registry))
         for p in passes:
             self.passes_run.append((p.name, p.description))
-            state = State(self.config, self.arch, self.host, self.registry, dict(self.pinned_halves),
-                          overrides, rules, self.layers)
+            state = State(self.config, self.arch, self.host, self.view, dict(self.pinned_halves),
+                          self.view.overrides, self.view.rules, self.layers)
             for decl in p.run(state):
                 self.offer(p, decl)
         self.check()
@@ -257,18 +261,18 @@ class _Chain:
 
     # -- checks ------------------------------------------------------------
     def check(self) -> None:
-        cfg, reg, host = self.config, self.registry, self.host
+        cfg, reg = self.config, self.view
         pair = dict(zip(HALVES, cfg.attention_backends()))
         for half in HALVES:
             name = pair[half]
             if name is None or name == AUTO:
                 raise self.nothing_serves(half)
             if half not in self.pinned_halves:
-                problems = serve_problems(reg, host, name, cfg, half, self.layers)
+                problems = serve_problems(reg, name, cfg, half, self.layers)
                 if problems:
                     raise self.pass_choice_fails(half, name, problems)
                 continue
-            avail = reg.availability(name, host)
+            avail = reg.availability(name)
             if not avail:
                 serving = self.serving(half)
                 hint = (f"Backends that would serve this configuration here: {', '.join(serving)}"
@@ -286,15 +290,15 @@ class _Chain:
         used = list(dict.fromkeys(n for n in pair.values() if n is not None))
         draft = cfg.speculative_draft_attention_backend
         if draft is not None:
-            avail = reg.availability(draft, host)
+            avail = reg.availability(draft)
             if not avail:
                 raise BackendUnavailableError(draft, list(avail.reasons),
                                               f"(the speculative draft backend) Available here: "
-                                              f"{', '.join(reg.available_names(host)) or 'none'}")
+                                              f"{', '.join(reg.available_names()) or 'none'}")
             used.append(draft)
         for name in dict.fromkeys(used):
             desc = reg.get(name)
-            problem = desc.library_floor_problem(host)
+            problem = reg.backends[name].floor_problem
             if problem:
                 halves = [h for h in HALVES if pair[h] == name] or ["draft"]
                 raise ConfigError(
@@ -305,7 +309,7 @@ class _Chain:
 
     def check_layout(self, prefill: str, decode: str) -> None:
         """Both halves read the one KV layout (``run_kv_layout`` chose it, or the user did)."""
-        reg, layout = self.registry, self.config.kv_layout
+        reg, layout = self.view, self.config.kv_layout
         known = reg.layout_names()
         if layout is not None and layout not in known:
             why = reg.layout_conflicts.get(layout, "")
@@ -322,22 +326,21 @@ class _Chain:
 
     def check_hook(self, cfg: AttentionConfig) -> None:
         found: list[str] = []
-        for dist, problems in self.registry.call_hook("attnplug_check_config", config=cfg, host=self.host):
+        for dist, problems in self.view.check_config(cfg):
             found.extend(f"plugin {dist!r}: {p}" for p in (problems or []))
         if found:
             raise ConfigError("the resolved configuration fails plugin checks: " + "; ".join(found))
 
     def serving(self, half: str) -> list[str]:
-        return [n for n, _ in ranked(self.registry, self.host)
-                if not serve_problems(self.registry, self.host, n, self.config, half, self.layers)] + \
-            [n for n in self.registry.names()
-             if self.registry.priority(n, self.host) is None
-             and not serve_problems(self.registry, self.host, n, self.config, half, self.layers)]
+        view = self.view
+        return [n for n, _ in view.ranked() if not serve_problems(view, n, self.config, half, self.layers)] + \
+            [n for n in view.names()
+             if view.priority(n) is None and not serve_problems(view, n, self.config, half, self.layers)]
 
     def deterministic_message(self, half: str, name: str) -> str:
-        reg = self.registry
+        reg = self.view
         det = [n for n in reg.names() if reg.get(n).capabilities.deterministic]
-        here = [n for n in det if reg.availability(n, self.host)]
+        here = [n for n in det if reg.availability(n)]
         return (f"deterministic inference needs a backend that declares deterministic output; {name!r} "
                 f"(your choice for the {half} half) does not. Backends that do: {', '.join(det) or 'none'}"
                 f" (available here: {', '.join(here) or 'none'})")
@@ -357,11 +360,11 @@ class _Chain:
             f"Backends that would: {', '.join(serving)}")
 
     def nothing_serves(self, half: str) -> AttnplugError:
-        reg = self.registry
+        reg = self.view
         lines = []
         for n in reg.names():
-            problems = serve_problems(reg, self.host, n, self.config, half, self.layers)
-            if reg.priority(n, self.host) is None:
+            problems = serve_problems(reg, n, self.config, half, self.layers)
+            if reg.priority(n) is None:
                 problems.append(f"no default priority on {self.host.platform}")
             lines.append(f"{n} ({'; '.join(problems) or 'ok'})")
         msg = (f"no attention backend serves the {half} half of this configuration on this host "
@@ -373,17 +376,16 @@ class _Chain:
 
     # -- result ------------------------------------------------------------
     def result(self) -> Resolution:
-        reg, host = self.registry, self.host
+        reg, host = self.view, self.host
         cands = []
-        for n in reg.names():
-            d = reg.get(n)
-            avail = reg.availability(n, host)
+        for n, b in reg.backends.items():
+            d = b.descriptor
             try:
-                problems = {h: tuple(serve_problems(reg, host, n, self.config, h, self.layers)) for h in HALVES}
+                problems = {h: tuple(serve_problems(reg, n, self.config, h, self.layers)) for h in HALVES}
             except ValueError as exc:  # an invalid dtype in the config: say so per backend
                 problems = {h: (str(exc),) for h in HALVES}
-            cands.append(Candidate(n, d.distribution, d.version, reg.priority(n, host), avail.available, problems,
-                                   d.library_floor_problem(host)))
+            cands.append(Candidate(n, d.distribution, d.version, b.priority, b.availability.available, problems,
+                                   b.floor_problem))
         return Resolution(
             config=self.config, user_config=self.user, arch=self.arch, host=host, records=tuple(self.records),
             pinned=dict(self.user_pins), passes=tuple(self.passes_run), candidates=tuple(cands),

@@ -1,7 +1,7 @@
 """A resolution and its explanation: ``Resolution``/``Candidate`` (the result the chain
 returns), text for people, a dict for ``--json``.
 
-Imports only ``passes`` (never ``chain``): the chain builds a ``Resolution``;
+Imports only ``vocabulary`` (never ``chain``): the chain builds a ``Resolution``;
 this module reads one.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..config import AttentionConfig
 from ..host import HostInfo
-from .passes import HALVES, PAIR_FIELDS, ArchOverride, Record, ResolutionRule
+from .vocabulary import HALVES, PAIR_FIELDS, ArchOverride, Record, ResolutionRule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.probes import version_key as parse_version
+from attnplug.probes import version_key as parse_version  # noqa: F401  (the plugin's version order)
 from attnplug.errors import ShapeError
 from attnplug.kvcache import indptr
 from attnplug import ForwardMode
@@ -210,10 +210,3 @@ def workspace_bytes(max_rows: int, num_heads: int, head_dim: int, max_context_le
 def check_gfx(gfx_arch: str | None) -> None:
     if gfx_arch not in SUPPORTED_GFX:
         raise RuntimeError(f"aiter: gfx_arch={gfx_arch!r}; aiter's kernels are built for {', '.join(SUPPORTED_GFX)}")
-
-
-def check_library_version(version: str, floor: str, library: str = "amd-aiter") -> None:
-    if parse_version(version) < parse_version(floor):
-        raise RuntimeError(
-            f"attnplug-aiter needs {library} >= {floor}, found {version} (rebuild amd-aiter from ROCm/aiter)"
-        )

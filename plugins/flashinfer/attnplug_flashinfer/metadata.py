@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug.probes import version_key as parse_version
+from attnplug.probes import version_key as parse_version  # noqa: F401  (the plugin's version order)
 from attnplug.errors import ShapeError
 from attnplug.kvcache import indptr
 from attnplug import ForwardMode
@@ -193,15 +193,6 @@ def logits_soft_cap(layer: Any) -> float:
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1:
         raise ShapeError(f"flashinfer: page_size={page_size!r} (expected a positive integer)")
-
-
-def check_library_version(version: str, floor: str, library: str = "flashinfer-python") -> None:
-    """Raise ``RuntimeError`` naming the library when ``version`` is below ``floor``."""
-    if parse_version(version) < parse_version(floor):
-        raise RuntimeError(
-            f"attnplug-flashinfer needs {library} >= {floor}, found {version} "
-            f"(pip install -U '{library}>={floor}')"
-        )
 
 
 def num_pages_for(kv_len: int, page_size: int) -> int:

@@ -18,7 +18,9 @@ import dataclasses
 import zlib
 from typing import Any, Callable, Iterable
 
+from ... import support
 from ...capabilities import Capabilities, support_reasons
+from ...support import SupportQuery
 from ...kvlayout import HND, NHD
 from ...layer import LayerSpec
 from ...modes import ForwardMode
@@ -926,27 +928,31 @@ def case_layer(case: Case, layer_id: int = 0) -> LayerSpec:
     )
 
 
+def case_query(case: Case) -> SupportQuery:
+    """What ``case`` asks of a backend, as the core's one support query."""
+    any_dtype = case.family in ANY_DTYPE_FAMILIES
+    return SupportQuery(
+        dtype=None if any_dtype else case.dtype,
+        kv_cache_dtype=None if any_dtype else case.kv_dtype,
+        page_size=None if any_dtype else case.page_size,
+        modes=(ForwardMode.parse(case.scenario.mode),),
+        layers=() if any_dtype else (case_layer(case),),
+        name_layers=False,
+        cuda_graph=case.family == "cuda_graph",
+        deterministic=case.family == "determinism",
+    )
+
+
 def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool = False) -> str | None:
     """Why ``case`` does not apply to ``backend`` (a capability it does not claim), or None.
 
-    Every capability verdict comes from the core's ``attnplug.capabilities.support_reasons``
-    (the only implementation of the generic checks); the suite adds only what is not a claim:
+    Every capability verdict comes from the core's support query (``attnplug.support``, over
+    ``capabilities.support_reasons``: the only implementation of the generic checks); the suite adds only what is not a claim:
     a CUDA-graph case needs a GPU on this host.
     """
     if case.family == "refusal":
         return None
-    any_dtype = case.family in ANY_DTYPE_FAMILIES
-    mode = ForwardMode.parse(case.scenario.mode)
-    reasons = support_reasons(
-        caps,
-        None if any_dtype else case_layer(case),
-        dtype=None if any_dtype else case.dtype,
-        kv_cache_dtype=None if any_dtype else case.kv_dtype,
-        page_size=None if any_dtype else case.page_size,
-        mode=mode,
-        cuda_graph=case.family == "cuda_graph",
-        deterministic=case.family == "determinism",
-    )
+    reasons = support.reasons(case_query(case), caps)
     if reasons:
         return f"{NOT_CLAIMED} {backend}: {'; '.join(reasons)}"
     if case.family == "cuda_graph" and (not has_cuda or "cuda" not in caps.devices):
