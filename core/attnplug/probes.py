@@ -18,8 +18,8 @@ from typing import Any, Callable
 from .host import SAME_MODULE_DISTRIBUTIONS, HostInfo, equivalent_distributions, module_provider
 
 __all__ = [
-    "Probe",
     "SAME_MODULE_DISTRIBUTIONS",
+    "Probe",
     "installed_library",
     "library_missing",
     "module_missing",

@@ -10,7 +10,6 @@ import pytest
 
 from attnplug import AttentionConfig, BuildContext, Capabilities, HostInfo, LayerSpec
 from attnplug.errors import NotSupportedError, PluginError
-from attnplug.modes import ForwardMode
 from attnplug.resolution.passes import support_problems
 from attnplug.support import SupportQuery, device_kind, reasons
 from attnplug.testing.suite import cases as C

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chain import Candidate, Resolution, host_view, resolve, trace
+from .chain import host_view, resolve, trace
+from .explain import Candidate, Resolution
 from .passes import DEFAULT_PASSES
 from .vocabulary import AUTO, ArchOverride, Declaration, Pass, Record, ResolutionRule
 
