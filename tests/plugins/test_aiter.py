@@ -239,11 +239,11 @@ def test_build_refuses_other_gfx_and_old_library(fake_aiter, monkeypatch):
                        num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, kv_cache=pb.cache)
     with pytest.raises(RuntimeError, match="gfx_arch='gfx90a'"):
         AiterBackend(ctx)
-    import attnplug_aiter.backend as B
-
-    monkeypatch.setattr(B, "library_provider", lambda dists: ("amd-aiter", "0.1.9"))  # the distribution's version
-    with pytest.raises(RuntimeError, match=r"amd-aiter >= 0.1.10, found 0.1.9"):
-        AiterBackend(ctx.replace(host=H.host("rocm", LIB, **MI300)))
+    # the floor is Registry.build's (the support query), checked before the factory runs
+    old = H.host("rocm", {"amd-aiter": "0.1.9"}, **MI300)
+    reg = _registry(DIST)
+    with pytest.raises(NotSupportedError, match=r"amd-aiter >= 0.1.10, found 0.1.9"):
+        reg.build("aiter", ctx.replace(host=old, device="cuda"))
 
 
 # ---------------------------------------------------------------------------
