@@ -240,9 +240,15 @@ _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix
 
 
 def _version(t: Any) -> int | None:
-    """``t``'s in-place write counter (``None`` for ``None`` and for inference tensors, which keep none)."""
+    """``t``'s in-place write counter (``None`` for ``None`` and for inference tensors, which keep none).
+
+    An inference tensor (made under ``torch.inference_mode``, as hosts run) is asked first: reading its
+    ``_version`` raises, and a raised and caught error costs ~12 µs against ~0.1 µs for the question, on
+    a path run per field and forward."""
+    if t is None:
+        return None
     try:
-        return None if t is None else int(t._version)
+        return None if t.is_inference() else int(t._version)
     except (RuntimeError, AttributeError):
         return None
 
