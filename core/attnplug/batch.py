@@ -172,7 +172,8 @@ class ForwardBatch:
             return None
         for field, (tensor, version) in snap.items():
             now = getattr(self, field)
-            if now is not tensor or (version is not None and _version(now) != version):
+            # the same object with a recorded counter is a normal tensor: its counter is read directly
+            if now is not tensor or (version is not None and now._version != version):
                 return field
         return None
 
