@@ -362,6 +362,29 @@ def test_two_slot_tensors_read_in_turn_keep_one_index_each(order):
 
 
 @needs_ops
+@pytest.mark.parametrize("bad", [None, "nan", "inf"])
+def test_the_writes_finite_verdict_names_its_objects_and_keeps_none_alive(bad):
+    """The layout's write records the k/v it found all finite (the backend's new-token garbage check takes
+    that verdict for the same objects); a non-finite write records nothing; the record holds weak
+    references, so a host's large write is not kept alive by it."""
+    import gc
+
+    cache = _cache()
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    if bad:
+        v[1, 0, 5] = float(bad)
+    cache.set_kv(0, torch.tensor([1, 7, 30]), k, v)
+    rec = cache.layout.finite_write
+    if bad:
+        assert rec is None
+        return
+    assert rec[0]() is k and rec[1]() is v
+    del k, v
+    gc.collect()
+    assert rec[0]() is None and rec[1]() is None
+
+
+@needs_ops
 def test_a_layer_never_written_with_a_nonfinite_value_needs_no_tail_look():
     """The per-layer NaN-tail check is an attribute read until a write marks a page."""
     from attnplug_vllm_cpu.layout import VllmCpuLayout

@@ -355,7 +355,7 @@ class VllmCpuBackend(PagedBackend):
         return ``((slots, old_k, old_v) to write back, [(token, kv_head)] that held one)``; else ``None``."""
         cache = self.cache
         seen, cache.layout.finite_write = cache.layout.finite_write, None
-        if k is None or (seen is not None and seen[0] is k and seen[1] is v):
+        if k is None or (seen is not None and seen[0]() is k and seen[1]() is v):
             return None  # the base's write of these k/v just found every value finite
         if math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item()):
             return None

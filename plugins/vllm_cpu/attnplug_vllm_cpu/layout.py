@@ -24,6 +24,7 @@ so the host, the reference and the suite read any slot of the cache.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class VllmCpuLayout(KVLayout):
     #: ``read``); a layer reads two slot sets per call (the staged write's snapshot and the unowned tails), so
     #: one entry each: a single shared entry would be rebuilt by every read
     _memo: dict[int, tuple[Any, ...]] | None = None
-    finite_write: tuple[torch.Tensor, torch.Tensor] | None = None
+    finite_write: tuple[Any, Any] | None = None
 
     def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
         return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
@@ -154,9 +155,10 @@ class VllmCpuLayout(KVLayout):
         # two reductions on the hot path: a NaN/inf makes a sum non-finite (a finite sum that overflows
         # only costs a conservative per-row look)
         finite = math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item())
-        #: the k/v objects of the last write through this layout when every value was finite: the backend's
-        #: new-token garbage check takes this verdict for the same objects instead of summing them again
-        self.finite_write = (k, v) if finite else None
+        #: the k/v objects of the last write through this layout when every value was finite (weak references:
+        #: a host's large write is not kept alive by it): the backend's new-token garbage check takes this
+        #: verdict for the same objects instead of summing them again
+        self.finite_write = (weakref.ref(k), weakref.ref(v)) if finite else None
         if not finite:
             bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
             if bool(bad.any()):
