@@ -84,9 +84,9 @@ class LayerPlan:
     backend's ``plan_layer`` returned for it (its per-layer kernel arguments; ``None`` by default).
     """
 
-    __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel")
+    __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd")
 
-    def __init__(self, layer: LayerSpec, staged: bool) -> None:
+    def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
         self.layer_id = layer.layer_id
         self.q_rest = (layer.num_heads, layer.head_dim)
@@ -96,6 +96,11 @@ class LayerPlan:
         #: the KV write is staged around the kernel (``new_kv_source == "cache"``, self-attention)
         self.staged = staged and not self.cross
         self.kernel: Any = None  # what the backend's plan_layer returned: its own type
+        #: the layer's storage in the cache (its layout's tensors), for writes with nothing left to check
+        #: (``PagedBackend._write``); ``nhd``: two index copies of an unquantized ``nhd`` cache, else the
+        #: layout's own write
+        self.storage: Any = None if cache is None else cache.layer_storage(self.layer_id)
+        self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
 
 
 class _Forward:
@@ -110,8 +115,18 @@ class _Forward:
         self.idle = mode is ForwardMode.IDLE
         self.num_tokens = batch.num_tokens
         self.compute = backend.compute_decode if mode is ForwardMode.DECODE else backend.compute_extend
-        #: the write slots as int64 (what the cache's writes index with), converted once per forward
-        self.loc = batch.out_cache_loc if self.idle else batch.out_cache_loc.to(torch.int64)
+        #: the write slots as int64 (what the cache's writes index with), converted once per forward; a host
+        #: running under ``torch.inference_mode`` (vLLM, the transformers runner) hands inference tensors, which
+        #: keep no write counter: their int64 copy is made outside inference mode, so it keeps one and what a
+        #: layout memoises per slot tensor (vllm_cpu's snapshot index) is built once per forward, not per layer
+        loc = batch.out_cache_loc
+        if not self.idle:
+            if loc.is_inference():
+                with torch.inference_mode(False):
+                    loc = loc.to(torch.int64, copy=True)
+            else:
+                loc = loc.to(torch.int64)
+        self.loc = loc
         self.has_encoder = batch.encoder_lens is not None
         #: ``ForwardBatch.changed_since_validate`` (a version-counter read per field, no sync): run per
         #: layer, so an index field changed after ``init_forward_metadata`` is refused at every layer
@@ -229,7 +244,7 @@ class PagedBackend(AttentionBackend):
         cache.check_layer_id(layer.layer_id)
         cache.check_layer_rows(layer)
         self.require_supported(layer)
-        plan = LayerPlan(layer, type(self).new_kv_source == "cache")
+        plan = LayerPlan(layer, type(self).new_kv_source == "cache", cache)
         plan.kernel = self.plan_layer(layer)
         if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
             self._layer_plans[id(layer)] = plan
@@ -382,8 +397,8 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         lid, loc = plan.layer_id, fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
-            old = cache.snapshot(lid, loc)
-            cache.set_kv(lid, loc, k, v, checked=False)  # type: ignore[arg-type]  # v is given with k (check_qkv)
+            old = cache.layout.read(plan.storage, cache.geometry, loc)  # cache.snapshot, the layer known
+            self._write(cache, plan, lid, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             try:
                 out = compute(q, k, v, layer, batch, meta)
             except BaseException:
@@ -394,8 +409,23 @@ class PagedBackend(AttentionBackend):
             return out
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
-            cache.set_kv(lid, loc, k, v, checked=False)  # type: ignore[arg-type]  # v is given with k (check_qkv)
+            self._write(cache, plan, lid, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
+
+    @staticmethod
+    def _write(cache: PagedKVCache, plan: LayerPlan, lid: int, loc: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """``cache.set_kv(lid, loc, k, v, checked=False)`` for a call that passed the per-call checks (the
+        slots bounded per forward, k/v of the plan's rows): straight into the plan's storage when k/v are
+        already stored values (the cache dtype, not fp8), else through ``set_kv`` (conversion, quantization)."""
+        if k.dtype != cache.dtype or cache.quantized:
+            cache.set_kv(lid, loc, k, v, checked=False)
+        elif plan.nhd:
+            kb, vb = plan.storage
+            kb.index_copy_(0, loc, k)
+            vb.index_copy_(0, loc, v)
+        else:
+            cache.layout.write(plan.storage, cache.geometry, loc, k, v)
 
     def check_forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, batch: ForwardBatch

@@ -206,3 +206,112 @@ def test_page_table_zeroes_columns_past_each_requests_pages(lens):
         for j in range(pages):
             want = int(cache.req_to_token[r, j * 4]) // 4 if j * 4 < n else 0
             assert int(table[r, j]) == want
+
+
+# -- round 2 of issue 30: the page-alignment fast path, hosts under inference_mode --------------------
+
+def _aligned_cache(lens, ps=4, seed=3):
+    from attnplug import PageAllocator
+
+    cache = PagedKVCache(1, num_pages=32, num_kv_heads=1, head_dim=4, page_size=ps, max_requests=len(lens),
+                         max_context_len=32)
+    alloc = PageAllocator(32, seed=seed)
+    for r, n in enumerate(lens):
+        cache.assign_pages(r, n, alloc.alloc(-(-n // ps)))
+    return cache
+
+
+def _unaligned(kind, cache, lens):
+    """Break page alignment one way in the last request's row (``kind``); returns the position broken."""
+    r, ps, t = len(lens) - 1, cache.page_size, cache.req_to_token
+    if kind == "slot moved within its page":  # same page, wrong offset
+        t[r, 1], t[r, 2] = int(t[r, 2]), int(t[r, 1])
+        return 1
+    if kind == "page does not start at a multiple":  # the whole page shifted by one slot
+        t[r, 0:ps] += 1
+        return 0
+    if kind == "page switched mid-page":  # the second half of a page in another (aligned) page
+        t[r, 2:ps] = t[r, 2:ps] + 4 * ps
+        return 2
+    if kind == "last position read off by one slot":
+        n = lens[r]
+        t[r, n - 1] = int(t[r, n - 1]) + 1
+        return n - 1
+    raise AssertionError(kind)
+
+
+_UNALIGNED = ["slot moved within its page", "page does not start at a multiple", "page switched mid-page",
+              "last position read off by one slot"]
+
+
+@pytest.mark.parametrize("lens", [(7,), (3, 9), (4, 1, 10), (8, 8)])
+def test_check_page_aligned_accepts_every_aligned_mapping(lens):
+    cache = _aligned_cache(lens)
+    cache.check_page_aligned(list(range(len(lens))), list(lens), who="toy")
+
+
+@pytest.mark.parametrize("lens", [(7,), (3, 9), (4, 1, 10)])
+@pytest.mark.parametrize("kind", _UNALIGNED)
+def test_check_page_aligned_fast_path_refuses_what_the_full_pass_names(lens, kind):
+    """The sliced pass (few requests) refuses every unaligned mapping, and the error is the full pass's:
+    request, row and position named; a mapping that only looks aligned at page starts is caught too."""
+    import attnplug.kvcache as kvcache
+
+    cache = _aligned_cache(lens)
+    pos = _unaligned(kind, cache, lens)
+    rows, n = list(range(len(lens))), list(lens)
+    assert not cache._aligned_slices(rows, n)
+    with pytest.raises(ShapeError, match=rf"\(request {len(lens) - 1}, position {pos}\) is not page-aligned"):
+        cache.check_page_aligned(rows, n, who="toy")
+    # the full pass alone (no sliced pass) says the same
+    old = kvcache._SLICED_CHECK_ROWS
+    kvcache._SLICED_CHECK_ROWS = 0
+    try:
+        with pytest.raises(ShapeError, match=rf"\(request {len(lens) - 1}, position {pos}\) is not page-aligned"):
+            cache.check_page_aligned(rows, n, who="toy")
+    finally:
+        kvcache._SLICED_CHECK_ROWS = old
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 5)])
+def test_version_of_an_inference_tensor_is_none_without_raising(shape):
+    """Hosts run under torch.inference_mode (vLLM, the transformers runner): their index tensors keep no
+    write counter. ``_version`` asks first instead of catching the error reading it raises (~12 us a field
+    and forward, measured: the transformers runner spent 180 us a token in it)."""
+    from attnplug.batch import _version
+
+    with torch.inference_mode():
+        t = torch.zeros(shape, dtype=torch.int64)
+    normal = torch.zeros(shape, dtype=torch.int64)
+    before = _version(normal)
+    normal.add_(1)
+    assert _version(t) is None and _version(None) is None
+    assert _version(normal) == before + 1
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, CacheReadingToy])
+def test_a_forward_under_inference_mode_writes_through_a_private_copy_of_the_slots(cls):
+    """Under inference_mode the forward's int64 write slots are a copy made outside it (it keeps a write
+    counter, so per-slot-tensor memos hold for the forward), equal to out_cache_loc; the forward's output
+    and writes are those of a forward outside inference mode."""
+    backend, cache = make(cls)
+    initial = snapshot(cache)
+    b0 = decode_batch(cache)
+    backend.init_forward_metadata(b0)
+    q, k, v = qkv(2)
+    want = backend.forward(q, k, v, LAYER, b0)
+    written = snapshot(cache)
+    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), initial):
+        kb.copy_(a)
+        vb.copy_(b)
+    with torch.inference_mode():
+        batch = decode_batch(cache)
+        backend.init_forward_metadata(batch)
+        loc = backend._fwd.loc
+        got = backend.forward(q, k, v, LAYER, batch)
+        got2 = backend.forward(q, k, v, LAYER, batch)
+    assert batch.out_cache_loc.is_inference() and not loc.is_inference()
+    assert loc is not batch.out_cache_loc and torch.equal(loc, batch.out_cache_loc.to(torch.int64))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got2, want)
+    assert same(cache, written)

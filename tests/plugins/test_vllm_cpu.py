@@ -333,6 +333,58 @@ def test_repeated_reads_of_one_slot_tensor_follow_its_contents(dtype):
 
 
 @needs_ops
+@pytest.mark.parametrize("order", ["abab", "aabb", "abba"])
+def test_two_slot_tensors_read_in_turn_keep_one_index_each(order):
+    """A layer reads two slot sets per call (the staged write's snapshot and the unowned tails): each keeps
+    its own memoised index (one shared entry was rebuilt by every read: ~100 us a layer at 1 x 128), and
+    every read returns the rows of its own slots, also after one of them changed in place."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+
+    cache = _cache(num_pages=6)
+    n = cache.num_slots
+    k = torch.randn(n, 2, 64)
+    cache.set_kv(0, torch.arange(n), k, -k)
+    slots = {"a": torch.tensor([3, 40, 17]), "b": torch.arange(50, 60)}
+    layout = cache.layout
+    assert isinstance(layout, VllmCpuLayout)
+    built = []
+    storage = cache.layer_storage(0)
+    for name in order:
+        got_k, got_v = layout.read(storage, cache.geometry, slots[name])  # what PagedBackend's snapshot calls
+        assert torch.equal(got_k, k[slots[name]]) and torch.equal(got_v, -k[slots[name]])
+        built.append(layout._memo[id(slots[name])][3])
+    for name in "ab":  # the second read of each reused its index object
+        first = order.index(name)
+        second = order.index(name, first + 1)
+        assert built[first] is built[second]
+    slots["a"][0] = 90  # in place: read afresh
+    assert torch.equal(layout.read(storage, cache.geometry, slots["a"])[0], k[slots["a"]])
+
+
+@needs_ops
+@pytest.mark.parametrize("bad", [None, "nan", "inf"])
+def test_the_writes_finite_verdict_names_its_objects_and_keeps_none_alive(bad):
+    """The layout's write records the k/v it found all finite (the backend's new-token garbage check takes
+    that verdict for the same objects); a non-finite write records nothing; the record holds weak
+    references, so a host's large write is not kept alive by it."""
+    import gc
+
+    cache = _cache()
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    if bad:
+        v[1, 0, 5] = float(bad)
+    cache.set_kv(0, torch.tensor([1, 7, 30]), k, v)
+    rec = cache.layout.finite_write
+    if bad:
+        assert rec is None
+        return
+    assert rec[0]() is k and rec[1]() is v
+    del k, v
+    gc.collect()
+    assert rec[0]() is None and rec[1]() is None
+
+
+@needs_ops
 def test_a_layer_never_written_with_a_nonfinite_value_needs_no_tail_look():
     """The per-layer NaN-tail check is an attribute read until a write marks a page."""
     from attnplug_vllm_cpu.layout import VllmCpuLayout

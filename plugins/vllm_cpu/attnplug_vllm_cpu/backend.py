@@ -48,6 +48,7 @@ the plan (``_check_call`` words any mismatch) and calls the op.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -60,6 +61,8 @@ from .layout import CACHE_DTYPES, VllmCpuLayout
 from .ops import ops
 
 _INT32 = torch.int32
+#: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
+_TAIL_PAGE_LOOP = 8
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
@@ -94,6 +97,8 @@ class _Keys:
     empty: list[int]  # requests with no key: their query rows output zeros
     causal: bool
     tails: torch.Tensor | None = None  # slots past each request's keys in its last page (lazy)
+    tail_pages: list[int] | None = None  # the pages holding them (with ``tails``)
+    tail_page_index: torch.Tensor | None = None  # the same as an int64 tensor
 
 
 class ForwardMeta:
@@ -163,6 +168,9 @@ class ForwardMeta:
             if owned and t.numel():
                 t = t[~torch.isin(t, torch.cat(owned))]
             keys.tails = t
+            pages = sorted(set((t // ps).tolist()))
+            keys.tail_pages = pages
+            keys.tail_page_index = torch.as_tensor(pages, dtype=torch.int64, device=c.device)
         return keys.tails
 
 
@@ -345,9 +353,12 @@ class VllmCpuBackend(PagedBackend):
                             meta: ForwardMeta) -> Any:
         """When this forward's ``k``/``v`` hold a NaN/inf: zero them in the slots the op reads them from and
         return ``((slots, old_k, old_v) to write back, [(token, kv_head)] that held one)``; else ``None``."""
-        if k is None or bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
-            return None
         cache = self.cache
+        seen, cache.layout.finite_write = cache.layout.finite_write, None
+        if k is None or (seen is not None and seen[0]() is k and seen[1]() is v):
+            return None  # the base's write of these k/v just found every value finite
+        if math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item()):
+            return None
         bad = ~(torch.isfinite(k).all(dim=2) & torch.isfinite(v).all(dim=2))  # [T, Hkv]
         tokens = bad.any(dim=1).nonzero().flatten().tolist()
         slots = []
@@ -406,6 +417,18 @@ class VllmCpuBackend(PagedBackend):
         cache = self.cache
         tails = meta.tail_slots(keys)
         if not tails.numel():
+            return None
+        # the usual case first: the whole pages holding the tails are finite (one float32 sum over their
+        # contiguous storage, no gather), so the tails are; only a non-finite sum (garbage in a tail, in a
+        # key a request owns, or a finite overflow) reads the tails themselves
+        raw, pages = storage[0], keys.tail_pages
+        if len(pages) <= _TAIL_PAGE_LOOP:
+            total = 0.0
+            for page in pages:
+                total += raw[page].sum(dtype=torch.float32).item()
+        else:
+            total = raw.index_select(0, keys.tail_page_index).sum(dtype=torch.float32).item()
+        if math.isfinite(total):
             return None
         old_k, old_v = cache.layout.read(storage, cache.geometry, tails)
         if bool(torch.isfinite(old_k.sum(dtype=torch.float32) + old_v.sum(dtype=torch.float32))):

@@ -24,6 +24,7 @@ so the host, the reference and the suite read any slot of the cache.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -41,12 +42,16 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ``read`` gathers a slot set of at most this many elements (K and V) through one precomputed flat index
 #: (``torch.take``), memoised per slot tensor: every layer of a forward reads the same slots
 _TAKE_MAX_ELEMENTS = 1 << 18
+#: how many slot tensors' indexes ``read`` keeps (a forward reads a few slot sets per layer)
+_MEMO_ENTRIES = 8
 
 
 
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s in-place write counter; ``None`` for an inference tensor (created under
     ``torch.inference_mode``, as vLLM's engine makes its slot mappings), which keeps none."""
+    if t.is_inference():  # asked first: a raised and caught error costs ~12 µs, the question ~0.1
+        return None
     try:
         return int(t._version)
     except RuntimeError:
@@ -57,8 +62,11 @@ class VllmCpuLayout(KVLayout):
 
     name = LAYOUT
     description = "vLLM CPU pages [pages, kv_heads, page_size, 2*head_dim]: K dim-major, V token-major per page"
-    #: ``(slots, slots._version, geometry, k index, v index)`` of the last small read (see ``read``)
-    _memo: tuple[Any, ...] | None = None
+    #: per slot tensor (``id``): ``(slots, slots._version, geometry, index)`` of the last small reads (see
+    #: ``read``); a layer reads two slot sets per call (the staged write's snapshot and the unowned tails), so
+    #: one entry each: a single shared entry would be rebuilt by every read
+    _memo: dict[int, tuple[Any, ...]] | None = None
+    finite_write: tuple[Any, Any] | None = None
 
     def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
         return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
@@ -100,7 +108,10 @@ class VllmCpuLayout(KVLayout):
             # a forward's layers snapshot the same slots: the flat element index of their K and V rows is
             # built once per slot tensor (and version: an in-place change rebuilds it), then one take each
             # (an inference tensor keeps no version counter: its index is built every time, never kept)
-            memo, version = self._memo, _version(slots)
+            memos, version = self._memo, _version(slots)
+            if memos is None:
+                memos = self._memo = {}
+            memo = memos.get(id(slots))
             if version is None or memo is None or memo[0] is not slots or memo[1] != version or \
                     (memo[2] is not geometry and memo[2] != geometry):
                 page, off = slots.div(ps, rounding_mode="floor"), slots % ps
@@ -109,7 +120,10 @@ class VllmCpuLayout(KVLayout):
                 j = torch.arange(d, device=slots.device).view(1, 1, d)
                 index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
                 memo = (slots, version, geometry, index)
-                self._memo = memo if version is not None else None
+                if version is not None:  # held with its slots, so the id stays theirs while kept
+                    if len(memos) >= _MEMO_ENTRIES:
+                        memos.clear()
+                    memos[id(slots)] = memo
             k, v = torch.take(raw, memo[3]).unbind(0)  # [2, n, H, d]: one gather for K and V
             return k, v
         flat = raw.view(P, H, 2 * ps * d)
@@ -140,7 +154,12 @@ class VllmCpuLayout(KVLayout):
             self._torch_write(raw, geometry, slots, k, v)
         # two reductions on the hot path: a NaN/inf makes a sum non-finite (a finite sum that overflows
         # only costs a conservative per-row look)
-        if not math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item()):
+        finite = math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item())
+        #: the k/v objects of the last write through this layout when every value was finite (weak references:
+        #: a host's large write is not kept alive by it): the backend's new-token garbage check takes this
+        #: verdict for the same objects instead of summing them again
+        self.finite_write = (weakref.ref(k), weakref.ref(v)) if finite else None
+        if not finite:
             bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
             if bool(bad.any()):
                 nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
