@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 if TYPE_CHECKING:  # the same names for type checkers; at run time they load on first use
     from .backend import AttentionBackend as AttentionBackend
@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # the same names for type checkers; at run time they load on 
 #: ``version_tuple``), ``attnplug.config`` (``add_attention_args``, ``config_from_args``),
 #: ``attnplug.selector`` (``half_for_mode``, ``backend_name_for_mode``), ``attnplug.host``
 #: (``detect_host``), ``attnplug.hookspecs`` (the typed ``Register*`` callables a plugin's hooks
-#: receive), ``attnplug.stamps`` (``stamp``, ``copy_stamps``).
+#: receive), ``attnplug.stamps`` (``stamp``, ``copy_stamps``),
+#: ``attnplug.layer`` (``MLASpec``, the MLA forms).
 _EXPORTS: dict[str, str] = {
     # configuration and choice (hosts)
     "AttentionConfig": "config",
@@ -78,7 +79,7 @@ _EXPORTS: dict[str, str] = {
 PUBLIC_NAMESPACES: tuple[str, ...] = (
     "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
     "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
-    "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes",
+    "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes", "attnplug.layer",
     "attnplug.config", "attnplug.selector", "attnplug.host", "attnplug.hookspecs", "attnplug.stamps",
 )
 

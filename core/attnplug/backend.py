@@ -69,7 +69,9 @@ class AttentionBackend:
         # the support query of the context (its device as the host names it, its cache's layout), asked
         # about this one layer: the context's own head dim, host and library floor were the build's to check
         query = SupportQuery() if ctx is None else SupportQuery.from_context(ctx)
-        query = query.replace(layers=(layer,), name_layers=False, head_dim=None, host=None, floor_problem=None)
+        name = getattr(self, "prefill_attention_backend_str", None) or getattr(self, "name", None)
+        query = query.replace(layers=(layer,), name_layers=False, head_dim=None, host=None, floor_problem=None,
+                              backend=name if isinstance(name, str) else None)
         return reasons(query, type(self).capabilities)
 
     def children(self) -> tuple["AttentionBackend", ...]:
@@ -140,7 +142,8 @@ class AttentionBackend:
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
         if mode is ForwardMode.IDLE:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+            dv = layer.v_head_dim if getattr(layer, "mla", None) is None else layer.output_dim(batch.mla_form)
+            return q.new_empty((0, layer.num_heads, dv))
         return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
 
     # -- optional (explicit defaults) ------------------------------------

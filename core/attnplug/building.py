@@ -29,7 +29,8 @@ def build_problems(desc: BackendDescriptor, ctx: Any) -> list[str]:
     KV-cache dtype, KV layout, page size, device, head dims, the layers on this host, the
     library floor)."""
     floor = desc.library_floor_problem(ctx.host)
-    return support_reasons_of(SupportQuery.from_context(ctx, floor_problem=floor), desc.capabilities)
+    query = SupportQuery.from_context(ctx, floor_problem=floor).replace(backend=desc.name)
+    return support_reasons_of(query, desc.capabilities)
 
 
 def build(registry: "Registry", name: str, ctx: Any) -> tuple[str, AttentionBackend]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .capabilities import Capabilities, host_layer_reasons, layer_reasons, support_reasons
+from .capabilities import (Capabilities, host_layer_reasons, layer_reasons, mla_mode_kind, mla_reasons,
+                           support_reasons)
 from .dtypes import dtype_name, kv_dtype_name
 from .layer import LayerSpec
 from .modes import ForwardMode
@@ -63,6 +64,12 @@ class SupportQuery:
     #: name each layer reason's layer (``"layer 3: ..."``); off for a query about one layer, whose
     #: reasons are that layer's (``not_supported_reasons``, a suite case)
     name_layers: bool = True
+    #: MLA layers (``LayerSpec.mla``): the batch's form (``ForwardBatch.mla_form``) and the mode kinds
+    #: (``"decode"``/``"extend"``) it must be claimed in; kinds ``None``: those of ``modes``
+    mla_form: str | None = None
+    mla_kinds: tuple[str, ...] | None = None
+    #: the backend named in MLA refusals ("MLA layer (absorbed decode) not supported by <backend>")
+    backend: str | None = None
 
     @classmethod
     def from_context(cls, ctx: Any, floor_problem: str | None = None) -> "SupportQuery":
@@ -84,9 +91,15 @@ class SupportQuery:
             bool(config.extra.get("speculative_algorithm"))
         if speculative and half_for_mode(ForwardMode.TARGET_VERIFY, config.speculative_attention_mode) == half:
             modes = (ForwardMode.TARGET_VERIFY,)
+        # an MLA layer runs in both halves' mode kinds: the decode half needs a decode form, the prefill
+        # half an extend form (and target-verify, in whichever half serves it, an extend form)
+        kinds: tuple[str, ...] = ("decode",) if half == "decode" else ("extend",)
+        if modes and "extend" not in kinds:
+            kinds += ("extend",)
         return cls(dtype=config.dtype, kv_cache_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
                    page_size=config.page_size, kv_layout=config.kv_layout, cuda_graph=config.cuda_graph,
-                   deterministic=config.deterministic, modes=modes, layers=tuple(layers), host=host)
+                   deterministic=config.deterministic, modes=modes, layers=tuple(layers), host=host,
+                   mla_kinds=kinds)
 
     def replace(self, **changes: Any) -> "SupportQuery":
         return dataclasses.replace(self, **changes)
@@ -104,10 +117,19 @@ def reasons(query: SupportQuery, caps: Capabilities) -> list[str]:
                           deterministic=query.deterministic)
     for mode in query.modes[1:]:
         out.extend(support_reasons(caps, mode=mode))
-    if query.head_dim is not None and caps.head_dims is not None and query.head_dim not in caps.head_dims:
+    # an MLA model's head_dim is its latent row width: the MLA claim (mla_forms) decides, not head_dims
+    all_mla = bool(query.layers) and all(layer.mla is not None for layer in query.layers)
+    if query.head_dim is not None and caps.head_dims is not None and query.head_dim not in caps.head_dims \
+            and not all_mla:
         out.append(f"head_dim={query.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
+    kinds = query.mla_kinds
+    if kinds is None and query.modes:
+        kinds = tuple(dict.fromkeys(mla_mode_kind(m) for m in query.modes))
     for layer in query.layers:
-        for reason in layer_reasons(caps, layer):
+        found = layer_reasons(caps, layer, backend=query.backend)
+        if layer.mla is not None and caps.mla and (kinds or query.mla_form is not None):
+            found += [r for r in mla_reasons(caps, kinds or None, query.mla_form, query.backend) if r not in found]
+        for reason in found:
             if not query.name_layers:
                 out.append(reason)
             elif not any(r.endswith(reason) for r in out):  # one line per reason, naming its first layer

@@ -38,7 +38,8 @@ def support_problems(view: Any, name: str, config: AttentionConfig, half: str,
                      layers: Sequence[LayerSpec] = ()) -> list[str]:
     """Why backend ``name`` cannot serve ``half`` of ``config`` (capabilities only; and the model's
     attention ``layers`` when the host gives them); empty when it can. The support query's answer."""
-    return support.reasons(SupportQuery.from_config(config, half, tuple(layers)), view.get(name).capabilities)
+    query = SupportQuery.from_config(config, half, tuple(layers)).replace(backend=name)
+    return support.reasons(query, view.get(name).capabilities)
 
 
 def serve_problems(view: "HostView", name: str, config: AttentionConfig, half: str,
@@ -46,7 +47,7 @@ def serve_problems(view: "HostView", name: str, config: AttentionConfig, half: s
     """Availability on the view's host plus support for ``half`` of ``config`` (and ``layers``, on this
     host); empty when ``name`` serves it."""
     caps = view.get(name).capabilities
-    query = SupportQuery.from_config(config, half, tuple(layers), host=view.host)
+    query = SupportQuery.from_config(config, half, tuple(layers), host=view.host).replace(backend=name)
     return list(view.backends[name].availability.reasons) + support.reasons(query, caps)
 
 
