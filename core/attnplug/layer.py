@@ -12,6 +12,9 @@ if TYPE_CHECKING:  # annotations only: importing this module loads no torch
     import torch
 
 
+__all__ = ["ABSORBED", "BIDIRECTIONAL", "CAUSAL", "CAUSALITIES", "MLA_FORMS", "NO_WINDOW_FROM", "UNABSORBED", "LayerSpec",
+           "MLASpec"]
+
 #: ``LayerSpec.causality`` values: causal (the default) and bidirectional (non-causal self-attention).
 CAUSAL = "causal"
 BIDIRECTIONAL = "bidirectional"

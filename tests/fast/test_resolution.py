@@ -25,7 +25,8 @@ from attnplug.errors import (
     UnknownBackendError,
 )
 from attnplug.registry import in_process_source
-from attnplug.resolution import AUTO, Resolution, collect_arch_overrides, resolve, trace
+from attnplug.resolution import AUTO, Resolution, resolve, trace
+from attnplug.settle import collect_arch_overrides
 from tests import dists_resolution as D
 from tests.dists_resolution import triton as triton_plugin
 

@@ -212,7 +212,7 @@ def test_gpt_oss_picks_triton_where_no_specific_override_applies():
 
 
 def test_gpt_oss_catch_all_has_negative_precedence():
-    from attnplug.resolution import collect_arch_overrides
+    from attnplug.settle import collect_arch_overrides
 
     mine = [o for o in collect_arch_overrides(registry(A100)) if o.distribution == DIST]
     assert [(o.name, o.archs, o.precedence) for o in mine] == [

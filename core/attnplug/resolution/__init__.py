@@ -9,8 +9,6 @@ global state. See ``docs/resolution.md``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .chain import host_view, resolve, trace
 from .explain import Candidate, Resolution
 from .passes import DEFAULT_PASSES
@@ -26,19 +24,8 @@ __all__ = [
     "Record",
     "Resolution",
     "ResolutionRule",
-    "collect_arch_overrides",
-    "collect_resolution_rules",
     "host_view",
     "resolve",
     "trace",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # the collectors run plugin hooks: they belong to settling a host (attnplug.settle), imported
-    # only when asked for, so resolution's own modules never import the registry's world
-    if name in ("collect_arch_overrides", "collect_resolution_rules"):
-        from .. import settle
-
-        return getattr(settle, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

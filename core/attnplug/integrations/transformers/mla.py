@@ -29,6 +29,9 @@ from attnplug import AttnplugError, LayerSpec
 from attnplug.layer import ABSORBED, MLASpec
 
 
+__all__ = ["DEEPSEEK", "MLAModule", "attend_mla", "mla_module", "mla_specs", "register_mla_module"]
+
+
 @dataclasses.dataclass(frozen=True)
 class MLAModule:
     """How one attention module class is an MLA layer: ``spec(module, layer_id, scaling)`` builds its

@@ -21,6 +21,9 @@ from . import harness as H
 from .cases import MLA_DIMS, Case
 
 
+__all__ = ["MLAProblem", "absorbed_q", "build", "cache_diffs", "make_mla_problem", "run"]
+
+
 @dataclasses.dataclass
 class MLAProblem:
     case: Case
