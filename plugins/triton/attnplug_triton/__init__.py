@@ -58,6 +58,10 @@ CAPABILITIES = Capabilities(
     # batch, so a request's arithmetic is the same alone or batched (checked by the suite).
     deterministic=True,
     devices=("cpu", "cuda", "rocm"),
+    # MLA (docs/mla.md): both forms in every mode. Absorbed: the same kernel as MQA, the latent rows
+    # both keys and (their first kv_lora_rank entries) values; unabsorbed: _mla_decompress_kernel builds
+    # the per-head keys/values of the cached prefix and the new rows, then the same kernel
+    mla_forms={"decode": ("absorbed", "unabsorbed"), "extend": ("absorbed", "unabsorbed")},
 )
 
 #: Distributions that provide the ``triton`` module: PyPI's, and the builds that ROCm and
