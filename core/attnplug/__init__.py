@@ -18,7 +18,7 @@ __version__ = "0.3.0"
 #: ``attnplug.resolution``, ``attnplug.dtypes``, ``attnplug.testing`` (the conformance suite
 #: and reference), ``attnplug.capabilities`` (``support_reasons``), ``attnplug.kvcache``
 #: (``indptr``, ``UNASSIGNED``), ``attnplug.kvlayout`` (KV-cache layouts), ``attnplug.probes``
-#: (installed-library helpers).
+#: (installed-library helpers), ``attnplug.layer`` (``MLASpec``, the MLA forms).
 _EXPORTS: dict[str, str] = {
     # configuration and choice (hosts)
     "AttentionConfig": "config",
@@ -61,7 +61,7 @@ _EXPORTS: dict[str, str] = {
 PUBLIC_NAMESPACES: tuple[str, ...] = (
     "attnplug.errors", "attnplug.speculative", "attnplug.guard", "attnplug.resolution",
     "attnplug.dtypes", "attnplug.testing", "attnplug.integrations", "attnplug.forward_context",
-    "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes",
+    "attnplug.capabilities", "attnplug.kvcache", "attnplug.kvlayout", "attnplug.probes", "attnplug.layer",
 )
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

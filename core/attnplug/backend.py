@@ -118,7 +118,8 @@ class AttentionBackend:
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
         if mode is ForwardMode.IDLE:
-            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+            dv = layer.v_head_dim if getattr(layer, "mla", None) is None else layer.output_dim(batch.mla_form)
+            return q.new_empty((0, layer.num_heads, dv))
         return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
 
     # -- optional (explicit defaults) ------------------------------------

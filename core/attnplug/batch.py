@@ -9,6 +9,7 @@ import torch
 
 from .errors import ShapeError
 from .kvcache import indptr
+from .layer import ABSORBED, MLA_FORMS
 from .modes import ForwardMode
 
 
@@ -28,6 +29,11 @@ class ForwardBatch:
     draft token ``a`` may see draft token ``b``; ``None`` means causal among
     drafts; the prefix is always visible). Cross-attention layers read
     ``encoder_lens[i]`` cached tokens at positions ``0 … encoder_lens[i]-1``.
+
+    ``mla_form``: how MLA layers (``LayerSpec.mla``) of this forward are computed, the host's choice per
+    forward: ``"absorbed"`` (the default: q in the latent space, output ``[T, H, kv_lora_rank]``) or
+    ``"unabsorbed"`` (per-head q, the backend decompresses the latent rows with ``w_kc``/``w_vc``, output
+    ``[T, H, mla.v_head_dim]``); see docs/mla.md. Layers that are not MLA ignore it.
     """
 
     forward_mode: ForwardMode
@@ -40,6 +46,7 @@ class ForwardBatch:
     encoder_lens: torch.Tensor | None = None
     spec_num_draft_tokens: int | None = None
     spec_custom_mask: torch.Tensor | None = None
+    mla_form: str = ABSORBED
     #: host-side copies, filled by ``validate`` so backends need no device sync
     seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = dataclasses.field(default_factory=list)
@@ -56,9 +63,9 @@ class ForwardBatch:
 
     # -- constructors ------------------------------------------------------
     @classmethod
-    def idle(cls, device: Any = "cpu") -> "ForwardBatch":
+    def idle(cls, device: Any = "cpu", **kw: Any) -> "ForwardBatch":
         z = torch.zeros(0, dtype=torch.int64, device=device)
-        return cls(ForwardMode.IDLE, z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone()).validate()
+        return cls(ForwardMode.IDLE, z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone(), **kw).validate()
 
     @classmethod
     def decode(cls, req_pool_indices: Any, seq_lens: Any, out_cache_loc: Any, **kw: Any) -> "ForwardBatch":
@@ -102,6 +109,8 @@ class ForwardBatch:
         mode = self.forward_mode
         if not isinstance(mode, ForwardMode):
             raise ShapeError(f"ForwardBatch.forward_mode={mode!r} (expected a ForwardMode)")
+        if self.mla_form not in MLA_FORMS:
+            raise ShapeError(f"ForwardBatch.mla_form={self.mla_form!r} (expected one of {', '.join(MLA_FORMS)})")
         b = self.batch_size
         _expect_1d("req_pool_indices", self.req_pool_indices, b)
         _expect_1d("seq_lens", self.seq_lens, b)
@@ -232,6 +241,39 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, l
                          f"for layer {layer.layer_id}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ShapeError(f"layer {layer.layer_id}: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+def mla_q_dim(layer: Any, form: str) -> int:
+    """Per-head query width of an MLA layer in ``form``: the latent row (absorbed) or nope + rope."""
+    return int(layer.query_dim(form))
+
+
+def mla_out_dim(layer: Any, form: str) -> int:
+    """Per-head output width of an MLA layer in ``form``: ``kv_lora_rank`` (absorbed) or ``mla.v_head_dim``."""
+    return int(layer.output_dim(form))
+
+
+def check_mla_qkv(q: torch.Tensor, k: torch.Tensor | None, v: Any, layer: Any, num_tokens: int, form: str) -> None:
+    """Per-call shape/dtype check of an MLA layer's q / latent k / v (``None``) in ``form``; errors name
+    the field, the form and expected vs actual."""
+    lid = layer.layer_id
+    exp = (num_tokens, layer.num_heads, mla_q_dim(layer, form))
+    what = "kv_lora_rank + qk_rope_head_dim" if form == ABSORBED else "qk_nope_head_dim + qk_rope_head_dim"
+    if tuple(q.shape) != exp:
+        raise ShapeError(f"q has shape {tuple(q.shape)}, expected {exp} (tokens, num_heads, {what}) for MLA layer "
+                         f"{lid} in the {form} form (ForwardBatch.mla_form)")
+    if v is not None:
+        raise ShapeError(f"v is given for MLA layer {lid}, expected None (the values are the first kv_lora_rank "
+                         f"entries of the latent rows passed as k)")
+    if k is None:
+        raise ShapeError(f"k is None for MLA layer {lid}, expected the new tokens' latent rows "
+                         f"({num_tokens}, 1, {layer.head_dim})")
+    expk = (num_tokens, 1, layer.head_dim)
+    if tuple(k.shape) != expk:
+        raise ShapeError(f"k has shape {tuple(k.shape)}, expected {expk} (tokens, 1, kv_lora_rank + "
+                         f"qk_rope_head_dim: the latent rows c_kv ++ k_pe) for MLA layer {lid}")
+    if k.dtype != q.dtype:
+        raise ShapeError(f"MLA layer {lid}: dtypes differ: q {q.dtype}, k {k.dtype}")
 
 
 #: the fields ``validate`` derives host copies and kernel inputs from

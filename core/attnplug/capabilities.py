@@ -12,8 +12,40 @@ import dataclasses
 from typing import Any, Iterable
 
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, dtype_name
-from .layer import LayerSpec
+from .layer import MLA_FORMS, LayerSpec
 from .modes import ForwardMode
+
+#: the mode kinds ``Capabilities.mla_forms`` is keyed by: ``"decode"`` (DECODE) and ``"extend"`` (every
+#: other non-idle mode: extend, mixed, target-verify, draft-extend)
+MLA_MODE_KINDS: tuple[str, ...] = ("decode", "extend")
+
+
+def mla_mode_kind(mode: ForwardMode) -> str:
+    """``"decode"`` for DECODE, ``"extend"`` for every other mode (verify and draft-extend count as extend)."""
+    return "decode" if mode is ForwardMode.DECODE else "extend"
+
+
+class MLAForms(dict):  # type: ignore[type-arg]
+    """``Capabilities.mla_forms``: a read-only, hashable mapping ``{"decode"|"extend": (form, ...)}``."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _readonly(self, *a: Any, **k: Any) -> None:
+        raise TypeError("Capabilities.mla_forms is read-only (build a new Capabilities)")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _readonly  # type: ignore[assignment]
+
+
+def _mla_forms(value: Any) -> Any:
+    """``value`` as ``MLAForms`` (forms as tuples) when it is a mapping of the right shape; else as given
+    (``descriptor.capabilities_problems`` names what is wrong)."""
+    if not hasattr(value, "items"):
+        return value
+    items = list(value.items())
+    if not all(isinstance(f, (tuple, list)) for _, f in items):
+        return value
+    return MLAForms((k, tuple(f)) for k, f in items)
 
 #: Boolean fields where ``True`` claims *less* (a restriction, not a feature): a descriptor may set one
 #: its backend class leaves unset, never the reverse; listings do not show them as features.
@@ -63,8 +95,13 @@ class Capabilities:
     #: backend runs. A sink layer on another GPU is refused (``host_layer_reasons``) instead of silently
     #: computed without its sinks.
     sinks_sms: tuple[int, ...] | None = None
+    #: MLA (``LayerSpec.mla``, docs/mla.md): per mode kind (``"decode"``; ``"extend"``, which also covers
+    #: mixed, target-verify and draft-extend), the forms (``"absorbed"``, ``"unabsorbed"``) the backend
+    #: computes. Empty (the default): no MLA layer at all. A read-only mapping (``MLAForms``).
+    mla_forms: Any = dataclasses.field(default_factory=MLAForms)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mla_forms", _mla_forms(self.mla_forms))
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
         object.__setattr__(self, "kv_cache_dtypes", tuple(dtype_name(d) for d in self.kv_cache_dtypes))
         if isinstance(self.kv_layouts, list):
@@ -77,6 +114,15 @@ class Capabilities:
     def layouts_text(self) -> str:
         """The declared layouts as words (``any (through read_kv/set_kv)`` for ``None``)."""
         return "any (through read_kv/set_kv)" if self.kv_layouts is None else ", ".join(self.kv_layouts)
+
+    def mla_forms_for(self, kind: str) -> tuple[str, ...]:
+        """The MLA forms claimed for mode kind ``kind`` (``"decode"`` / ``"extend"``); ``()`` when none."""
+        return tuple(self.mla_forms.get(kind, ()))
+
+    @property
+    def mla(self) -> bool:
+        """Whether any MLA form is claimed."""
+        return any(self.mla_forms.get(k) for k in MLA_MODE_KINDS)
 
     def supports_mode(self, mode: ForwardMode) -> bool:
         """Whether forwards of ``mode`` are claimed (verify and draft-extend are opt-in)."""
@@ -92,6 +138,7 @@ class Capabilities:
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)
+        d["mla_forms"] = {k: list(v) for k, v in self.mla_forms.items()}
         return d
 
     def summary(self) -> str:
@@ -105,6 +152,9 @@ class Capabilities:
             if getattr(self, name)
         ]
         flags += [name for name in RESTRICTIONS if getattr(self, name)]
+        if self.mla:
+            flags.append("mla(" + ",".join(f"{k}:{'+'.join(self.mla_forms_for(k))}" for k in MLA_MODE_KINDS
+                                           if self.mla_forms_for(k)) + ")")
         return f"dtypes={','.join(self.dtypes)} devices={','.join(self.devices)} " + " ".join(flags)
 
 
@@ -120,10 +170,14 @@ def support_reasons(
     mode: ForwardMode | None = None,
     cuda_graph: bool | None = None,
     deterministic: bool | None = None,
+    mla_form: str | None = None,
+    backend: str | None = None,
 ) -> list[str]:
     """Sentences saying why ``caps`` cannot serve this problem; empty when it can.
 
-    Arguments left as ``None`` are not checked.
+    Arguments left as ``None`` are not checked. For an MLA ``layer``, ``mode`` and ``mla_form`` (the
+    batch's ``ForwardBatch.mla_form``) narrow which MLA claim is checked (``mla_reasons``); ``backend``
+    names the backend in those sentences.
     """
     reasons: list[str] = []
     if dtype is not None:
@@ -154,12 +208,42 @@ def support_reasons(
     if deterministic and not caps.deterministic:
         reasons.append("deterministic (batch-invariant) output is not claimed")
     if layer is not None:
-        reasons.extend(layer_reasons(caps, layer))
+        reasons.extend(layer_reasons(caps, layer, backend=backend))
+        if getattr(layer, "mla", None) is not None and (mode is not None or mla_form is not None):
+            kinds = (mla_mode_kind(mode),) if mode is not None else None
+            reasons.extend(r for r in mla_reasons(caps, kinds, mla_form, backend) if r not in reasons)
     return reasons
 
 
-def layer_reasons(caps: Capabilities, layer: LayerSpec) -> list[str]:
+def mla_reasons(caps: Capabilities, kinds: Iterable[str] | None = None, form: str | None = None,
+                backend: str | None = None) -> list[str]:
+    """Why ``caps`` cannot serve an MLA layer in mode kinds ``kinds`` (``"decode"``/``"extend"``; ``None``:
+    at least one form of any kind) with ``form`` (``None``: any form), as sentences naming the layer kind
+    and the form (``"MLA layer (absorbed decode) not supported by torch_native (mla_forms: decode: none)"``).
+    """
+    by = f" by {backend}" if backend else ""
+    if form is not None and form not in MLA_FORMS:
+        return [f"MLA form {form!r} is not one of {', '.join(MLA_FORMS)} (ForwardBatch.mla_form)"]
+    if kinds is None:
+        if caps.mla:
+            return []
+        return [f"MLA layer not supported{by} (Capabilities.mla_forms claims no MLA form)"]
+    out = []
+    for kind in kinds:
+        have = caps.mla_forms_for(kind)
+        ok = form in have if form is not None else bool(have)
+        if not ok:
+            what = f"{form} {kind}" if form is not None else kind
+            out.append(f"MLA layer ({what}) not supported{by} (mla_forms: {kind}: {', '.join(have) or 'none'})")
+    return out
+
+
+def layer_reasons(caps: Capabilities, layer: LayerSpec, backend: str | None = None) -> list[str]:
     reasons: list[str] = []
+    if getattr(layer, "mla", None) is not None:
+        # an MLA layer is its own kind: the head-dim / MQA claims describe ordinary attention kernels; what
+        # decides is the MLA claim (any form here; per forward, the batch's form in its mode kind)
+        return mla_reasons(caps, None, None, backend)
     if caps.head_dims is not None and layer.head_dim not in caps.head_dims:
         reasons.append(f"head_dim={layer.head_dim} (supported: {_join(caps.head_dims)})")
     if layer.v_head_dim != layer.head_dim and not caps.v_head_dim_differs:

@@ -13,7 +13,8 @@ import importlib.util
 import re
 from typing import Any, Callable, Mapping
 
-from .capabilities import Capabilities
+from .capabilities import MLA_MODE_KINDS, Capabilities
+from .layer import MLA_FORMS
 from .errors import PluginError
 from .host import PLATFORMS, HostInfo, equivalent_distributions
 from .isolation import call_plugin, describe_exception, echo_output
@@ -271,6 +272,11 @@ def capabilities_problems(caps: Capabilities) -> list[str]:
     lay = caps.kv_layouts
     if lay is not None and not (isinstance(lay, tuple) and lay and all(isinstance(x, str) and x for x in lay)):
         bad("kv_layouts", "None (any layout, through read_kv/set_kv) or a non-empty tuple of layout names")
+    forms = caps.mla_forms
+    if not (hasattr(forms, "items") and all(
+            kind in MLA_MODE_KINDS and isinstance(f, tuple) and all(x in MLA_FORMS for x in f)
+            for kind, f in forms.items())):
+        bad("mla_forms", f"a mapping from {'/'.join(MLA_MODE_KINDS)} to a tuple of forms from {MLA_FORMS}")
     cc = caps.min_compute_capability
     if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) for v in cc)):

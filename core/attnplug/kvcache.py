@@ -20,6 +20,14 @@ FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry one K and one V scale per
 (per tensor; ``set_kv_scales``). Every write path quantizes: stored = round(x / scale)
 saturated to the dtype's finite range (NaN stays NaN); a reader dequantizes: value =
 stored × scale (``read_kv(..., dequantize=True)``, ``dequantize``).
+
+MLA (latent) caches (``v_head_dim=0``, ``num_kv_heads=1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``):
+per token ONE latent row ``c_kv ++ k_pe`` held as the K row; V rows are empty (``[.., 1, 0]``: the
+values of an MLA layer are the first ``kv_lora_rank`` entries of the latent row, docs/mla.md). The
+layouts need nothing new (``nhd``: ``[num_slots, 1, head_dim]``; ``hnd``: ``[num_pages, 1, page_size,
+head_dim]``; an adopted buffer holds ``num_slots * head_dim`` elements). ``read_latent`` / ``set_latent``
+read and write the rows; an fp8 latent cache has ONE scale per layer (``set_latent_scale``; stored as
+the K scale, with the V scale kept equal).
 """
 
 from __future__ import annotations
@@ -85,7 +93,7 @@ class PagedKVCache:
             ("max_context_len", max_context_len),
         ):
             _positive_int("PagedKVCache", field, value)
-        if v_head_dim is not None:
+        if v_head_dim is not None and v_head_dim != 0:  # 0: a latent (MLA) cache, K rows only
             _positive_int("PagedKVCache", "v_head_dim", v_head_dim)
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -93,7 +101,12 @@ class PagedKVCache:
         self.num_slots = num_pages * page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.v_head_dim = v_head_dim or head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        #: an MLA latent cache (``v_head_dim == 0``): one latent row per token, no V rows
+        self.latent = self.v_head_dim == 0
+        if self.latent and num_kv_heads != 1:
+            raise ValueError(f"PagedKVCache: a latent (MLA) cache (v_head_dim=0) has one latent row per token: "
+                             f"num_kv_heads={num_kv_heads}, expected 1")
         self.dtype = torch_dtype(dtype)
         self.dtype_name = dtype_name(dtype)
         self.device = torch.device(device)
@@ -177,7 +190,21 @@ class PagedKVCache:
             )
 
     def check_layer_rows(self, layer: object) -> None:
-        """The cache rows of ``layer`` match its KV heads and head dims."""
+        """The cache rows of ``layer`` match its KV heads and head dims (an MLA layer: a latent cache of
+        its row width; any other layer: not a latent cache)."""
+        mla = getattr(layer, "mla", None)
+        if mla is not None or self.latent:
+            lid = layer.layer_id  # type: ignore[attr-defined]
+            if mla is None:
+                raise ShapeError(f"kv_cache is a latent (MLA) cache (v_head_dim=0) but layer {lid} is not an MLA "
+                                 f"layer (LayerSpec.mla is None)")
+            if not self.latent or self.head_dim != layer.head_dim:  # type: ignore[attr-defined]
+                raise ShapeError(
+                    f"kv_cache rows for MLA layer {lid} are k {(self.num_kv_heads, self.head_dim)} / v "
+                    f"{(self.num_kv_heads, self.v_head_dim)}, expected a latent cache: k (1, "
+                    f"{layer.head_dim}) / v (1, 0) (PagedKVCache(num_kv_heads=1, head_dim=kv_lora_rank + "  # type: ignore[attr-defined]
+                    f"qk_rope_head_dim, v_head_dim=0))")
+            return
         want_k = (layer.num_kv_heads, layer.head_dim)  # type: ignore[attr-defined]
         want_v = (layer.num_kv_heads, layer.v_head_dim)  # type: ignore[attr-defined]
         if (self.num_kv_heads, self.head_dim) != want_k or (self.num_kv_heads, self.v_head_dim) != want_v:
@@ -324,6 +351,28 @@ class PagedKVCache:
         k, v = self.layout.read(self._storage[layer_id], self.geometry, slots)
         return self.dequantize(layer_id, k, v) if dequantize else (k, v)
 
+    def read_latent(self, layer_id: int, slots: torch.Tensor | None = None, *,
+                    dequantize: bool = False) -> torch.Tensor:
+        """The latent rows ``[n, 1, head_dim]`` of ``slots`` of a latent (MLA) cache (``read_kv``'s K)."""
+        self._require_latent("read_latent")
+        return self.read_kv(layer_id, slots, dequantize=dequantize)[0]
+
+    def set_latent(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, *, checked: bool = True,
+                   stored: bool = False) -> None:
+        """Write latent rows ``[n, 1, head_dim]`` at ``loc`` of a latent cache (``set_kv`` with empty V)."""
+        self._require_latent("set_latent")
+        self.set_kv(layer_id, loc, latent, None, checked=checked, stored=stored)
+
+    def set_latent_scale(self, layer_id: int, scale: float) -> None:
+        """The one scale of an fp8 latent layer (kept as both its K and V scale)."""
+        self._require_latent("set_latent_scale")
+        self.set_kv_scales(layer_id, scale, scale)
+
+    def _require_latent(self, what: str) -> None:
+        if not self.latent:
+            raise KVLayoutError(f"PagedKVCache.{what} reads a latent (MLA) cache, but this cache has V rows "
+                                f"(v_head_dim={self.v_head_dim}); an MLA cache is built with v_head_dim=0")
+
     # -- fp8: scales, quantize, dequantize ---------------------------------------------
     def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         """The K and V scales of one layer (positive finite numbers; fp8 caches only: another dtype
@@ -331,6 +380,9 @@ class PagedKVCache:
         self.check_layer_id(layer_id)
         k_scale = _check_scale(f"layer {layer_id} k_scale", k_scale)
         v_scale = _check_scale(f"layer {layer_id} v_scale", v_scale)
+        if self.latent and k_scale != v_scale:
+            raise ValueError(f"layer {layer_id}: a latent (MLA) cache has one scale per layer (set_latent_scale); "
+                             f"got k_scale={k_scale}, v_scale={v_scale}")
         if not self.quantized and (k_scale, v_scale) != (1.0, 1.0):
             raise ValueError(f"KV scales apply to fp8 caches ({', '.join(FP8_DTYPES)}); this cache stores "
                              f"{self.dtype_name}, which would ignore k_scale={k_scale}, v_scale={v_scale}")
@@ -354,9 +406,10 @@ class PagedKVCache:
             return k.to(torch.float32), v.to(torch.float32)
         return (k.to(torch.float32) * self._k_scales[layer_id], v.to(torch.float32) * self._v_scales[layer_id])
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *,
                checked: bool = True, stored: bool = False) -> None:
-        """Write ``k``/``v`` (``[n, heads, dim]``) into the slots ``loc`` (``[n]``) of one layer.
+        """Write ``k``/``v`` (``[n, heads, dim]``) into the slots ``loc`` (``[n]``) of one layer (a latent
+        cache: ``v`` may be ``None``, its rows are empty).
 
         Values are quantized as the cache stores them (``quantize``); ``stored=True`` writes values
         that already are stored values (a ``read_kv`` snapshot being restored) as they are.
@@ -364,11 +417,13 @@ class PagedKVCache:
         ``loc`` already, as ``PagedBackend`` does once per forward.
         """
         self.check_layer_id(layer_id)
+        if v is None and self.latent:
+            v = k.new_empty((k.shape[0], 1, 0))
         rows_k, rows_v = (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)
-        if tuple(k.shape[1:]) != rows_k or tuple(v.shape[1:]) != rows_v or k.shape[0] != loc.shape[0] \
+        if v is None or tuple(k.shape[1:]) != rows_k or tuple(v.shape[1:]) != rows_v or k.shape[0] != loc.shape[0] \
                 or v.shape[0] != loc.shape[0]:
             raise ShapeError(
-                f"KV-cache write for layer {layer_id}: k {tuple(k.shape)} / v {tuple(v.shape)} at "
+                f"KV-cache write for layer {layer_id}: k {tuple(k.shape)} / v {None if v is None else tuple(v.shape)} at "
                 f"{tuple(loc.shape)} slots do not match cache rows {rows_k} / {rows_v}"
             )
         if checked:

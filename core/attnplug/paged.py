@@ -52,10 +52,10 @@ from typing import Any, ClassVar
 import torch
 
 from .backend import AttentionBackend, MetadataGuard
-from .batch import _version, check_qkv
+from .batch import _version, check_mla_qkv, check_qkv
 from .capabilities import support_reasons
 from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
-from .layer import LayerSpec
+from .layer import UNABSORBED, LayerSpec
 from .modes import ForwardMode
 
 
@@ -332,6 +332,8 @@ class PagedBackend(AttentionBackend):
         fwd = self._fwd
         if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
             fwd = self._fwd = _Forward(self, batch, meta)
+        if getattr(layer, "mla", None) is not None:
+            return self._forward_mla(q, k, v, layer, batch, save_kv_cache, fwd, meta)
         if fwd.idle:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
         T = fwd.num_tokens
@@ -372,6 +374,57 @@ class PagedBackend(AttentionBackend):
             cache.set_kv(lid, loc, k, v, checked=False)
         return out
 
+    def _forward_mla(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool, fwd: Any,
+                     meta: Any) -> Any:
+        """An MLA layer's forward (docs/mla.md): the full structural check every call (``check_forward``,
+        incl. the form claimed for this mode kind), the latent rows ``k`` written like K (staged around a
+        ``new_kv_source == "cache"`` kernel), then ``compute_mla``."""
+        if fwd.idle:
+            return q.new_empty((0, layer.num_heads, layer.output_dim(batch.mla_form)))
+        self.check_forward(q, k, v, layer, batch)
+        plan = self.layer_plan(layer)
+        T = fwd.num_tokens
+        if T == 0:
+            return q.new_empty((0, layer.num_heads, layer.output_dim(batch.mla_form)))
+        cache = self.kv_cache
+        lid, loc = plan.layer_id, fwd.loc
+        if plan.staged:
+            old = cache.snapshot(lid, loc)
+            cache.set_kv(lid, loc, k, None, checked=False)
+            try:
+                out = self.compute_mla(q, k, layer, batch, meta)
+            except BaseException:
+                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+                raise
+            if not save_kv_cache:
+                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+            return out
+        out = self.compute_mla(q, k, layer, batch, meta)
+        if save_kv_cache:
+            cache.set_kv(lid, loc, k, None, checked=False)
+        return out
+
+    def compute_mla(self, q: Any, latent: Any, layer: Any, batch: Any, meta: Any) -> Any:
+        """Attention of an MLA layer (``layer.mla``) in the form ``batch.mla_form`` and the mode
+        ``batch.forward_mode``; ``latent`` is the new tokens' latent rows ``[T, 1, kv_lora_rank +
+        qk_rope_head_dim]``. Returns ``[T, H, layer.output_dim(batch.mla_form)]`` in the query dtype.
+        Override in a backend that claims ``Capabilities.mla_forms`` (the checks ran already: the form is
+        claimed for this mode kind, the unabsorbed form has ``w_kc``/``w_vc``)."""
+        raise NotImplementedError(f"{type(self).__name__} claims MLA forms but does not implement compute_mla")
+
+    def mla_forward_reasons(self, layer: Any, batch: Any) -> list[str]:
+        """Why this backend cannot run MLA ``layer`` in ``batch``'s form and mode kind (the claim, and the
+        decompression weights the unabsorbed form needs); empty when it can."""
+        form = batch.mla_form
+        reasons = support_reasons(type(self).capabilities, layer, mode=batch.forward_mode, mla_form=form,
+                                  backend=self.name)
+        if form == UNABSORBED and not layer.mla.has_weights:
+            missing = [n for n in ("w_kc", "w_vc") if getattr(layer.mla, n) is None]
+            reasons.append(f"the unabsorbed MLA form decompresses the latent rows with LayerSpec.mla.w_kc and "
+                           f"LayerSpec.mla.w_vc (kv_b_proj split per head); layer {layer.layer_id} has no "
+                           f"{' / '.join(missing)}")
+        return reasons
+
     def check_forward(self, q: Any, k: Any, v: Any, layer: Any, batch: Any) -> None:
         """Structural checks of one layer's call (no reductions, no device sync)."""
         cache = self.cache
@@ -395,6 +448,19 @@ class PagedBackend(AttentionBackend):
                 self.name, [f"dtype={str(q.dtype).replace('torch.', '')} "
                             f"(supported: {', '.join(type(self).capabilities.dtypes)})"]
             )
+        if getattr(layer, "mla", None) is not None:
+            check_mla_qkv(q, k, v, layer, batch.num_tokens, batch.mla_form)
+            if q.device.type != cache.device.type or k.device.type != cache.device.type:
+                raise ShapeError(f"{self.name}: q/k are on {q.device}, the KV cache of layer {layer.layer_id} on "
+                                 f"{cache.device}")
+            cache.check_layer_rows(layer)
+            self.require_supported(layer)
+            reasons = self.mla_forward_reasons(layer, batch)
+            if reasons:
+                kind = "decode" if batch.forward_mode is ForwardMode.DECODE else "extend"
+                raise NotSupportedError(self.name, reasons,
+                                        what=f"MLA layer {layer.layer_id} ({batch.mla_form} {kind})")
+            return
         if k is None and v is None and not layer.is_cross_attention:
             raise ShapeError(
                 f"{self.name}: k and v are None for self-attention layer {layer.layer_id}; "

@@ -498,7 +498,10 @@ class Registry:
         reasons = support_reasons(caps, dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype,
                                   page_size=ctx.page_size, device=device,
                                   kv_layout=getattr(layout, "name", None))
-        if caps.head_dims is not None and ctx.head_dim not in caps.head_dims:
+        layers = tuple(getattr(ctx, "layers", ()) or ())
+        all_mla = bool(layers) and all(getattr(layer, "mla", None) is not None for layer in layers)
+        # an MLA model's head_dim is its latent row width: the MLA claim (mla_forms) decides, not head_dims
+        if caps.head_dims is not None and ctx.head_dim not in caps.head_dims and not all_mla:
             reasons.append(f"head_dim={ctx.head_dim} (supported: {', '.join(str(d) for d in caps.head_dims)})")
         for layer in getattr(ctx, "layers", ()) or ():
             for reason in layer_reasons(caps, layer) + host_layer_reasons(caps, layer, getattr(ctx, "host", None)):

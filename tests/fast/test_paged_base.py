@@ -304,7 +304,7 @@ def test_workspace_limit_names_the_setting():
 # -- geometry validated at construction ------------------------------------------------
 @pytest.mark.parametrize("kw,field", [
     (dict(num_kv_heads=0), "num_kv_heads"), (dict(head_dim=0), "head_dim"), (dict(page_size=0), "page_size"),
-    (dict(num_pages=-1), "num_pages"), (dict(v_head_dim=0), "v_head_dim"), (dict(max_requests=0), "max_requests"),
+    (dict(num_pages=-1), "num_pages"), (dict(v_head_dim=-1), "v_head_dim"), (dict(max_requests=0), "max_requests"),
     (dict(head_dim=2.5), "head_dim"),
 ])
 def test_cache_geometry_is_validated(kw, field):

@@ -525,6 +525,8 @@ def test_list_overrides_in_application_order():
         ("attnplug-aiter", "gpt_oss_on_rocm", 0),
         ("attnplug-fa3", "gpt_oss_on_hopper", 0),
         ("attnplug-intel-amx", "gpt_oss_on_amx", 0),
+        ("attnplug-torch-native", "mla_on_cpu", 0),  # DeepseekV3ForCausalLM
+        ("attnplug-torch-native", "mla_on_cpu", 0),  # DeepseekV2ForCausalLM
         ("attnplug-triton", "gpt_oss_mxfp4_dtype", 0),
         ("attnplug-trtllm-mha", "gpt_oss_on_blackwell", 0),
     ]
@@ -589,7 +591,7 @@ def test_cli_list_overrides(cli_registry, capsys):
     assert "force: diffusion_lm_flashinfer [attnplug-flashinfer]" in out
     assert main(["resolve", "--list-overrides", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert len(data["overrides"]) == 6 and len(data["rules"]) == 2
+    assert len(data["overrides"]) == 8 and len(data["rules"]) == 2  # 6 gpt-oss + torch_native's 2 MLA archs
 
 
 def test_cli_resolve_with_installed_plugins_only(capsys, tmp_path):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from ..capabilities import host_layer_reasons, layer_reasons, support_reasons
+from ..capabilities import host_layer_reasons, layer_reasons, mla_reasons, support_reasons
 from ..config import AttentionConfig
 from ..dtypes import kv_dtype_name
 from ..errors import PluginError
@@ -192,8 +192,16 @@ def support_problems(registry: "Registry", name: str, config: AttentionConfig, h
         for mode in (ForwardMode.TARGET_VERIFY,):
             if half_for_mode(mode, config.speculative_attention_mode) == half:
                 reasons.extend(support_reasons(caps, mode=mode))
+    # an MLA layer runs in both halves' mode kinds: the decode half needs a decode form, the prefill half
+    # an extend form (and target-verify, in whichever half serves it, an extend form)
+    mla_kinds = ["decode"] if half == "decode" else ["extend"]
+    if speculative_enabled(config) and "extend" not in mla_kinds and \
+            half_for_mode(ForwardMode.TARGET_VERIFY, config.speculative_attention_mode) == half:
+        mla_kinds.append("extend")
     for layer in layers:
-        for reason in layer_reasons(caps, layer):
+        layer_kind = (mla_reasons(caps, mla_kinds, None, name)
+                      if getattr(layer, "mla", None) is not None and caps.mla else [])
+        for reason in layer_reasons(caps, layer, backend=name) + layer_kind:
             text = f"layer {layer.layer_id}: {reason}"
             if not any(r.endswith(reason) for r in reasons):  # one line per reason, naming its first layer
                 reasons.append(text)

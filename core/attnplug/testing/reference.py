@@ -204,3 +204,105 @@ def expected_cache_after(
     return kc, vc
 
 
+
+
+# -- MLA (docs/mla.md) -------------------------------------------------------------------------------
+def _mla_rows(latent: torch.Tensor, scale: float, cache_dtype: torch.dtype | None) -> torch.Tensor:
+    """Latent rows as float64 values: fp8 rows dequantized (stored x scale); ``cache_dtype`` set: the new
+    rows as an fp8 cache stores them (quantized with the same scale, then dequantized)."""
+    if cache_dtype is not None and str(cache_dtype).replace("torch.", "") in FP8_DTYPES:
+        latent = quantize(latent, scale, cache_dtype)
+    if str(latent.dtype).replace("torch.", "") in FP8_DTYPES:
+        return _f64(latent) * scale
+    return _f64(latent)
+
+
+def mla_decompress(rows: torch.Tensor, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys ``[n, H, qk_nope + qk_rope]`` and values ``[n, H, v_head_dim]`` (float64) of latent
+    rows ``[n, 1, kv_lora_rank + qk_rope]``: head ``h``'s key is ``[c_kv @ w_kc[h]^T, k_pe]``, its value
+    ``c_kv @ w_vc[h]``. Rows holding NaN/inf give non-finite keys/values (never hidden)."""
+    m = layer.mla
+    r = rows.reshape(rows.shape[0], -1).to(torch.float64)
+    c_kv, k_pe = r[:, :m.kv_lora_rank], r[:, m.kv_lora_rank:]
+    w_kc = _f64(torch.as_tensor(m.w_kc))  # [H, nope, lora]
+    w_vc = _f64(torch.as_tensor(m.w_vc))  # [H, lora, v]
+    k_nope = torch.einsum("nl,hdl->nhd", c_kv, w_kc)
+    keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, layer.num_heads, -1)], dim=2)
+    vals = torch.einsum("nl,hlv->nhv", c_kv, w_vc)
+    return keys, vals
+
+
+def reference_mla(
+    q: torch.Tensor,
+    latent: torch.Tensor | None,
+    layer: Any,
+    batch: Any,
+    latent_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Expected output of MLA ``layer`` (``LayerSpec.mla``) in float64, in the form ``batch.mla_form``.
+
+    ``latent`` is the new tokens' latent rows ``[T, 1, kv_lora_rank + qk_rope]``; ``latent_cache`` the
+    layer's rows before the forward (``PagedKVCache.read_latent``), fp8 with ``scale`` (the one latent
+    scale; the new rows are read as the cache stores them, as for fp8 KV).
+
+    * absorbed: ``q [T, H, kv_lora_rank + qk_rope]``; MQA over the latent rows, the values are their
+      first ``kv_lora_rank`` entries: output ``[T, H, kv_lora_rank]``;
+    * unabsorbed: ``q [T, H, qk_nope + qk_rope]``; every row read is decompressed per head
+      (``mla_decompress``) and attended like multi-head attention with ``v_head_dim != head_dim``:
+      output ``[T, H, mla.v_head_dim]``.
+
+    Scores use ``layer.scaling`` in both forms; masks, garbage and empty rows as ``reference_attention``.
+    """
+    import dataclasses
+
+    m = layer.mla
+    cache_dtype = latent_cache.dtype
+    kc = _mla_rows(latent_cache.detach().cpu(), scale, None)
+    new = None if latent is None else _mla_rows(latent.detach().cpu(), scale, cache_dtype)
+    if batch.mla_form == "absorbed":
+        shadow = dataclasses.replace(layer, mla=None, v_head_dim=m.kv_lora_rank) if dataclasses.is_dataclass(
+            layer) else layer
+        return reference_attention(
+            q, new, None if new is None else new[..., :m.kv_lora_rank], shadow, batch,
+            kc, kc[..., :m.kv_lora_rank], req_to_token)
+    # unabsorbed: decompress only the rows a request owns (garbage elsewhere never reaches the output)
+    H, Dqk, Dv = layer.num_heads, m.qk_head_dim, m.v_head_dim
+    keys = torch.zeros(kc.shape[0], H, Dqk, dtype=torch.float64)
+    vals = torch.zeros(kc.shape[0], H, Dv, dtype=torch.float64)
+    mode = batch.forward_mode
+    seq = batch.seq_lens.tolist()
+    prefix = [s - 1 for s in seq] if mode is ForwardMode.DECODE else batch.extend_prefix_lens.tolist()
+    r2t = req_to_token.cpu()
+    owned = [r2t[r, :p].long() for r, p in zip(batch.req_pool_indices.tolist(), prefix) if p]
+    if owned:
+        slots = torch.unique(torch.cat(owned))
+        keys[slots], vals[slots] = mla_decompress(kc[slots], layer)
+    nk = nv = None
+    if new is not None:
+        nk, nv = mla_decompress(new, layer)
+    shadow = _MLAShadow(layer.layer_id, H, H, Dqk, Dv, layer.scaling)
+    return reference_attention(q, nk, nv, shadow, batch, keys, vals, req_to_token)
+
+
+class _MLAShadow:
+    """The unabsorbed form as the plain multi-head layer ``reference_attention`` computes."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 scaling: float) -> None:
+        self.layer_id, self.num_heads, self.num_kv_heads = layer_id, num_heads, num_kv_heads
+        self.head_dim, self.v_head_dim, self.scaling = head_dim, v_head_dim, scaling
+        self.logit_cap = None
+        self.sliding_window = None
+        self.sinks = None
+        self.is_cross_attention = False
+        self.causality = "causal"
+        self.mla = None
+
+
+def expected_latent_after(latent_cache: torch.Tensor, latent: torch.Tensor | None, out_cache_loc: torch.Tensor,
+                          scale: float = 1.0) -> torch.Tensor:
+    """A latent layer's rows after a forward that saves ``latent`` at ``out_cache_loc`` (cache dtype)."""
+    return expected_cache_after(latent_cache, latent_cache[..., :0], latent,
+                                None if latent is None else latent[..., :0], out_cache_loc, scale, scale)[0]

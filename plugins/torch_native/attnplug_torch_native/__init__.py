@@ -6,6 +6,8 @@ backend is built.
 
 from __future__ import annotations
 
+from typing import Any
+
 from attnplug import BackendDescriptor, Capabilities, hookimpl, module_missing
 
 NAME = "torch_native"
@@ -38,6 +40,8 @@ CAPABILITIES = Capabilities(
     # which neither MKL nor cuBLAS promises (and these capabilities cover every device).
     deterministic=False,
     devices=("cpu", "cuda", "rocm", "xpu"),
+    # MLA layers (docs/mla.md): both forms in every mode, eager (attnplug_torch_native/mla.py)
+    mla_forms={"decode": ("absorbed", "unabsorbed"), "extend": ("absorbed", "unabsorbed")},
 )
 
 
@@ -58,3 +62,18 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             description="exact paged attention in PyTorch; on CPU a fused CPU kernel (compiled at first use with g++, $ATTNPLUG_TORCH_NATIVE_FUSED=auto|on|off)",
         )
     )
+
+
+#: MLA architectures (docs/mla.md): their attention layers are MLA layers (``LayerSpec.mla``)
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
+
+def mla_on_cpu(host: Any, config: Any) -> dict[str, Any]:
+    """an MLA model (DeepSeek-V2/V3) on a CPU host: torch_native serves both MLA forms in every mode"""
+    return {"attention_backend": NAME} if host.platform == "cpu" else {}
+
+
+@hookimpl
+def attnplug_arch_overrides(register):  # type: ignore[no-untyped-def]
+    for arch in MLA_ARCHITECTURES:
+        register(arch, mla_on_cpu)

@@ -489,6 +489,12 @@ class TorchNativeBackend(PagedBackend):
     def build_metadata(self, batch: Any) -> ForwardMeta:
         return ForwardMeta(batch, self.cache)
 
+    # -- MLA layers (docs/mla.md): both forms, eager, in mla.py ------------------
+    def compute_mla(self, q: torch.Tensor, latent: torch.Tensor, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
+        from . import mla
+
+        return mla.compute_mla(self, q, latent, layer, batch, self.__dict__.setdefault("_mla_weights", {}))
+
     # -- helpers -----------------------------------------------------------
     def _compute_dtype(self, q: torch.Tensor) -> torch.dtype:
         cd = self.cache.dtype
