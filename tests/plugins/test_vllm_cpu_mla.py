@@ -207,3 +207,44 @@ def test_a_query_dtype_other_than_the_cache_is_refused_before_the_op():
     with pytest.raises(Exception, match=r"dtype"):
         backend.forward(q.float(), lat.float(), None, layer, batch)
     assert torch.equal(cache.read_latent(0), before)
+
+
+# -- the pair an MLA model runs on: a prefill half claiming extend, vllm_cpu's decode, one cache --------------
+def test_a_deepseek_model_pairs_torch_native_prefill_with_vllm_cpu_decode_over_one_latent_cache():
+    """Resolution keeps the pair (one cache in the vllm_cpu layout, which torch_native reads through
+    ``read_latent``); a prefill through torch_native then a decode through vllm_cpu on that cache match the
+    reference; vllm_cpu asked to serve prefill too is refused, naming the half, the layer kind and the form."""
+    from attnplug import AttentionConfig as AC
+    from attnplug.errors import ConfigError
+    from attnplug.resolution import resolve
+
+    layer = _layer(8)
+    res = resolve(AC(prefill_attention_backend="torch_native", decode_attention_backend="vllm_cpu", page_size=16),
+                  arch="DeepseekV3ForCausalLM", host=REG.host, registry=REG, layers=[layer])
+    assert res.config.attention_backends() == ("torch_native", "vllm_cpu")
+    assert "first shared layout vllm_cpu" in res.explain()
+    with pytest.raises((ConfigError, NotSupportedError), match=r"MLA layer \(extend\) not supported by vllm_cpu"):
+        resolve(AC(attention_backend="vllm_cpu", page_size=16), arch="DeepseekV3ForCausalLM", host=REG.host,
+                registry=REG, layers=[layer])
+
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 12, 1, LATENT, v_head_dim=0, page_size=16, max_requests=4, max_context_len=96,
+                         layout=REG.kv_layout(D.LAYOUT))
+    alloc = PageAllocator(12, shuffle=True, seed=2)
+    for r, n in ((0, 30), (1, 9)):
+        cache.assign_pages(r, n + 1, alloc.alloc(-(-(n + 1) // 16)))
+    ctx = BuildContext(config=res.config, host=REG.host, dtype="float32", num_heads=8, num_kv_heads=1,
+                       head_dim=LATENT, page_size=16, kv_cache=cache, max_context_len=96, layers=(layer,))
+    _, prefill = REG.build("torch_native", ctx)
+    _, decode = REG.build("vllm_cpu", ctx)
+    loc = torch.cat([cache.req_to_token[0, :30], cache.req_to_token[1, :9]])
+    ext = ForwardBatch.extend([0, 1], [0, 0], [30, 9], loc)
+    q, lat = torch.randn(39, 8, LATENT, generator=g), torch.randn(39, 1, LATENT, generator=g)
+    prefill.init_forward_metadata(ext)
+    prefill.forward(q, lat, None, layer, ext)
+    step = ForwardBatch.decode([0, 1], [31, 10], torch.stack([cache.req_to_token[0, 30], cache.req_to_token[1, 9]]))
+    q1, lat1 = torch.randn(2, 8, LATENT, generator=g), torch.randn(2, 1, LATENT, generator=g)
+    expect = reference_mla(q1, lat1, layer, step, cache.read_latent(0), cache.req_to_token)
+    decode.init_forward_metadata(step)
+    out = decode.forward(q1, lat1, None, layer, step)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
