@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 #: The public surface: what a host engine and a backend author need (see docs/api.md).
 #: Everything else lives in namespaces imported on purpose (``PUBLIC_NAMESPACES``):

@@ -38,7 +38,7 @@ import pytest
 
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
 SUITE_MODULES: tuple[str, ...] = ("test_protocol.py", "test_numeric.py", "test_cache.py", "test_determinism.py",
-                                  "test_robustness.py", "test_random.py")
+                                  "test_robustness.py", "test_random.py", "test_mla.py")
 ALL = "all"
 
 

@@ -53,7 +53,7 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             factory="attnplug_torch_native.backend:create",
             capabilities=CAPABILITIES,
             # the level this repository's CI runs its suite at (tox -e tests: pytest --backend=all)
-            conformance_level="0.3",
+            conformance_level="0.4",
             probe=module_missing("torch", "pip install torch"),
             aliases=("torch",),
             # The fallback everywhere; the default on hosts without better kernels.

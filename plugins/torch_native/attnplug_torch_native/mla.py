@@ -72,9 +72,9 @@ def compute_mla(backend: Any, q: torch.Tensor, latent: torch.Tensor, layer: Any,
             continue
         slots = r2t[r, :p0]
         if storage is not None:
-            rows = storage.index_select(0, slots).reshape(p0, -1)
+            rows = storage.index_select(0, slots).reshape(p0, layer.head_dim)
         else:
-            rows = cache.read_latent(lid, slots).reshape(p0, -1)
+            rows = cache.read_latent(lid, slots).reshape(p0, layer.head_dim)
         rows = rows.to(_F32)
         if scale is not None:
             rows = rows * scale

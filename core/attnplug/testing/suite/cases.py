@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from ...capabilities import Capabilities, support_reasons
 from ...kvlayout import HND, NHD
-from ...layer import LayerSpec
+from ...layer import ABSORBED, UNABSORBED, LayerSpec, MLASpec
 from ...modes import ForwardMode
 
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
@@ -234,6 +234,8 @@ class Case:
     #: hundreds below zero; ``"max_first"`` each request's first key scores far above the rest (the
     #: row maximum sits only in the first key block); see ``harness.shape_scores``
     scores: str = ""
+    #: an MLA case (docs/mla.md) in this form (``"absorbed"`` / ``"unabsorbed"``); ``None``: not MLA
+    mla_form: str | None = None
 
     @property
     def seed(self) -> int:
@@ -247,6 +249,64 @@ class Case:
 def _case(family: str, sc: Scenario, dtype: str, ps: int, *parts: str, **kw: Any) -> Case:
     words = [sc.name, *parts, dtype, f"ps{ps}"]
     return Case(family, "-".join(w for w in words if w), sc, dtype=dtype, page_size=ps, **kw)
+
+
+# -- MLA (docs/mla.md): DeepSeek-V3's latent geometry, 8 query heads ------------------------------------
+#: ``(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)`` of every MLA case
+MLA_DIMS: tuple[int, int, int, int] = (512, 128, 64, 128)
+#: the MLA layer shape: 8 query heads over one latent row of 512 + 64 (values: its first 512)
+MLA_SHAPE = Shape("mla", 8, 1, MLA_DIMS[0] + MLA_DIMS[2], MLA_DIMS[0])
+#: per form, the scenarios of the ``mla`` family: absorbed decode, short extends, verify, draft-extend,
+#: mixed; unabsorbed prefill over a cached prefix (and decode)
+MLA_SCENARIOS: dict[str, tuple[str, ...]] = {
+    ABSORBED: ("decode", "extend_prefix", "extend_ragged", "target_verify", "target_verify_custom_mask",
+               "draft_extend", "mixed"),
+    UNABSORBED: ("extend_prefix", "extend_ragged", "extend_noprefix", "decode"),
+}
+MLA_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: fp8 latent scales: ``unit`` and ``scaled`` (a backend ignoring the scale is off by 25x)
+MLA_FP8_SCALES: dict[str, float] = {"unit": 1.0, "scaled": 0.04}
+
+
+def _mla_case(family: str, name: str, form: str, dtype: str, ps: int, *parts: str, **kw: Any) -> Case:
+    return _case(family, scenario(name, ps), dtype, ps, form, *parts, shape=MLA_SHAPE, mla_form=form, **kw)
+
+
+def gen_mla() -> list[Case]:
+    """MLA layers in both forms (absorbed decode / short extend / verify / draft-extend / mixed; unabsorbed
+    prefill over a cached prefix, ragged batches, decode) at page sizes 1/16/64, float32 and bfloat16."""
+    return [_mla_case("mla", name, form, dt, ps)
+            for form, names in MLA_SCENARIOS.items() for name in names for ps in PAGE_SIZES for dt in MLA_DTYPES]
+
+
+def gen_mla_garbage() -> list[Case]:
+    """NaN / +inf in every latent slot no request owns, both forms."""
+    out = []
+    for form, names in ((ABSORBED, ("decode", "extend_prefix", "target_verify_custom_mask")),
+                        (UNABSORBED, ("decode", "extend_prefix"))):
+        for name in names:
+            for value in ("nan", "inf"):
+                out.append(_mla_case("mla_garbage", name, form, "float32", 16, value, garbage=value))
+    return out
+
+
+def gen_mla_fp8() -> list[Case]:
+    """An fp8 latent cache with one scale per layer: e4m3 / e5m2 x scale unit / scaled x absorbed decode,
+    absorbed extend over a prefix, unabsorbed prefill over a prefix."""
+    out = []
+    for kv in ("float8_e4m3fn", "float8_e5m2"):
+        for sname, scale in MLA_FP8_SCALES.items():
+            for form, name in ((ABSORBED, "decode"), (ABSORBED, "extend_prefix"), (UNABSORBED, "extend_prefix")):
+                out.append(_mla_case("mla_fp8", name, form, "float32", 16, kv, sname, kv_cache_dtype=kv,
+                                     kv_scales=(scale, scale)))
+    return out
+
+
+def gen_mla_forms_agree() -> list[Case]:
+    """Both forms on the same weights: with absorbed q_h = [q_nope_h @ w_kc[h], q_pe_h], the unabsorbed
+    output of head h equals the absorbed output @ w_vc[h] (needs both forms claimed in the mode kind)."""
+    return [_case("mla_forms_agree", scenario(name, ps), "float32", ps, "both", shape=MLA_SHAPE, mla_form=ABSORBED)
+            for name in ("decode", "extend_prefix", "target_verify") for ps in (1, 16)]
 
 
 def gen_mode() -> list[Case]:
@@ -763,6 +823,10 @@ GENERATORS: dict[str, Callable[[], list[Case]]] = {
     "score_range": gen_score_range,
     "rounding": gen_rounding,
     "odd_heads": gen_odd_heads,
+    "mla": gen_mla,
+    "mla_garbage": gen_mla_garbage,
+    "mla_fp8": gen_mla_fp8,
+    "mla_forms_agree": gen_mla_forms_agree,
 }
 
 def cases_for(family: str, caps: Capabilities) -> list[Case]:
@@ -837,6 +901,10 @@ def _join(values: Iterable[Any]) -> str:
 def case_layer(case: Case, layer_id: int = 0) -> LayerSpec:
     """The layer a case runs (sinks as placeholder zeros: the support verdict only asks whether it has any)."""
     sh, f = case.shape, case.features
+    if case.mla_form is not None:
+        lora, nope, rope, v = MLA_DIMS
+        return LayerSpec(layer_id=layer_id, num_heads=sh.num_heads, num_kv_heads=1, head_dim=lora + rope,
+                         mla=MLASpec(lora, nope, rope, v))
     return LayerSpec(
         layer_id=layer_id, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads, head_dim=sh.head_dim,
         v_head_dim=sh.v_dim, scaling=f.scaling, logit_cap=f.logit_cap, sliding_window=f.sliding_window,
@@ -865,7 +933,12 @@ def skip_reason(case: Case, caps: Capabilities, backend: str, *, has_cuda: bool 
         mode=mode,
         cuda_graph=case.family == "cuda_graph",
         deterministic=case.family == "determinism",
+        mla_form=case.mla_form,
+        backend=backend,
     )
+    if case.family == "mla_forms_agree":  # both forms, in this mode kind
+        reasons += [r for r in support_reasons(caps, case_layer(case), mode=mode, mla_form=UNABSORBED,
+                                               backend=backend) if r not in reasons]
     if reasons:
         return f"{NOT_CLAIMED} {backend}: {'; '.join(reasons)}"
     if case.family == "cuda_graph" and (not has_cuda or "cuda" not in caps.devices):
