@@ -105,7 +105,7 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             factory="attnplug_triton.backend:create",
             capabilities=CAPABILITIES,
             # the level this repository's CI runs its suite at (tox -e tests: pytest --backend=all)
-            conformance_level="0.3",
+            conformance_level="0.4",  # incl. the MLA families (docs/mla.md)
             probe=probe,
             # Portable default on GPUs: below the vendor libraries (fa3, flashinfer, aiter), above
             # torch_native. None on CPU: the interpreter is for testing, never a default.

@@ -177,7 +177,7 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             factory="attnplug_vllm_cpu.backend:create",
             capabilities=CAPABILITIES,
             # the level this repository's CI runs its suite at (tox -e tests: pytest --backend=all)
-            conformance_level="0.3",
+            conformance_level="0.4",  # incl. the MLA families (docs/mla.md)
             probe=probe,
             # outranks torch_native (10) on CPU hosts where the ops load; below intel_amx (30) on AMX hosts
             priority={"cpu": 20},
