@@ -57,7 +57,8 @@ class AttentionBackend:
             ctx = self.__dict__.get("ctx")
         if ctx is not None:
             kw = dict(dtype=ctx.dtype, kv_cache_dtype=ctx.kv_cache_dtype, page_size=ctx.page_size, device=ctx.device)
-        return support_reasons(type(self).capabilities, layer, **kw)
+        name = getattr(self, "prefill_attention_backend_str", None) or getattr(self, "name", None)
+        return support_reasons(type(self).capabilities, layer, backend=name if isinstance(name, str) else None, **kw)
 
     def children(self) -> tuple["AttentionBackend", ...]:
         """Backends this one contains (containers and wrappers override)."""

@@ -209,7 +209,7 @@ def support_reasons(
         reasons.append("deterministic (batch-invariant) output is not claimed")
     if layer is not None:
         reasons.extend(layer_reasons(caps, layer, backend=backend))
-        if getattr(layer, "mla", None) is not None and (mode is not None or mla_form is not None):
+        if getattr(layer, "mla", None) is not None and caps.mla and (mode is not None or mla_form is not None):
             kinds = (mla_mode_kind(mode),) if mode is not None else None
             reasons.extend(r for r in mla_reasons(caps, kinds, mla_form, backend) if r not in reasons)
     return reasons

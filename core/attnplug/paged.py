@@ -172,7 +172,7 @@ class PagedBackend(AttentionBackend):
     def layer_reasons(self, layer: Any) -> list[str]:
         """The per-layer verdict (memoised by ``require_supported``): generic layer reasons, then
         ``backend_reasons(layer, None)``."""
-        return support_reasons(type(self).capabilities, layer) + self.backend_reasons(layer, None)
+        return support_reasons(type(self).capabilities, layer, backend=self.name) + self.backend_reasons(layer, None)
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
         """Reasons the declared capabilities cannot express (override; default: none).

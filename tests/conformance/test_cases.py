@@ -12,7 +12,8 @@ from attnplug.testing.tolerances import TOLERANCES, tolerance_for
 EVERYTHING = Capabilities(v_head_dim_differs=True, sliding_window=True, logit_softcap=True, sinks=True,
                           cross_attention=True, bidirectional=True, speculative_verify=True, draft_extend=True, deterministic=True,
                           kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
-                          kv_layouts=None)
+                          kv_layouts=None,
+                          mla_forms={"decode": ("absorbed", "unabsorbed"), "extend": ("absorbed", "unabsorbed")})
 
 
 def _all_cases(caps: Capabilities) -> list[C.Case]:
@@ -37,6 +38,17 @@ def test_a_backend_claiming_everything_runs_everything_but_cuda_graph_off_gpu() 
     assert len(numeric) >= 600
 
 
+def test_mla_cases_are_skipped_per_form_and_mode_kind() -> None:
+    caps = Capabilities(mla_forms={"decode": ("absorbed",)}, speculative_verify=True, draft_extend=True)
+    mla = [c for c in _all_cases(caps) if c.family.startswith("mla")]
+    run = {c.id for c in mla if C.skip_reason(c, caps, "d") is None}
+    assert run and all(c.scenario.mode == "decode" and c.mla_form == "absorbed" and c.family != "mla_forms_agree"
+                       for c in mla if c.id in run)
+    reasons = {C.skip_reason(c, caps, "d") for c in mla} - {None}
+    assert "not claimed by d: MLA layer (absorbed extend) not supported by d (mla_forms: extend: none)" in reasons
+    assert "not claimed by d: MLA layer (unabsorbed decode) not supported by d (mla_forms: decode: absorbed)" in reasons
+
+
 def test_unclaimed_features_are_skipped_with_the_cores_reason() -> None:
     caps = Capabilities(dtypes=("float32",), page_sizes=(16,), head_dims=(64, 128))
     got = {C.skip_reason(c, caps, "mine") for c in _all_cases(caps)}
@@ -52,6 +64,7 @@ def test_unclaimed_features_are_skipped_with_the_cores_reason() -> None:
         "dtype=float16 (supported: float32)",
         "head_dim=256 (supported: 64, 128)",
         "kv_cache_dtype=float8_e4m3fn (supported: float32)",
+        "MLA layer not supported by mine (Capabilities.mla_forms claims no MLA form)",
     ):
         assert any(r and r.startswith("not claimed by mine: ") and expected in r for r in got), expected
     assert all(r is None or r.startswith(C.NOT_CLAIMED + " mine: ") for r in got)
@@ -89,7 +102,7 @@ def test_every_skip_reason_is_the_cores_verdict() -> None:
                                kv_cache_dtype=None if any_dtype else c.kv_dtype,
                                page_size=None if any_dtype else c.page_size,
                                mode=C.ForwardMode.parse(c.scenario.mode),
-                               deterministic=c.family == "determinism")
+                               deterministic=c.family == "determinism", mla_form=c.mla_form, backend="mine")
         assert got == (f"not claimed by mine: {'; '.join(want)}" if want else None), c.id
 
 

@@ -182,3 +182,46 @@ def test_an_ignored_v_scale_fails_exactly_the_fp8_cases_with_a_v_scale(wrong_sit
     assert len(cases) == 48
     assert failed == {k for k in cases if "-unit-" not in k}, sorted(failed)
     assert "max abs error" in run.output
+
+
+# -- MLA (docs/mla.md, level 0.4) ---------------------------------------------------------------
+MLA_PLAIN = "test_mode and float32 and ps16 and (decode or extend_prefix)"
+
+
+def test_wrong_mla_backends_fail_exactly_their_mla_families(wrong_site: Path, tmp_path: Path) -> None:
+    """conf_mla_reference passes every MLA case; conf_mla_wrong_slice (absorbed values from the last
+    kv_lora_rank entries) fails exactly the absorbed cases and the forms-agree family; conf_mla_scale576
+    (scale 1/sqrt(576)) fails every numeric MLA case but not forms-agree (both forms share the wrong
+    scale, so they still agree). All three pass the ordinary mode cases."""
+    names = ("conf_mla_reference", "conf_mla_wrong_slice", "conf_mla_scale576")
+    expr = f"(test_mla and ps16) or ({MLA_PLAIN})"
+    run = run_pytest([*(f"--backend={n}" for n in names), "-k", expr], tmp_path, wrong_site, timeout=1200)
+    assert run.proc.returncode == 1, run.output[-4000:]
+    ref_failed, ref_passed, _ = _split(run, "conf_mla_reference")
+    assert not ref_failed, sorted(ref_failed)
+    mla_cases = {k for k in ref_passed if k.startswith("test_mla")}
+    fams = {k.split("[")[0] for k in mla_cases}
+    assert fams == {"test_mla", "test_mla_garbage", "test_mla_fp8", "test_mla_forms_agree"}, fams
+    assert any(k.startswith("test_mode[") for k in ref_passed)
+
+    failed, passed, _ = _split(run, "conf_mla_wrong_slice")
+    assert not {k for k in failed if k.startswith("test_mode[")}
+    want = {k for k in mla_cases if "-absorbed-" in k or k.startswith("test_mla_forms_agree")}
+    assert failed == want, (sorted(failed ^ want))
+    assert {k for k in passed if k.startswith("test_mla")} == mla_cases - want
+
+    failed, passed, _ = _split(run, "conf_mla_scale576")
+    assert not {k for k in failed if k.startswith("test_mode[")}
+    want = {k for k in mla_cases if not k.startswith("test_mla_forms_agree")}
+    assert failed == want, sorted(failed ^ want)
+    assert {k for k in passed if k.startswith("test_mla")} == {k for k in mla_cases if k not in want}
+    assert "max abs error" in run.output
+
+
+def test_backends_without_mla_claims_skip_mla_cases_with_the_reason(wrong_site: Path, tmp_path: Path) -> None:
+    run = run_pytest(["--backend=conf_reference", "-rs", "-k", "test_mla and ps16"], tmp_path, wrong_site,
+                     quiet=False)
+    assert run.proc.returncode == 0, run.output[-4000:]
+    failed, passed, skipped = _split(run, "conf_reference")
+    assert not failed and not passed and len(skipped) > 20
+    assert "MLA layer not supported by conf_reference (Capabilities.mla_forms claims no MLA form)" in run.output

@@ -180,7 +180,9 @@ def test_malformed_mla_forms_is_a_descriptor_problem(forms):
 
 
 @pytest.mark.parametrize("forms, mode, form, expected", [
-    ({}, ForwardMode.DECODE, "absorbed", "MLA layer (absorbed decode) not supported by X (mla_forms: decode: none)"),
+    ({}, ForwardMode.DECODE, "absorbed", "MLA layer not supported by X (Capabilities.mla_forms claims no MLA form)"),
+    ({"extend": ("absorbed",)}, ForwardMode.DECODE, "absorbed",
+     "MLA layer (absorbed decode) not supported by X (mla_forms: decode: none)"),
     ({"decode": ("absorbed",)}, ForwardMode.EXTEND, "absorbed", "MLA layer (absorbed extend) not supported by X"),
     ({"decode": ("absorbed",)}, ForwardMode.DECODE, "unabsorbed", "MLA layer (unabsorbed decode) not supported by X"),
     ({"extend": ("unabsorbed",)}, ForwardMode.TARGET_VERIFY, "absorbed", "MLA layer (absorbed extend)"),

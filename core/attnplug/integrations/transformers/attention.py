@@ -34,13 +34,15 @@ FORWARD_KWARG = "attnplug_forward"
 class Forward:
     """What one forward's attention calls share: the backend, the batch, the layer specs."""
 
-    __slots__ = ("backend", "batch", "layers", "calls")
+    __slots__ = ("backend", "batch", "layers", "calls", "cache")
 
-    def __init__(self, backend: Any, batch: Any, layers: Sequence[LayerSpec]) -> None:
+    def __init__(self, backend: Any, batch: Any, layers: Sequence[LayerSpec], cache: Any = None) -> None:
         self.backend = backend
         self.batch = batch
         self.layers = layers
         self.calls = 0
+        #: the ``AttnplugCache`` of this forward (an MLA layer reads the latents its ``update`` received)
+        self.cache = cache
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -53,6 +55,13 @@ class Forward:
         if query.shape[0] != 1:
             raise AttnplugError(f"layer {layer_idx}: query batch dimension is {query.shape[0]}; the runner "
                                 f"packs every request into one ragged sequence (expected 1)")
+        if layer.mla is not None:  # served from the latent rows (mla.py)
+            from .mla import attend_mla
+
+            last = None if self.cache is None else self.cache.layers[layer_idx].last
+            out = attend_mla(self.backend, self.batch, layer, module, query, last)
+            self.calls += 1
+            return out
         q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, head_dim]
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()

@@ -74,6 +74,8 @@ class PagedCacheLayer(CacheLayerMixin):
         self.is_sliding = is_sliding
         self.is_initialized = True
         self.updates = 0
+        #: what this forward's ``update`` received (an MLA layer's latents; ``None`` before it)
+        self.last: Any = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -81,7 +83,10 @@ class PagedCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         # The backend writes them (save_kv_cache=True); the attention function gets the new tokens only.
+        # An MLA module (mla.py) passes its latents here: kept for its attention call, which serves the
+        # layer from the latent rows
         self.updates += 1
+        self.last = (key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -174,6 +179,7 @@ class AttnplugCache(Cache):
         self._active = dict(prefix_lens)
         for layer in self.layers:
             layer.updates = 0
+            layer.last = None
 
     def end_forward(self) -> None:
         """Every layer must have gone through ``update`` exactly once (the model used this cache)."""

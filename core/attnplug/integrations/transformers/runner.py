@@ -39,10 +39,13 @@ from attnplug.resolution import resolve, trace
 from .attention import ATTENTION_NAME, FORWARD_KWARG, Forward, register_attention
 from .cache import AttnplugCache
 from .layers import ModelNotServedError, derive
+from .mla import mla_specs
 
 
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs
 TASKS = ("generate", "encode")
+#: ``TransformersRunner(mla_form=...)``: how MLA layers are computed (docs/mla.md)
+MLA_FORM_CHOICES = ("auto", "absorbed", "unabsorbed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,13 @@ class TransformersRunner:
         max_context_len: int = 2048,
         num_pages: int | None = None,
         task: str = "generate",
+        mla_form: str = "auto",
     ) -> None:
+        if mla_form not in MLA_FORM_CHOICES:
+            raise ValueError(f"TransformersRunner(mla_form={mla_form!r}): expected one of {', '.join(MLA_FORM_CHOICES)}")
+        #: how MLA layers (docs/mla.md) are computed: ``"auto"`` (absorbed decode, unabsorbed extend and
+        #: mixed forwards, as engines do), ``"absorbed"`` or ``"unabsorbed"`` in every forward
+        self.mla_form = mla_form
         if task not in TASKS:
             raise ValueError(f"TransformersRunner(task={task!r}): expected one of {', '.join(TASKS)}")
         #: ``"generate"`` (cached prefixes, decode, continuous batching) or ``"encode"`` (``encode()``:
@@ -108,7 +117,8 @@ class TransformersRunner:
         #: the layer specs from a probe forward (what every attention call passes), and notes where the
         #: module or config says something the forward does not pass
         self.derivation = derive(self.model)
-        self.layers = self.derivation.specs
+        # a registered MLA module's layer is an MLA layer (LayerSpec.mla), served from a latent cache
+        self.layers = mla_specs(self.derivation.specs, self.derivation.calls)
         self.notes: tuple[str, ...] = self.derivation.notes
         # the model's layers take part in the choice: a backend that does not claim one is not picked.
         # When the halves you chose cannot serve them, the pair is resolved without them and refused
@@ -132,7 +142,8 @@ class TransformersRunner:
         try:
             self.kv_cache = PagedKVCache(
                 num_layers=len(self.layers), num_pages=num_pages, num_kv_heads=first.num_kv_heads,
-                head_dim=first.head_dim, v_head_dim=first.v_head_dim, page_size=page_size, dtype=kv_dtype,
+                head_dim=first.head_dim, v_head_dim=0 if first.mla is not None else first.v_head_dim,
+                page_size=page_size, dtype=kv_dtype,
                 device=self.device, max_requests=max_requests, max_context_len=max_context_len,
                 layout=self.registry.kv_layout(layout),
             )
@@ -293,10 +304,12 @@ class TransformersRunner:
     def _batch(self, mode: ForwardMode, chunks: Sequence[Chunk], prefix: dict[Any, int],
                out_cache_loc: torch.Tensor) -> ForwardBatch:
         rows = [self.cache.row(c.rid) for c in chunks]
+        form = self.mla_form if self.mla_form != "auto" else (
+            "absorbed" if mode is ForwardMode.DECODE else "unabsorbed")
         if mode is ForwardMode.DECODE:
-            return ForwardBatch.decode(rows, [prefix[c.rid] + 1 for c in chunks], out_cache_loc)
+            return ForwardBatch.decode(rows, [prefix[c.rid] + 1 for c in chunks], out_cache_loc, mla_form=form)
         return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
-                                   out_cache_loc, mode=mode)
+                                   out_cache_loc, mode=mode, mla_form=form)
 
     def _run(self, chunks: Sequence[Chunk], prefix: dict[Any, int], batch: ForwardBatch,
              keep_all: bool = False) -> torch.Tensor:
@@ -305,7 +318,7 @@ class TransformersRunner:
         positions = batch.positions.to(dev)
         last = torch.tensor(list(_cumsum(len(c.tokens) for c in chunks)), dtype=torch.long, device=dev) - 1
         self.backend.init_forward_metadata(batch)  # once per forward, shared by every layer
-        fwd = Forward(self.backend, batch, self.layers)
+        fwd = Forward(self.backend, batch, self.layers, self.cache)
         self.cache.begin_forward(prefix)
         kw: dict[str, Any] = {FORWARD_KWARG: fwd}
         if self._takes_logits_to_keep and not keep_all:

@@ -29,6 +29,24 @@ CAPABILITIES = Capabilities(
 #: what ``conf_narrow`` claims: float32 only, MHA only, no optional feature or speculative mode
 NARROW = Capabilities(dtypes=("float32",), kv_cache_dtypes=("float32",), gqa=False, mqa=False, devices=("cpu",))
 
+#: what the MLA backends (``mla_kernel.py``) claim: both MLA forms in every mode kind, besides ordinary attention
+MLA_CAPABILITIES = Capabilities(
+    dtypes=("float32", "float16", "bfloat16"),
+    kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
+    v_head_dim_differs=True,
+    speculative_verify=True,
+    draft_extend=True,
+    devices=("cpu",),
+    mla_forms={"decode": ("absorbed", "unabsorbed"), "extend": ("absorbed", "unabsorbed")},
+)
+
+#: MLA backend name -> its bug (None: correct); see mla_kernel.py
+MLA_BUGS = {
+    "conf_mla_reference": None,
+    "conf_mla_wrong_slice": "the absorbed form reads values from the wrong slice of the latent row",
+    "conf_mla_scale576": "the MLA softmax scale from the latent width (1/sqrt(576)), not LayerSpec.scaling",
+}
+
 #: backend name -> the bug its kernel has (None: correct)
 BUGS = {
     "conf_reference": None,
@@ -60,6 +78,13 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
             capabilities=NARROW if name == "conf_narrow" else CAPABILITIES,
             aliases=(name.replace("conf_", "confalias_"),),
             description=bug or "correct",
+        ))
+    for name, bug in MLA_BUGS.items():
+        register(BackendDescriptor(
+            name=name,
+            factory=f"attnplug_conformance_wrong.mla_kernel:create_{name}",
+            capabilities=MLA_CAPABILITIES,
+            description=bug or "correct (MLA)",
         ))
     register(BackendDescriptor(
         name="conf_unavailable",
