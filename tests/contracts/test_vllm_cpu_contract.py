@@ -93,7 +93,8 @@ def _bind_problems(qualname, args, kwargs):
 
 def _preconditions(qualname, a):
     """What the ops trust their caller with (a mismatch reads garbage or aborts the process)."""
-    out = []
+    out: list[str] = []
+    out_ = out
     for n in [n for n in ("seq_lens", "query_start_loc", "block_table") if n in a]:
         if a[n].dtype != torch.int32:
             out.append(f"{n} {a[n].dtype}")
@@ -112,6 +113,21 @@ def _preconditions(qualname, a):
             out.append("block_table rows")
         if a["s_aux"] is not None and a["s_aux"].dtype != torch.float32:
             out.append(f"s_aux {a['s_aux'].dtype}")
+    if qualname.endswith("mla_decode_kvcache"):
+        q, kv, o = a["query"], a["kv_cache"], a["out"]
+        if not (q.dtype == kv.dtype == o.dtype):
+            out_.append(f"query {q.dtype} / kv_cache {kv.dtype} / out {o.dtype}")
+        if q.dim() != 3 or q.shape[-1] != 576 or tuple(o.shape) != (*q.shape[:2], 512):
+            out_.append(f"query {tuple(q.shape)} / out {tuple(o.shape)} (576 in, 512 out)")
+        if kv.dim() != 3 or tuple(kv.shape[1:]) != (16, 576) or not kv.is_contiguous():
+            out_.append(f"kv_cache {tuple(kv.shape)} (blocks of 16 rows of 576, contiguous)")
+        if not q.is_contiguous() or not o.is_contiguous():
+            out_.append("query or out not contiguous")
+        for n in ("block_tables", "seq_lens"):
+            if a[n].dtype != torch.int32:
+                out_.append(f"{n} {a[n].dtype}")
+        if a["block_tables"].shape[0] != a["seq_lens"].shape[0] or a["seq_lens"].shape[0] != q.shape[0]:
+            out_.append("block_tables / seq_lens rows (one per query token: decode)")
     if qualname.endswith("get_scheduler_metadata") and a["dtype"] not in (torch.float32, torch.bfloat16, torch.float16):
         out.append(f"dtype {a['dtype']}")
     return [f"{qualname}: {w}" for w in out]
@@ -174,3 +190,43 @@ def test_every_call_binds_to_the_real_schema_with_its_preconditions(monkeypatch,
             # the LayerSpec window W (W + 1 keys) is the op's W + 1 (keys including the query's own)
             assert bound["sliding_window_size"] == (-1 if window is None or cross else window + 1)
             assert bound["softcap"] == 0.0 and bound["alibi_slopes"] is None and bound["dynamic_causal"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [1, 16])
+def test_mla_decode_calls_mla_decode_kvcache_bound_to_its_real_schema(monkeypatch, dtype, heads):
+    """An MLA layer in absorbed decode: exactly one ``mla_decode_kvcache`` call (no scheduler metadata, no
+    reshape_and_cache: the latent rows are written in torch, as vLLM's CPU_MLA writes them), bound to the
+    recorded schema, with the op's preconditions (576 in, 512 out, blocks of 16, int32 tables)."""
+    import attnplug_vllm_cpu.ops as O
+    from attnplug.layer import MLASpec
+
+    rec = _Recorder(O.ops())
+    monkeypatch.setattr(O, "_ops", rec)
+    g = torch.Generator().manual_seed(5)
+    seq = [1, 17, 40]
+    cache = PagedKVCache(1, 12, 1, 576, v_head_dim=0, page_size=16, dtype=dtype, layout=REG.kv_layout("vllm_cpu"),
+                         max_requests=4, max_context_len=64)
+    pages = torch.randperm(12, generator=g).tolist()
+    for r, s in enumerate(seq):
+        n = math.ceil(s / 16)
+        cache.assign_pages(r, s, pages[:n])
+        pages = pages[n:]
+    cache.set_latent(0, torch.arange(cache.num_slots), torch.randn(cache.num_slots, 1, 576, generator=g).to(dtype))
+    loc = torch.stack([cache.req_to_token[r, s - 1] for r, s in enumerate(seq)])
+    batch = ForwardBatch.decode([0, 1, 2], seq, loc)
+    layer = LayerSpec(0, heads, 1, 576, mla=MLASpec(512, 128, 64, 128))
+    ctx = BuildContext(config=AttentionConfig(attention_backend="vllm_cpu"), host=REG.host,
+                       dtype=str(dtype).replace("torch.", ""), num_heads=heads, num_kv_heads=1, head_dim=576,
+                       page_size=16, kv_cache=cache, max_context_len=64, layers=(layer,))
+    _, backend = REG.build("vllm_cpu", ctx)
+    rec.calls.clear()
+    backend.init_forward_metadata(batch)
+    backend.forward(torch.randn(3, heads, 576, generator=g).to(dtype), torch.randn(3, 1, 576, generator=g).to(dtype),
+                    None, layer, batch)
+    assert [c[0] for c in rec.calls] == ["torch.ops._C.mla_decode_kvcache"]
+    for qualname, args, kwargs in rec.calls:
+        problems, bound = _bind_problems(qualname, args, kwargs)
+        assert not problems, problems
+        assert not _preconditions(qualname, bound), _preconditions(qualname, bound)
+        assert bound["scale"] == pytest.approx(1 / math.sqrt(192))  # 1/sqrt(qk_nope + qk_rope), not 1/sqrt(576)

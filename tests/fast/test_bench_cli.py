@@ -45,6 +45,12 @@ BAD = [
     (["--clock", "cpu"], "--clock cpu needs --threads 1 (got None)"),
     (["--clock", "cpu", "--threads", "2"], "--clock cpu needs --threads 1 (got '2')"),
     (["--clock", "cpu", "--threads", "1", "--device", "meta"], "--clock cpu: times CPU work only, but --device is"),
+    (["--mla", "--overhead"], "--mla and --overhead are two different tables; give one"),
+    (["--mla", "--mode", "extend"], "--mode does not apply to --mla"),
+    (["--mla", "--head-dim", "128"], "--head-dim does not apply to --mla"),
+    (["--mla", "--kv-heads", "2"], "--kv-heads does not apply to --mla"),
+    (["--mla", "--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype does not apply to --mla"),
+    (["--mla", "--batch", "0"], "--batch '0': 0 is below 1"),
 ]
 
 

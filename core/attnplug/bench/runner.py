@@ -141,6 +141,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
     spec, device = prep.spec, prep.device
     bw: dict[str, Any] = {"bytes_per_s": 0.0, "method": "not measured (--overhead)"} if spec.overhead else \
         read_bandwidth(device, spec.bandwidth_mib, clock=spec.clock)
+    mla: list[dict[str, Any]] = []
     flush = cache_flusher(device, spec.warm)
     problems = list(spec.problems())
     results, skipped, overhead = [], [], []
@@ -148,11 +149,15 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         if progress is not None:
             progress.write(f"\r[{i}/{len(problems)}] {p.label()}".ljust(110)[:110])
             progress.flush()
-        reason = _skip_reason(p, spec, device)
+        reason = "" if spec.mla else _skip_reason(p, spec, device)
         if reason:
             skipped.append({"problem": p.to_dict(), "label": p.label(), "reason": reason})
             continue
-        if spec.overhead:
+        if spec.mla:
+            from .mla import measure_mla
+
+            mla.append(measure_mla(p, prep, bw["bytes_per_s"], flush))
+        elif spec.overhead:
             from .overhead import measure_overhead
 
             overhead.append(measure_overhead(p, prep, cache_flusher(device, False)))
@@ -170,7 +175,8 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
                      "caches": "warm" if spec.warm or device.type != "cpu" else
                      ("warm, then flushed before every timed call" if spec.overhead else
                       "flushed before every timed call"),
-                     "max_kv_gib": spec.max_kv_gib, "clock": spec.clock, "overhead": spec.overhead},
+                     "max_kv_gib": spec.max_kv_gib, "clock": spec.clock, "overhead": spec.overhead,
+                     "mla": spec.mla},
         "goals": {m: {"max_ratio_to_floor": g, "faster_than_loop": f} for m, (g, f) in GOALS.items()},
         "backends": prep.backends,
         "notes": prep.notes,
@@ -179,6 +185,7 @@ def run_sweep(prep: Prepared, progress: IO[str] | None = None) -> dict[str, Any]
         "runtime_notes": _runtime_notes(results),
         "problems": results,
         "overhead": overhead,
+        "mla": mla,
         "skipped": skipped,
         "best_decode_bandwidth_fraction": None if best is None else
         {"backend": best["name"], "fraction": best["bandwidth_fraction"], "problem": best["problem_label"]},

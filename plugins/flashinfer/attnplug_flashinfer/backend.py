@@ -44,11 +44,16 @@ WORKSPACE_BYTES = 256 << 20
 #: Every library call this backend makes (constructor, plan, run of each wrapper); the contract
 #: tier binds each recorded call against the real signatures (installed package and
 #: ``tests/contracts/signatures.json``).
+MLA_CALLS = tuple(f"flashinfer.mla.BatchMLAPagedAttentionWrapper.{m}" for m in ("__init__", "plan", "run"))
 LIBRARY_CALLS = tuple(
     f"flashinfer.{w}.{m}"
     for w in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper")
     for m in ("__init__", "plan", "run")
-)
+) + MLA_CALLS
+#: the latent shape flashinfer's MLA kernels are instantiated for (DeepSeek-V2/V3): ckv 512, kpe 64
+MLA_DIMS = (512, 64)
+#: ``BatchMLAPagedAttentionWrapper(backend=)``: flashinfer picks FA3 on SM90, FA2 elsewhere
+MLA_BACKEND = "auto"
 
 #: The prefill wrappers' ``backend=``. ``"auto"`` picks FlashInfer's FA3 kernels on SM90, which
 #: (a) before flashinfer 0.6.4 do not check dtypes, so bf16/fp16 queries over an fp8 cache build an
@@ -196,6 +201,66 @@ class FlashInferBackend(PagedBackend):
     def _kind(layout_kind: str) -> str:
         return {"decode": "decode", "verify": "verify"}.get(layout_kind, "prefill")
 
+    # -- MLA (docs/mla.md): absorbed form through BatchMLAPagedAttentionWrapper ------------------------
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """An MLA layer: the 512 + 64 latent the MLA kernels exist for, a latent cache in the model dtype."""
+        reasons = super().backend_reasons(layer, ctx)
+        m = getattr(layer, "mla", None)
+        if m is None:
+            return reasons
+        if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
+            reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} "
+                           f"(BatchMLAPagedAttentionWrapper's kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+        if ctx is not None and ctx.kv_cache_dtype != ctx.dtype:
+            reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} with an MLA layer (the MLA wrapper reads a latent "
+                           f"cache in the model dtype {ctx.dtype})")
+        return reasons
+
+    def mla_forward_reasons(self, layer: Any, batch: Any) -> list[str]:
+        """The claim, then what the MLA wrapper cannot express: a target-verify tree mask (it has no custom
+        mask; a causal chain of drafts is served with ``causal=True``)."""
+        reasons = super().mla_forward_reasons(layer, batch)
+        if batch.forward_mode is ForwardMode.TARGET_VERIFY and batch.spec_custom_mask is not None:
+            reasons.append("target-verify with a custom (tree) mask on an MLA layer (BatchMLAPagedAttentionWrapper "
+                           "has no custom mask; a causal chain of drafts, spec_custom_mask=None, is served)")
+        if self.cache.quantized:
+            reasons.append(f"an fp8 latent cache ({self._kv_dtype()}): the MLA wrapper reads the model dtype")
+        return reasons
+
+    def _mla_wrapper(self, plans: "_Plans", layer: Any, q_dtype: torch.dtype) -> Any:
+        """The MLA wrapper planned for this forward (once per forward and (heads, scale) key: every MLA layer
+        of a model shares it)."""
+        decode = plans.layout.kind == "decode"
+        key = ("mla", layer.num_heads, float(layer.scaling), decode)
+        if key in plans.planned:
+            return plans.planned[key]
+        wrapper = self._eager.get(key)
+        if wrapper is None:
+            wrapper = self._eager[key] = self.fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=MLA_BACKEND)
+        lay, p = plans.layout, plans.layout.paged
+        kv_len = torch.as_tensor(p.kv_lens, dtype=torch.int32, device=self.device)
+        wrapper.plan(lay.qo_indptr, p.kv_indptr, p.kv_indices, kv_len, layer.num_heads, MLA_DIMS[0], MLA_DIMS[1],
+                     self.page_size, not decode, float(layer.scaling), q_dtype, self.cache.dtype)
+        plans.planned[key] = wrapper
+        return wrapper
+
+    def compute_mla(self, q: Any, latent: Any, layer: Any, batch: Any, plans: "_Plans") -> torch.Tensor:
+        """Absorbed MLA: ``run(q_nope, q_pe, ckv_cache, kpe_cache, out=)`` over the latent buffer viewed as pages
+        ``[pages, page_size, 576]`` and split into its c_kv (first 512) and k_pe (last 64) columns (strided
+        views, no copy); the base wrote this forward's latent rows first (``new_kv_source = "cache"``),
+        bottom-right causal over prefix + new rows in extend."""
+        if plans.graph_wrappers is not None:
+            raise AttnplugError(f"flashinfer: MLA layer {layer.layer_id} inside a captured CUDA graph (MLA forwards "
+                                f"are eager only: the MLA wrapper is not built over capture buffers)")
+        R = MLA_DIMS[0]
+        wrapper = self._mla_wrapper(plans, layer, q.dtype)
+        buf = self.cache.get_kv(layer.layer_id)[0]
+        paged = buf.view(-1, self.page_size, buf.shape[-1])
+        q = q.contiguous()
+        out = q.new_empty((q.shape[0], layer.num_heads, R))
+        wrapper.run(q[..., :R], q[..., R:], paged[..., :R], paged[..., R:], out=out)
+        return out
+
     # -- forward -------------------------------------------------------
     def _paged_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.cache.get_kv(layer_id)
@@ -249,6 +314,8 @@ class FlashInferBackend(PagedBackend):
         layers = tuple(self.ctx.layers or ()) or (_DefaultLayer(self.ctx),)
         out: dict[tuple[Any, ...], Any] = {}
         for layer in layers:
+            if getattr(layer, "mla", None) is not None:  # MLA layers run eager (compute_mla)
+                continue
             out.setdefault(self._plan_key(layer), layer)
         return out
 

@@ -60,6 +60,10 @@ CAPABILITIES = Capabilities(
     # batch, so a request's arithmetic is the same alone or batched (checked by the suite).
     deterministic=True,
     devices=("cpu", "cuda", "rocm"),
+    # MLA (docs/mla.md): both forms in every mode. Absorbed: the same kernel as MQA, the latent rows
+    # both keys and (their first kv_lora_rank entries) values; unabsorbed: _mla_decompress_kernel builds
+    # the per-head keys/values of the cached prefix and the new rows, then the same kernel
+    mla_forms={"decode": ("absorbed", "unabsorbed"), "extend": ("absorbed", "unabsorbed")},
 )
 
 #: Distributions that provide the ``triton`` module: PyPI's, and the builds that ROCm and
@@ -103,7 +107,7 @@ def attnplug_register_backends(register: RegisterBackend) -> None:
             factory="attnplug_triton.backend:create",
             capabilities=CAPABILITIES,
             # the level this repository's CI runs its suite at (tox -e tests: pytest --backend=all)
-            conformance_level="0.3",
+            conformance_level="0.4",  # incl. the MLA families (docs/mla.md)
             probe=probe,
             # Portable default on GPUs: below the vendor libraries (fa3, flashinfer, aiter), above
             # torch_native. None on CPU: the interpreter is for testing, never a default.

@@ -45,7 +45,7 @@ import triton
 from attnplug import AttnplugError, ForwardMode, PagedBackend
 
 from . import CAPABILITIES, NAME
-from .kernels import INTERPRETED, _attn_kernel, _combine_kernel
+from .kernels import INTERPRETED, _attn_kernel, _combine_kernel, _mla_decompress_kernel
 
 _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
 #: float32s of decode partials per token, split and head besides the ``v_head_dim`` accumulator:
@@ -99,6 +99,21 @@ class Metadata:
             encoder=None if self.encoder is None else self.encoder[a:b],
             mask=None if self.mask is None else self.mask[a:b],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    """Where one launch reads its cached keys and values, instead of the layer's own K/V buffers (MLA)."""
+
+    kb: torch.Tensor  # [rows, kv_heads, >= head_dim]
+    vb: torch.Tensor  # [rows, kv_heads, >= v_head_dim]
+    r2t: torch.Tensor  # [requests, positions] -> row of kb/vb
+    k_scale: float
+    v_scale: float
+    scaled: bool  # kb/vb hold fp8 values: dequantize with the scales
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -182,6 +197,8 @@ class TritonBackend(PagedBackend):
                 raise ValueError(f"TritonBackend {field}={given[field]!r} (expected 'auto' or an integer >= {least})")
             setattr(self, field, value)
         self._tiles: dict[tuple[Any, ...], Tiles] = {}
+        #: MLA ``w_kc``/``w_vc`` converted for the kernels, per (weight id, dtype): ``(weight, converted)``
+        self._weights: dict[tuple[int, Any], tuple[Any, torch.Tensor]] = {}
 
     # -- per forward: the kernels' inputs, shared by every layer -----------------------
     def build_metadata(self, batch: Any) -> Metadata:
@@ -218,15 +235,132 @@ class TritonBackend(PagedBackend):
 
     def compute_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
         out = self.empty_output(q, layer, meta.num_tokens)  # PagedBackend never calls with zero tokens
+        self._decode(q, k, v, layer, meta, out, None)
+        return out
+
+    def _decode(self, q: Any, k: Any, v: Any, layer: Any, meta: Metadata, out: torch.Tensor,
+                keys: "_Keys | None") -> None:
+        """Split-KV decode in runs of requests whose partials fit ``max_workspace_bytes``."""
         max_keys = meta.max_encoder if layer.is_cross_attention else meta.max_seq
         splits = max(1, triton.cdiv(max(max_keys, 1), self.decode_split_len))
-        per_token = splits * layer.num_heads * (layer.v_head_dim + _PARTIAL_EXTRA) * 4
+        per_token = splits * layer.num_heads * (out.shape[-1] + _PARTIAL_EXTRA) * 4
         for a, b in self.decode_chunks(meta, per_token, splits):
             part = meta.requests(a, b)
             t0, t1 = meta.starts[a], meta.starts[b]
             self._attend(q[t0:t1], None if k is None else k[t0:t1], None if v is None else v[t0:t1],
-                         layer, part, out[t0:t1], decode=True, splits=splits)
+                         layer, part, out[t0:t1], decode=True, splits=splits, keys=keys)
+
+    # -- MLA (LayerSpec.mla; docs/mla.md) --------------------------------------------------
+    def compute_mla(self, q: Any, k: Any, layer: Any, batch: Any, meta: Metadata) -> torch.Tensor:
+        """One MLA layer in the batch's form (``ForwardBatch.mla_form``), any mode (decode: split-KV).
+
+        * absorbed: MQA over the latent rows, the same kernel as any layer: the latent buffer is both
+          the K cache (all ``kv_lora_rank + qk_rope`` entries) and the V cache (its first
+          ``kv_lora_rank`` entries, ``DV`` = ``kv_lora_rank``), this forward's latent rows ``k`` both the
+          new keys and the new values;
+        * unabsorbed: ``_mla_decompress_kernel`` turns the cached prefix's latent rows (gathered
+          through ``req_to_token``, positions ``< extend_prefix_lens`` only) and this forward's into
+          per-head keys ``[c_kv @ w_kc[h]^T, k_pe]`` and values ``c_kv @ w_vc[h]``, then the same
+          attention kernel runs with ``num_heads`` KV heads over them (a one-forward table maps each
+          request's positions to its decompressed rows).
+        """
+        decode = batch.forward_mode is ForwardMode.DECODE
+        m = layer.mla
+        cache = self.cache
+        lat, scale, scaled = self._latent(layer)
+        T, H = meta.num_tokens, layer.num_heads
+        k = self._latent_rows(k, layer)
+        if batch.mla_form == "absorbed":
+            keys = _Keys(lat, lat, cache.req_to_token, scale, scale, scaled, 1, m.latent_dim, m.kv_lora_rank)
+            out = q.new_empty((T, H, m.kv_lora_rank))
+            kn = vn = k
+            run = meta
+        else:
+            kc, vc, table = self._decompress_prefix(lat, scale, scaled, layer, q.dtype, batch, meta)
+            kn, vn = self._decompress(k.reshape(T, m.latent_dim), None, 1.0, False, layer, q.dtype)
+            keys = _Keys(kc, vc, table, 1.0, 1.0, False, H, m.qk_head_dim, m.v_head_dim)
+            out = q.new_empty((T, H, m.v_head_dim))
+            run = dataclasses.replace(meta, req=torch.arange(meta.batch_size, dtype=_I64, device=q.device))
+        if decode:
+            self._decode(q, kn, vn, layer, run, out, keys)
+        else:
+            self._attend(q, kn, vn, layer, run, out, decode=False, splits=1, keys=keys)
         return out
+
+    def _latent(self, layer: Any) -> tuple[torch.Tensor, float, bool]:
+        """The layer's latent buffer ``[num_slots, 1, latent]`` with its fp8 scale and whether it is scaled."""
+        cache = self.cache
+        kb = cache.get_kv(layer.layer_id)[0]
+        scale = cache.kv_scales(layer.layer_id)[0]
+        return kb, float(scale), bool(cache.quantized)
+
+    def _latent_rows(self, k: torch.Tensor, layer: Any) -> torch.Tensor:
+        """This forward's latent rows as the kernels read them: as the cache stores them (fp8 round trip)."""
+        cache = self.cache
+        if cache.quantized:
+            k = cache.dequantize(layer.layer_id, *cache.quantize(layer.layer_id, k, k))[0]
+        return self._rowwise(k)
+
+    def _decompress(self, lat: torch.Tensor, slots: torch.Tensor | None, scale: float, scaled: bool, layer: Any,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys ``[n, H, qk_nope + qk_rope]`` and values ``[n, H, v_head_dim]`` of latent rows
+        ``lat[slots]`` (or every row of ``lat`` when ``slots`` is ``None``), in ``dtype``."""
+        m = layer.mla
+        H = layer.num_heads
+        n = lat.shape[0] if slots is None else slots.shape[0]
+        kd = torch.empty((n, H, m.qk_head_dim), dtype=dtype, device=lat.device)
+        vd = torch.empty((n, H, m.v_head_dim), dtype=dtype, device=lat.device)
+        if n == 0:
+            return kd, vd
+        lat2 = lat.reshape(lat.shape[0], -1)
+        if lat2.stride(-1) != 1:
+            lat2 = lat2.contiguous()
+        wkc = self._weight(m.w_kc, dtype, lat.device)
+        wvc = self._weight(m.w_vc, dtype, lat.device)
+        fp32 = dtype == torch.float32 or (self.interpret and dtype == torch.bfloat16)
+        block_n = 64 if self.interpret else 16
+        _mla_decompress_kernel[(triton.cdiv(n, block_n), H)](
+            lat2, wkc, wvc, kd, vd, lat2 if slots is None else slots, n,
+            lat2.stride(0), wkc.stride(0), wkc.stride(1), wvc.stride(0), wvc.stride(1),
+            kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1), scale,
+            R=m.kv_lora_rank, NOPE=m.qk_nope_head_dim, ROPE=m.qk_rope_head_dim, DV=m.v_head_dim,
+            BLOCK_N=block_n, BLOCK_R=_pow2(m.kv_lora_rank), BLOCK_NOPE=_pow2(m.qk_nope_head_dim),
+            BLOCK_ROPE=_pow2(m.qk_rope_head_dim), BLOCK_DV=_pow2(m.v_head_dim),
+            GATHER=slots is not None, SCALED=scaled, FP32_DOT=fp32, num_warps=4,
+        )
+        return kd, vd
+
+    def _weight(self, w: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``w_kc`` / ``w_vc`` in the model dtype on the device (converted once per weight tensor and dtype)."""
+        key = (id(w), dtype)
+        hit = self._weights.get(key)
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        t = torch.as_tensor(w).detach().to(device=device, dtype=dtype).contiguous()
+        self._weights[key] = (w, t)
+        return t
+
+    def _decompress_prefix(self, lat: torch.Tensor, scale: float, scaled: bool, layer: Any, dtype: torch.dtype,
+                           batch: Any, meta: Metadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cached prefixes' per-head keys and values, and the ``[B, max prefix]`` table mapping request
+        ``i``'s position ``p`` to its row (read positions ``< extend_prefix_lens`` only: garbage elsewhere
+        in the cache is never decompressed)."""
+        prefix = list(batch.extend_prefix_lens_cpu)
+        r2t = self.cache.req_to_token
+        dev = lat.device
+        width = max(max(prefix, default=0), 1)
+        table = torch.zeros((meta.batch_size, width), dtype=_I64, device=dev)
+        parts, at = [], 0
+        for i, p in enumerate(prefix):
+            if p:
+                parts.append(r2t[int(batch.req_pool_indices_cpu[i]), :p])
+                table[i, :p] = torch.arange(at, at + p, device=dev)
+                at += p
+        slots = torch.cat(parts).to(_I64) if parts else torch.zeros(0, dtype=_I64, device=dev)
+        kc, vc = self._decompress(lat, slots, scale, scaled, layer, dtype)
+        if not at:  # the kernel never reads them; a one-row buffer keeps the pointers valid
+            kc, vc = kc.new_zeros((1,) + kc.shape[1:]), vc.new_zeros((1,) + vc.shape[1:])
+        return kc, vc, table
 
     def decode_chunks(self, meta: Metadata, per_token: int, splits: int) -> list[tuple[int, int]]:
         """Runs of requests ``[a, b)`` whose split-KV partials fit ``max_workspace_bytes``.
@@ -252,10 +386,14 @@ class TritonBackend(PagedBackend):
     # -- helpers -------------------------------------------------------------------------
     def tiles(self, layer: Any, decode: bool, fp32: bool) -> Tiles:
         """Block sizes for ``layer`` (memoised; they depend on the layer shape, never on the batch)."""
-        key = (decode, layer.gqa_group_size, layer.head_dim, layer.v_head_dim, fp32)
+        return self.tiles_for(layer.gqa_group_size, layer.head_dim, layer.v_head_dim, decode, fp32)
+
+    def tiles_for(self, group: int, head_dim: int, v_head_dim: int, decode: bool, fp32: bool) -> Tiles:
+        """Block sizes for one attention shape (memoised; never a function of the batch)."""
+        key = (decode, group, head_dim, v_head_dim, fp32)
         t = self._tiles.get(key)
         if t is None:
-            t = choose_tiles(decode, layer.gqa_group_size, layer.head_dim, layer.v_head_dim, 4 if fp32 else 2,
+            t = choose_tiles(decode, group, head_dim, v_head_dim, 4 if fp32 else 2,
                              interpret=self.interpret, block_n=self.block_n, extend_rows=self.extend_rows)
             self._tiles[key] = t
         return t
@@ -266,24 +404,35 @@ class TritonBackend(PagedBackend):
         return x if x.stride(-1) == 1 else x.contiguous()
 
     def _attend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: Metadata, out: torch.Tensor, *,
-                decode: bool, splits: int) -> None:
-        """One launch over the requests of ``meta`` (``q``/``k``/``v``/``out`` hold exactly their tokens)."""
+                decode: bool, splits: int, keys: "_Keys | None" = None) -> None:
+        """One launch over the requests of ``meta`` (``q``/``k``/``v``/``out`` hold exactly their tokens).
+
+        ``keys``: where the keys come from instead of the layer's own cache buffers (MLA: the latent
+        buffer as K and V, or the decompressed per-head keys of the unabsorbed form)."""
         cache = self.cache
-        kb, vb = cache.get_kv(layer.layer_id)
-        r2t = cache.req_to_token
         cross = bool(layer.is_cross_attention)
         q = self._rowwise(q)
-        if cross:
-            k = v = q  # unused by the kernel (no new keys); any pointer will do
+        if keys is None:
+            kb, vb = cache.get_kv(layer.layer_id)
+            r2t = cache.req_to_token
+            if cross:
+                k = v = q  # unused by the kernel (no new keys); any pointer will do
+            else:
+                if cache.quantized:  # new tokens are read as the fp8 cache stores them (docs/api.md)
+                    k, v = cache.dequantize(layer.layer_id, *cache.quantize(layer.layer_id, k, v))
+                k, v = self._rowwise(k), self._rowwise(v)
+            k_scale, v_scale = cache.kv_scales(layer.layer_id)
+            scaled = cache.quantized
+            H, G, D, DV = layer.num_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
+            Hkv = layer.num_kv_heads
         else:
-            if cache.quantized:  # new tokens are read as the fp8 cache stores them (docs/api.md)
-                k, v = cache.dequantize(layer.layer_id, *cache.quantize(layer.layer_id, k, v))
+            kb, vb, r2t, k_scale, v_scale, scaled = keys.kb, keys.vb, keys.r2t, keys.k_scale, keys.v_scale, keys.scaled
             k, v = self._rowwise(k), self._rowwise(v)
-        k_scale, v_scale = cache.kv_scales(layer.layer_id)
-        H, G, D, DV = layer.num_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
+            H, Hkv, D, DV = layer.num_heads, keys.kv_heads, keys.head_dim, keys.v_head_dim
+            G = H // Hkv
         B = meta.batch_size
         fp32_dot = q.dtype == torch.float32 or (self.interpret and q.dtype == torch.bfloat16)
-        tiles = self.tiles(layer, decode, fp32_dot)
+        tiles = self.tiles_for(G, D, DV, decode, fp32_dot)
         keys_len = meta.encoder if cross else meta.prefix
         sinks = None
         if layer.sinks is not None:
@@ -303,7 +452,7 @@ class TritonBackend(PagedBackend):
             grid2 = triton.cdiv(meta.max_ext, tiles.block_m)
             part_acc = part_m = part_l = out  # unused
             split_len = 1 << 30  # one split covering every position
-        _attn_kernel[(B, layer.num_kv_heads, grid2)](
+        _attn_kernel[(B, Hkv, grid2)](
             q, k, v, kb, vb, r2t, out, part_acc, part_m, part_l,
             q if sinks is None else sinks, q if mask is None else mask,
             meta.req, meta.q_start, keys_len, meta.ext,
@@ -318,7 +467,7 @@ class TritonBackend(PagedBackend):
             BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
             STORE_PARTIALS=decode, IS_CROSS=cross, HAS_WINDOW=window is not None and not cross,
             HAS_CAP=bool(cap), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-            FP32_DOT=fp32_dot, KV_SCALED=cache.quantized, IS_CAUSAL=cross or not layer.uses_bidirectional,
+            FP32_DOT=fp32_dot, KV_SCALED=scaled, IS_CAUSAL=cross or not layer.uses_bidirectional,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if decode:

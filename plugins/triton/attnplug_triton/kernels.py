@@ -305,3 +305,60 @@ def _combine_kernel(
 #: Whether these kernels run in Triton's interpreter. Triton decides when ``@triton.jit`` runs,
 #: i.e. when this module is first imported, from ``TRITON_INTERPRET`` at that moment.
 INTERPRETED: bool = type(_attn_kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def _mla_decompress_kernel(
+    Lat, Wkc, Wvc, K_out, V_out, Slots, n_rows,
+    stride_ls, stride_wkh, stride_wkn, stride_wvh, stride_wvr,
+    stride_kt, stride_kh, stride_vt, stride_vh, lat_scale,
+    R: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, GATHER: tl.constexpr, SCALED: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """MLA unabsorbed form: the per-head keys and values of ``n_rows`` latent rows ``c_kv ++ k_pe``.
+
+    Program ``(block of rows, head h)``: ``K_out[row, h] = [c_kv @ w_kc[h]^T, k_pe]`` (``NOPE + ROPE``
+    wide) and ``V_out[row, h] = c_kv @ w_vc[h]`` (``DV`` wide), products accumulated in float32 and
+    rounded once to the output dtype (what an engine's ``kv_b_proj`` GEMM does). Rows are read at
+    ``Slots[row]`` (``GATHER``: a cache's slots) or at ``row`` (this forward's new latent rows); an fp8
+    latent is dequantized first (stored * ``lat_scale``). A NaN/inf in a latent row reaches exactly
+    that row's keys and values (no masking multiplies it into another row)."""
+    nb = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < n_rows
+    if GATHER:
+        src = tl.load(Slots + rows, mask=ok, other=0)
+    else:
+        src = rows
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_NOPE)
+    offs_p = tl.arange(0, BLOCK_ROPE)
+    offs_v = tl.arange(0, BLOCK_DV)
+    c = tl.load(Lat + src[:, None] * stride_ls + offs_r[None, :], mask=ok[:, None] & (offs_r[None, :] < R),
+                other=0.0)
+    pe = tl.load(Lat + src[:, None] * stride_ls + R + offs_p[None, :],
+                 mask=ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+    if SCALED:
+        c = _round(c.to(tl.float32) * lat_scale, K_out.dtype.element_ty)
+        pe = _round(pe.to(tl.float32) * lat_scale, K_out.dtype.element_ty)
+    wk = tl.load(Wkc + h * stride_wkh + offs_n[:, None] * stride_wkn + offs_r[None, :],
+                 mask=(offs_n[:, None] < NOPE) & (offs_r[None, :] < R), other=0.0)  # [NOPE, R]
+    wv = tl.load(Wvc + h * stride_wvh + offs_r[:, None] * stride_wvr + offs_v[None, :],
+                 mask=(offs_r[:, None] < R) & (offs_v[None, :] < DV), other=0.0)  # [R, DV]
+    c = c.to(K_out.dtype.element_ty)
+    if FP32_DOT:
+        c = c.to(tl.float32)
+        k_nope = tl.dot(c, tl.trans(wk.to(tl.float32)), input_precision="ieee")
+        val = tl.dot(c, wv.to(tl.float32), input_precision="ieee")
+    else:
+        k_nope = tl.dot(c, tl.trans(wk.to(c.dtype)))
+        val = tl.dot(c, wv.to(c.dtype))
+    out_ty = K_out.dtype.element_ty
+    tl.store(K_out + rows[:, None] * stride_kt + h * stride_kh + offs_n[None, :], _round(k_nope, out_ty),
+             mask=ok[:, None] & (offs_n[None, :] < NOPE))
+    tl.store(K_out + rows[:, None] * stride_kt + h * stride_kh + NOPE + offs_p[None, :], pe.to(out_ty),
+             mask=ok[:, None] & (offs_p[None, :] < ROPE))
+    tl.store(V_out + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :], _round(val, out_ty),
+             mask=ok[:, None] & (offs_v[None, :] < DV))

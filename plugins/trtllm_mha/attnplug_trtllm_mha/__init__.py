@@ -58,6 +58,10 @@ CAPABILITIES = Capabilities(
     deterministic=False,  # split-KV reductions depend on the batch shape
     devices=("cuda",),
     min_compute_capability=(10, 0),
+    # MLA (docs/mla.md): absorbed decode through flashinfer's trtllm_batch_decode_with_kv_cache_mla (latent
+    # 512 + 64, pages of 32 or 64, the model dtype or an e4m3 latent); extend-shaped MLA forwards and the
+    # unabsorbed form are not claimed (trtllm_prefill_with_kv_cache_mla is not bound yet)
+    mla_forms={"decode": ("absorbed",)},
 )
 
 

@@ -29,7 +29,11 @@ from .metadata import TrtllmMetadata, build_metadata, hnd_view, window_left
 DEFAULT_WORKSPACE_BYTES = 512 << 20
 #: Every library function this backend calls (bound against the real signatures by the contract tier).
 LIBRARY_CALLS = ("flashinfer.decode.trtllm_batch_decode_with_kv_cache",
-                 "flashinfer.prefill.trtllm_batch_context_with_kv_cache")
+                 "flashinfer.prefill.trtllm_batch_context_with_kv_cache",
+                 "flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla")
+#: MLA: the latent shape trtllm-gen's MLA kernels exist for, and the page sizes they take
+MLA_DIMS = (512, 64)
+MLA_PAGE_SIZES = (32, 64)
 #: trtllm-gen reads sinks as float32, one per query head.
 SINKS_DTYPE = torch.float32
 #: fp8 KV: trtllm-gen reads e4m3 queries over an e4m3 cache; the query is quantized with scale 1 (as
@@ -57,6 +61,15 @@ def load_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return trtllm_batch_decode_with_kv_cache, trtllm_batch_context_with_kv_cache
 
 
+def load_mla_kernel() -> Callable[..., Any]:
+    """flashinfer's trtllm-gen MLA decode entry point (imported on the first MLA forward only)."""
+    try:
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise BackendUnavailableError(NAME, [f"{type(exc).__name__}: {exc}"], f"pip install '{LIBRARY}>=0.6.0'") from exc
+    return trtllm_batch_decode_with_kv_cache_mla
+
+
 def create(ctx: Any) -> tuple[str, "TrtllmMHABackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, TrtllmMHABackend(ctx)
@@ -73,7 +86,9 @@ class TrtllmMHABackend(PagedBackend):
     reads_page_table = True  # pages, not slots: the base refuses a req_to_token that is not page-aligned
 
     def __init__(self, ctx: Any, *, kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
-                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, mla_kernel: Callable[..., Any] | None = None) -> None:
+        #: ``trtllm_batch_decode_with_kv_cache_mla`` (loaded on the first MLA forward unless given)
+        self.mla_kernel = mla_kernel
         reasons = support_reasons(CAPABILITIES, page_size=ctx.page_size)
         if reasons:
             raise NotSupportedError(NAME, reasons)
@@ -150,3 +165,39 @@ class TrtllmMHABackend(PagedBackend):
                 cum_seq_lens_q=meta.cum_seq_lens_q, cum_seq_lens_kv=meta.cum_seq_lens_kv, **common,
             )
         return out.view(q.shape[0], layer.num_heads, layer.v_head_dim).to(q.dtype)
+
+    # -- MLA (docs/mla.md): absorbed decode through trtllm_batch_decode_with_kv_cache_mla ------------------------
+    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """An MLA layer: the 512 + 64 latent and pages of 32 or 64 (trtllm-gen's MLA kernels)."""
+        reasons = super().backend_reasons(layer, ctx)
+        m = getattr(layer, "mla", None)
+        if m is None:
+            return reasons
+        if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
+            reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (trtllm-gen's "
+                           f"MLA kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+        if ctx is not None and ctx.page_size not in MLA_PAGE_SIZES:
+            reasons.append(f"page_size={ctx.page_size} with an MLA layer (trtllm_batch_decode_with_kv_cache_mla takes "
+                           f"blocks of {' or '.join(map(str, MLA_PAGE_SIZES))})")
+        return reasons
+
+    def compute_mla(self, q: torch.Tensor, latent: Any, layer: Any, batch: Any, meta: TrtllmMetadata) -> torch.Tensor:
+        """Absorbed MLA decode (the only MLA claim): ``query [B, 1, H, 576]`` over the latent buffer viewed as
+        ``[pages, page_size, 576]`` (the base wrote this forward's rows first), block tables and lengths as for
+        MHA, ``bmm1_scale`` = softmax scale x the latent scale (fp8: the query quantized to e4m3 with scale 1),
+        ``bmm2_scale`` = the latent scale; output ``[B, H, kv_lora_rank]`` in the query dtype."""
+        if self.mla_kernel is None:
+            self.mla_kernel = load_mla_kernel()
+        m = layer.mla
+        buf = self.cache.get_kv(layer.layer_id)[0]
+        kv_cache = buf.view(-1, self.page_size, buf.shape[-1])
+        scale = self.cache.kv_scales(layer.layer_id)[0]
+        query = quantize(q, Q_SCALE, buf.dtype) if self.cache.quantized else q
+        bmm1, bmm2 = bmm_scales(float(layer.scaling), scale, scale)
+        B = q.shape[0]
+        out = self.mla_kernel(
+            query=query.reshape(B, 1, layer.num_heads, q.shape[-1]), kv_cache=kv_cache,
+            workspace_buffer=self.workspace, qk_nope_head_dim=m.qk_nope_head_dim, kv_lora_rank=m.kv_lora_rank,
+            qk_rope_head_dim=m.qk_rope_head_dim, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+            max_seq_len=self.max_seq_len, bmm1_scale=bmm1, bmm2_scale=bmm2)
+        return out.reshape(B, layer.num_heads, m.kv_lora_rank).to(q.dtype)

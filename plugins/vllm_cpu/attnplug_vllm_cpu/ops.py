@@ -17,7 +17,8 @@ from attnplug.errors import BackendUnavailableError
 from . import LIBRARY, MIN_VERSION, NAME, OPS_LIBRARY, ops_library_path
 
 #: the ops this plugin calls (their schemas are recorded in tests/contracts/signatures.json)
-OP_NAMES = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
+OP_NAMES = ("get_scheduler_metadata", "cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache",
+            "mla_decode_kvcache")
 #: the same, as the contract tier names them (``tests/contracts/test_vllm_cpu_contract.py``)
 LIBRARY_CALLS = tuple(f"torch.ops._C.{n}" for n in OP_NAMES)
 
