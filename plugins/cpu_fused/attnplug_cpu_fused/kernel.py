@@ -1,0 +1,93 @@
+"""The cpu_fused kernel library: the op ``torch.ops.attnplug_cpu_fused.attend`` and its fake.
+
+The library ``attnplug_cpu_fused/_C*.so`` is compiled at install (``setup.py``: ``csrc/attention.cpp``
+once per instruction set, ``csrc/ops.cpp`` registering the op with ``TORCH_LIBRARY``); ``load()``
+hands it to ``torch.ops.load_library`` once per process and registers the fake (meta)
+implementation, so ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` see an op
+with a schema that mutates ``out`` and ``err`` and returns nothing. Which variant runs
+(``avx512bf16``, ``avx512``, ``avx2``, ``portable``) is chosen inside the library from cpuid
+(``isa()``); ``$ATTNPLUG_CPU_FUSED_ISA`` asks for a lower one (tests, benchmarks).
+
+Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of everything it
+reads) before the matmuls read it again, which costs about as much as the attention itself
+(issue 12). ``attention.cpp`` reads every visible row once, in place, widens bf16/fp16/fp8 rows to
+float32 in registers a block of 16 keys at a time (or, for bf16 on AVX-512 BF16, dots them as
+stored with ``vdpbf16ps``), and computes scores, softmax and the value sum in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from typing import Any
+
+#: the op's namespace (TORCH_LIBRARY in ops.cpp)
+LIBRARY = "attnplug_cpu_fused"
+#: the kernel variants, best first (ops.cpp picks the first this CPU runs)
+ISAS = ("avx512bf16", "avx512", "avx2", "portable")
+ISA_ENV = "ATTNPLUG_CPU_FUSED_ISA"
+
+#: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
+RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
+
+
+def library_path() -> str | None:
+    """The compiled library installed with this package (``None``: not built, an incomplete install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    return found[0] if found else None
+
+
+def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``attention.cpp`` allocates (all threads) for work items of
+    ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
+    for every key of every row, the rows' queries, accumulators and sums, one block of widened
+    rows."""
+    rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
+    return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[Any, str | None]:
+    """``(op, None)`` — the ``attend`` OpOverload — or ``(None, why there is no compiled kernel)``;
+    loaded once per process."""
+    path = library_path()
+    if path is None:
+        return None, ("no compiled kernel for this platform: attnplug_cpu_fused/_C*.so is missing (the package "
+                      "was installed without its extension; reinstall it with a C++ compiler, or a wheel)")
+    import torch
+
+    try:
+        torch.ops.load_library(path)
+        op = torch.ops.attnplug_cpu_fused.attend.default
+        isa = torch.ops.attnplug_cpu_fused.isa()
+    except (OSError, RuntimeError, AttributeError) as exc:
+        return None, f"no compiled kernel for this CPU / platform: {os.path.basename(path)} does not load ({exc})"
+    _register_fake()
+    _ = isa
+    return op, None
+
+
+def isa() -> str:
+    """The kernel variant this process runs (loads the library)."""
+    import torch
+
+    op, why = load()
+    if op is None:
+        raise RuntimeError(why)
+    return str(torch.ops.attnplug_cpu_fused.isa())
+
+
+@functools.lru_cache(maxsize=None)
+def _register_fake() -> None:
+    import torch
+
+    @torch.library.register_fake(f"{LIBRARY}::attend")
+    def _attend_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, mask, sinks, out, err,  # type: ignore[no-untyped-def]
+                     group, window, heads_per_item, scale, cap, k_scale, v_scale):
+        """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
+        torch._check(q.dim() == 3 and out.dim() == 3, lambda: "attnplug_cpu_fused::attend: q and out must be 3-d")
+        torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::attend: out is {out.dtype}, q is {q.dtype}")
+        torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
+        return None
