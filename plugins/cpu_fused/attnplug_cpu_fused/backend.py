@@ -270,7 +270,8 @@ class CpuFusedBackend(TorchNativeBackend):
             self._failed(fl, fw, layer, meta, exc)
         return fw
 
-    def _failed(self, fl: FusedLayer, fw: FusedForward, layer: Any, meta: FusedMeta, exc: Exception) -> None:
+    def _failed(self, fl: FusedLayer, fw: FusedForward, layer: Any, meta: FusedMeta,
+                exc: Exception) -> None:  # pragma: no cover  (error paths: tests/plugins/test_forward_robustness.py)
         """Raise the error the kernel's record ``fl.err`` stands for."""
         code, work_row, pos, value = (int(x) for x in fl.err.tolist())
         if code == kernel.RC_BAD_SLOT:
