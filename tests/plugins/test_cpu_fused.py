@@ -545,7 +545,6 @@ def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, m
     ("head_dim_40", "head_dim=40 is not a multiple of 16 (head_dim_multiple_of)"),
     ("v_head_dim_24", "v_head_dim=24 is not a multiple of 16 (head_dim_multiple_of)"),
     ("bf16_model_f32_cache", "a non-fp8 KV cache must be in the model dtype (kv_cache_dtype_follows_model)"),
-    ("bidirectional", "bidirectional"),
     ("cuda_device", "device=cuda (supported: cpu)"),
 ])
 def test_layers_outside_the_envelope_are_refused_by_the_registry_with_the_reason(kind, reason):
@@ -559,8 +558,6 @@ def test_layers_outside_the_envelope_are_refused_by_the_registry_with_the_reason
         kw["v_head_dim"] = 24
     elif kind == "bf16_model_f32_cache":
         kw["kv"] = "float32"
-    elif kind == "bidirectional":
-        layer_kw["causality"] = "bidirectional"
     else:
         kw["device"] = "cuda"
     from attnplug.capabilities import support_reasons
@@ -847,3 +844,31 @@ def test_an_isa_this_cpu_cannot_run_is_refused_naming_the_variable():
     code = "from attnplug_cpu_fused import kernel; print(kernel.load()[1])"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "$ATTNPLUG_CPU_FUSED_ISA=sse9 is not a kernel variant this CPU runs" in proc.stdout + proc.stderr
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_bidirectional_layers_run_torch_natives_eager_paths(mode):
+    # claimed (encoders): the kernel masks causally, so such a layer takes the parent's eager paths
+    s = make(dtype=F32, head_dim=32, seed=95, layer_kw=dict(causality="bidirectional"))
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [0, 5], [7, 3])
+    run_and_check(s, batch)
+    assert s.backend.workspace.grows > 0, "the eager paths did not run"
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
+def test_kernel_call_does_the_forwards_work(mode):
+    """What bench --overhead compares a forward with: the op with prepared arguments and the K/V write."""
+    s = make(dtype=BF16, head_dim=64, seed=96)
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [3, 20], [4, 4])
+    q, k, v = inputs(s, batch.num_tokens)
+    before = [t.clone() for t in s.cache.read_kv(0)]
+    s.backend.init_forward_metadata(batch)
+    want = s.backend.forward(q, k, v, s.layer, batch)
+    after = [t.clone() for t in s.cache.read_kv(0)]
+    s.cache.set_kv(0, torch.arange(s.cache.num_slots), *before, stored=True)
+    call = s.backend.kernel_call(q, k, v, s.layer, batch)
+    got = call()
+    assert same_bytes(got, want) and got is not call()
+    assert all(same_bytes(a, b) for a, b in zip(after, s.cache.read_kv(0)))

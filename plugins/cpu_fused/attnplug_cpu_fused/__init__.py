@@ -36,8 +36,8 @@ CAPABILITIES = Capabilities(
     logit_softcap=True,
     sinks=True,
     cross_attention=True,
-    # the kernel masks causally; bidirectional layers are torch_native's
-    bidirectional=False,
+    # the kernel masks causally: bidirectional layers (encoders) run torch_native's eager paths
+    bidirectional=True,
     speculative_verify=True,
     draft_extend=True,
     cuda_graph=False,

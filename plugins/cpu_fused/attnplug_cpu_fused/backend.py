@@ -5,10 +5,10 @@ decode, and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tok
 drafts, a mixed batch's decode requests, short extends), go through
 ``torch.ops.attnplug_cpu_fused.attend`` (``csrc/attention.cpp``, compiled at install: one pass over
 the paged cache reading each visible row once, in place, computing in float32); longer extends run
-torch_native's SDPA path, as does a forward whose kernel scratch would exceed
-``BuildContext.max_workspace_bytes``. What the kernel does not take at all (another layout, a cache
-dtype other than the model's or fp8, head dims not multiples of 16, bidirectional layers, another
-device) is refused by the declared capabilities before a forward, with the reason.
+torch_native's SDPA path, as do bidirectional layers (the kernel masks causally) and a forward whose
+kernel scratch would exceed ``BuildContext.max_workspace_bytes``. What the kernel does not take at
+all (another layout, a cache dtype other than the model's or fp8, head dims not multiples of 16,
+another device) is refused by the declared capabilities before a forward, with the reason.
 
 What each layer's call needs is prepared in three named pieces:
 
@@ -67,6 +67,7 @@ class NoRequests:
 
 
 NO_REQUESTS = NoRequests()
+BIDIRECTIONAL = Declined("a bidirectional layer (the kernel masks causally): torch_native's eager paths")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class FusedLayer:
     cap: float
     err: torch.Tensor  # int64 [4]: the kernel's first failure (code, work row, position, slot)
     geometry: tuple[Any, ...]
+    bidirectional: bool = False  # the kernel masks causally: such a layer runs torch_native's paths
 
 
 class FusedMeta(ForwardMeta):
@@ -198,7 +200,8 @@ class CpuFusedBackend(TorchNativeBackend):
         kc, vc = cache.get_kv(lid)
         geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
         return FusedLayer(kc, vc, sinks, -1 if window is None else int(window), cross, float(layer.scaling),
-                          float(layer.logit_cap or 0.0), torch.zeros(4, dtype=torch.int64), geometry)
+                          float(layer.logit_cap or 0.0), torch.zeros(4, dtype=torch.int64), geometry,
+                          bool(layer.uses_bidirectional))
 
     # -- per forward ------------------------------------------------------------
     def _work(self, q: torch.Tensor, layer: Any, meta: FusedMeta, fl: FusedLayer) -> Work:
@@ -259,6 +262,8 @@ class CpuFusedBackend(TorchNativeBackend):
                       out: torch.Tensor) -> Work:
         """Attend ``meta.fused_requests()`` through the op into their rows of ``out``; what was done."""
         fl = self.layer_plan(layer).kernel
+        if fl.bidirectional:
+            return BIDIRECTIONAL
         fw = self._work(q, layer, meta, fl)
         if not isinstance(fw, FusedForward):
             return fw
@@ -319,7 +324,7 @@ class CpuFusedBackend(TorchNativeBackend):
         fl = self.layer_plan(layer).kernel
         out = self.empty_output(q, layer)
         fw = self._work(q, layer, meta, fl)
-        if layer.is_cross_attention or self.cache.quantized or not isinstance(fw, FusedForward) or \
+        if layer.is_cross_attention or self.cache.quantized or fl.bidirectional or not isinstance(fw, FusedForward) or \
                 len(meta.fused_requests()) != len(meta.rows):
             return super().kernel_call(q, k, v, layer, batch)
         args = list(self._args(q, k, v, layer, fl, fw, out))
