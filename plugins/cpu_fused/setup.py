@@ -18,13 +18,22 @@ import sys
 
 from setuptools import setup
 
-ISA_FLAGS = {
-    "isa_avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
-    "isa_avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "isa_avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "isa_portable": [],
-}
 CSRC = os.path.join("attnplug_cpu_fused", "csrc")
+
+
+def _isa_flags() -> dict[str, list[str]]:
+    """kernel.py's ISA_FLAGS, read by path (the package's __init__ needs attnplug, absent in a build env)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_attnplug_cpu_fused_kernel", os.path.join("attnplug_cpu_fused",
+                                                                                            "kernel.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {f"isa_{name}": flags for name, flags in mod.ISA_FLAGS.items()}
+
+
+ISA_FLAGS = _isa_flags()
 
 
 def _compiler() -> str:

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 #: the op's namespace (TORCH_LIBRARY in ops.cpp)
@@ -27,6 +31,15 @@ LIBRARY = "attnplug_cpu_fused"
 #: the kernel variants, best first (ops.cpp picks the first this CPU runs)
 ISAS = ("avx512bf16", "avx512", "avx2", "portable")
 ISA_ENV = "ATTNPLUG_CPU_FUSED_ISA"
+
+#: each ISA variant's translation unit (csrc/isa_<name>.cpp, which includes attention.cpp) and its
+#: -m flags; setup.py reads this table (by path: it cannot import the package)
+ISA_FLAGS = {
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": [],
+}
 
 #: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
@@ -91,3 +104,56 @@ def _register_fake() -> None:
         torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::attend: out is {out.dtype}, q is {q.dtype}")
         torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
         return None
+
+
+def build_inplace(cxx: str | None = None) -> str:
+    """Compile ``csrc/`` into this package folder's ``_C`` library with ``setup.py``'s flags and return
+    its path: a developer tool (``scripts/mutate.py``'s build check rebuilds a mutated
+    ``attention.cpp``), never called by the backend. ``ops.cpp``'s object is kept in ``csrc/build/``
+    and rebuilt only when ``ops.cpp`` or ``kernel.h`` change; the ISA variants compile in parallel."""
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    csrc = os.path.join(here, "csrc")
+    out_dir = os.path.join(csrc, "build")
+    os.makedirs(out_dir, exist_ok=True)
+    cxx = cxx or os.environ.get("CXX") or "c++"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    common = ["-O3", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    torch_flags = [*(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
+                   "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-fopenmp"]
+
+    def compile_one(src: str, flags: list[str], obj: str) -> None:
+        proc = subprocess.run([cxx, *common, *flags, "-c", os.path.join(csrc, src), "-o", obj],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cxx} failed on {src}: {proc.stderr.strip().splitlines()[-1:]}")
+
+    key = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read() for f in ("ops.cpp", "kernel.h")))
+    ops_obj = os.path.join(out_dir, f"ops-{key.hexdigest()[:16]}.o")
+    jobs = [(f"isa_{name}.cpp", flags, os.path.join(out_dir, f"isa_{name}.o")) for name, flags in ISA_FLAGS.items()]
+    if not os.path.exists(ops_obj):
+        jobs.insert(0, ("ops.cpp", torch_flags, ops_obj))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for f in [pool.submit(compile_one, *job) for job in jobs]:
+            f.result()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    lib = os.path.join(here, f"_C{suffix}")
+    objs = [ops_obj, *(job[2] for job in jobs if job[0] != "ops.cpp")]
+    link = [cxx, "-shared", "-fopenmp", *objs, *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu",
+            "-ltorch", "-o", lib + ".tmp"]
+    proc = subprocess.run(link, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"linking {lib} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    os.replace(lib + ".tmp", lib)
+    return lib
+
+
+if __name__ == "__main__":  # python -m attnplug_cpu_fused.kernel build: build_inplace()
+    if sys.argv[1:] == ["build"]:
+        print(build_inplace())
+    else:
+        sys.exit("usage: python -m attnplug_cpu_fused.kernel build")
