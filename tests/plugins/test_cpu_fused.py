@@ -872,3 +872,22 @@ def test_kernel_call_does_the_forwards_work(mode):
     got = call()
     assert same_bytes(got, want) and got is not call()
     assert all(same_bytes(a, b) for a, b in zip(after, s.cache.read_kv(0)))
+
+
+@pytest.mark.parametrize("cxx", [None, "no-such-g++"], ids=["no_compiler_on_path", "cxx_names_a_missing_one"])
+def test_a_build_without_a_compiler_stops_naming_the_compiler(cxx, tmp_path):
+    """The install-time build (setup.py) with no C++ compiler reachable: a clear failure naming the
+    compiler it looked for, before torch's build machinery runs (no compile-at-first-use fallback)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "plugins", "cpu_fused")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env["PATH"] = str(bindir)
+    if cxx:
+        env["CXX"] = cxx
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    named = cxx or "c++"
+    assert f"attnplug-cpu-fused: no C++ compiler found: {named!r} is not on PATH" in proc.stderr, proc.stderr
