@@ -322,6 +322,27 @@ class ForwardMeta:
             return tuple(range(len(self.rows)))
         return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
 
+    def tiled_requests(self) -> tuple[int, ...]:
+        """The requests the tiled extend kernel may take in this forward: in the extend modes those
+        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode)."""
+        if self.mode is ForwardMode.DECODE:
+            return ()
+        return tuple(i for i, e in enumerate(self.ext) if e > FUSED_MAX_QUERIES)
+
+    def tiled_plan(self, window: int | None) -> torch.Tensor:
+        """``csrc/extend_tiled.cpp``'s ``[n, 8]`` int64 plan: ``fused_plan``'s rows with each request of
+        ``tiled_requests()`` whole (self-attention only), built on the first layer, then shared."""
+        key = ("tiled", window)
+        plan = self._plans.get(key)
+        if plan is None:
+            rows = []
+            for i in self.tiled_requests():
+                p, e = self.prefix[i], self.ext[i]
+                start = 0 if window is None else min(p, max(0, p - window))
+                rows.append([self.rows[i], start, p - start, self.q_off[i], e, p, self.q_off[i], 0])
+            plan = self._plans[key] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+        return plan
+
     def _fused_chunks(self, chunk: int) -> list[tuple[int, int, int]]:
         """``(request, first query, queries)`` per work row of the kernel: each fused request's new
         tokens in chunks of at most ``chunk`` (bounded scratch; a chunk reads only the keys its
@@ -476,6 +497,11 @@ class TorchNativeBackend(PagedBackend):
         if self.fused == "on" and self._fused is None:
             raise BackendUnavailableError(NAME, [f"fused='on': {self.fused_reason}"],
                                           "fused='auto' falls back to the eager paths")
+        #: long extends (more than ``FUSED_MAX_QUERIES`` new tokens) through the tiled kernel
+        #: (``csrc/extend_tiled.cpp``) where the layer fits it (``tiled_fits``), else SDPA
+        self.tiled = True
+        #: the tiled kernel's instruction set (``fused.TILED_ISAS``; 0: the best this CPU runs; tests pin one)
+        self.tiled_isa = 0
         if decode_block_bytes == "auto":
             decode_block_bytes = DEFAULT_DECODE_BLOCK_BYTES if self.device.type == "cpu" else None
         #: gathered K bytes per decode block (``None``: the whole batch in one block)
@@ -732,6 +758,80 @@ class TorchNativeBackend(PagedBackend):
         raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
                            f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")
 
+    def tiled_fits(self, q: torch.Tensor, layer: Any, meta: ForwardMeta) -> str | None:
+        """``None`` when the tiled extend kernel takes this layer's long extends in this forward, else
+        why SDPA runs them."""
+        why = self.fused_fits(q, layer)
+        if why is not None:
+            return why
+        if q.dtype not in (_F32, torch.bfloat16) or self.cache.quantized:
+            return f"a {self.cache.dtype} cache under a {q.dtype} model (the tiled kernel takes float32 and bfloat16)"
+        if layer.is_cross_attention:
+            return "cross-attention (the tiled kernel attends over the request's own tokens)"
+        if layer.gqa_group_size > 64:
+            return f"{layer.gqa_group_size} query heads per KV head (the tiled kernel takes up to 64)"
+        if meta.custom_mask is not None:
+            return "a target-verify mask (the tiled kernel masks causally)"
+        return None
+
+    def _attend_tiled(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
+                      out: torch.Tensor) -> bool:
+        """Attend ``meta.tiled_requests()`` through ``csrc/extend_tiled.cpp`` into their rows of ``out``;
+        ``False`` (nothing written) when the layer does not fit the kernel (``tiled_fits``)."""
+        key = ("tiled_fits", q.dtype, id(layer))
+        why = meta._plans.get(key, 0)
+        if why == 0:
+            why = meta._plans[key] = self.tiled_fits(q, layer, meta)
+        if why is not None:
+            return False
+        window = layer.sliding_window
+        plan = meta.tiled_plan(window)
+        cache = self.cache
+        kc, vc = cache.get_kv(layer.layer_id)
+        q3 = q if q.stride(-1) == 1 else q.contiguous()
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        kn = k if k.stride(-1) == 1 else k.contiguous()
+        vn = v if v.stride(-1) == 1 else v.contiguous()
+        sinks = self.layer_plan(layer).kernel.keep[3]  # float32 [H] or None (plan_layer)
+        a = kernel.TiledArgs()
+        a.q, a.q_st, a.q_sh = q3.data_ptr(), q3.stride(0), q3.stride(1)
+        a.k, a.k_ss, a.k_sh = kc.data_ptr(), kc.stride(0), kc.stride(1)
+        a.v, a.v_ss, a.v_sh = vc.data_ptr(), vc.stride(0), vc.stride(1)
+        a.kn, a.kn_st, a.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
+        a.vn, a.vn_st, a.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
+        r2t = cache.req_to_token
+        a.r2t, a.r2t_s = r2t.data_ptr(), r2t.stride(0)
+        a.plan = plan.data_ptr()
+        a.o, a.o_st, a.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
+        a.sinks = 0 if sinks is None else sinks.data_ptr()
+        a.dtype = kernel.dtype_code(q.dtype)
+        a.isa = self.tiled_isa
+        a.B, a.Hkv, a.G = plan.shape[0], layer.num_kv_heads, layer.gqa_group_size
+        a.D, a.Dv = layer.head_dim, layer.v_head_dim
+        a.window = -1 if window is None else int(window)
+        a.nthreads = torch.get_num_threads()
+        a.scale, a.cap = layer.scaling, float(layer.logit_cap or 0.0)
+        a.num_slots = cache.num_slots
+        err = kernel.ErrorRecord()
+        a.err = ctypes.addressof(err)
+        rc = self._fused.attnplug_extend_tiled(ctypes.byref(a))
+        if rc == kernel.RC_BAD_SLOT:
+            i = meta.tiled_requests()[err[1]]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {err[2]} maps to slot {err[3]}, "
+                f"outside the cache's {cache.num_slots} slots (req_to_token changed after the batch was checked)")
+        if rc == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(f"{NAME}: the tiled CPU kernel could not allocate its scratch "
+                                     f"({err[3]} bytes per thread, layer {layer.layer_id})")
+        if rc == kernel.RC_ISA:
+            raise ValueError(f"{NAME}: tiled_isa={self.tiled_isa} is not available on this CPU (best: "
+                             f"{self._fused.attnplug_extend_tiled_isa()})")
+        if rc != 0:  # tiled_fits admitted a layer the kernel refuses: the two disagree
+            raise RuntimeError(f"{NAME}: the tiled CPU kernel refused layer {layer.layer_id} (code {rc}) although "
+                               f"tiled_fits admitted it")
+        return True
+
     def kernel_call(self, q: Any, k: Any, v: Any, layer: Any,
                     batch: Any) -> Any:  # pragma: no cover  (bench --overhead's hook: tests/fast/test_hot_path.py)
         """The fused CPU kernel called through its prepared ``DecodeArgs`` (a copy; only the output
@@ -844,6 +944,9 @@ class TorchNativeBackend(PagedBackend):
         done: frozenset[int] = frozenset()  # requests the fused kernel attended (few new tokens each)
         if self._fused is not None and self._attend_fused(q, k, v, layer, meta, out):
             done = frozenset(meta.fused_requests())
+        if self._fused is not None and self.tiled and meta.tiled_requests() and \
+                self._attend_tiled(q, k, v, layer, meta, out):
+            done = done | frozenset(meta.tiled_requests())
         kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
         k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)

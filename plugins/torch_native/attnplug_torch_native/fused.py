@@ -48,6 +48,10 @@ except ImportError:  # pragma: no cover - not POSIX: the kernel is built for Lin
     fcntl = None  # type: ignore[assignment]
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+#: the tiled extend kernel (``csrc/extend_tiled.cpp`` and its header), compiled into the same library
+TILED_SOURCE = SOURCE.with_name("extend_tiled.cpp")
+#: every file the library is built from (hashed into its cache name)
+SOURCES = (SOURCE, TILED_SOURCE, SOURCE.with_name("extend_tiled.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: the environment variable the factory reads for the ``fused`` knob
 ENV = "ATTNPLUG_TORCH_NATIVE_FUSED"
@@ -88,6 +92,33 @@ class DecodeArgs(ctypes.Structure):
         ("num_slots", ctypes.c_int64), ("err", ctypes.c_void_p),
     ]
 
+
+class TiledArgs(ctypes.Structure):
+    """Mirror of ``struct TiledArgs`` in extend_tiled.h (same order; the size is checked at load)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_ss", ctypes.c_int64), ("k_sh", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_ss", ctypes.c_int64), ("v_sh", ctypes.c_int64),
+        ("kn", ctypes.c_void_p), ("kn_st", ctypes.c_int64), ("kn_sh", ctypes.c_int64),
+        ("vn", ctypes.c_void_p), ("vn_st", ctypes.c_int64), ("vn_sh", ctypes.c_int64),
+        ("r2t", ctypes.c_void_p), ("r2t_s", ctypes.c_int64),
+        ("plan", ctypes.c_void_p),
+        ("o", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64),
+        ("sinks", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32), ("isa", ctypes.c_int32),
+        ("B", ctypes.c_int32), ("Hkv", ctypes.c_int32), ("G", ctypes.c_int32),
+        ("D", ctypes.c_int32), ("Dv", ctypes.c_int32), ("window", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("cap", ctypes.c_float),
+        ("num_slots", ctypes.c_int64), ("err", ctypes.c_void_p),
+    ]
+
+
+#: ``attnplug_extend_tiled``'s instruction sets (``TiledArgs.isa``; 0: the best this CPU runs)
+TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
+#: ``attnplug_extend_tiled``'s return code for an instruction set this CPU lacks
+RC_ISA = 6
 
 #: ``attnplug_fused_decode``'s return codes (0: done)
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
@@ -188,7 +219,7 @@ def library_path(cxx: str) -> Path:
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         version = f"unknown ({exc})"
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
+    for part in (*(f.read_bytes() for f in SOURCES), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
     return cache_dir() / f"torch_native_fused-{h.hexdigest()[:20]}.so"
@@ -321,7 +352,7 @@ def build(cxx: str, out: Path) -> str | None:
         tmp = os.path.join(work, out.name)
         env = dict(os.environ, TMPDIR=work)
         try:
-            proc = _run([cxx, *FLAGS, str(SOURCE), "-o", tmp], timeout, env)
+            proc = _run([cxx, *FLAGS, str(SOURCE), str(TILED_SOURCE), "-o", tmp], timeout, env)
         except subprocess.TimeoutExpired:
             return (f"{os.path.basename(cxx)} did not finish compiling {SOURCE.name} within {timeout:g} s "
                     f"(killed; ${TIMEOUT_ENV} sets the limit)")
@@ -360,8 +391,9 @@ def load() -> tuple[Any, str | None]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the fused CPU kernel is built for x86-64 Linux only (this is {platform.system()} " \
                      f"{platform.machine()})"
-    if not SOURCE.is_file():
-        return None, f"the fused CPU kernel's source {SOURCE} is missing (an incomplete install of attnplug-torch-native)"
+    for src in SOURCES:
+        if not src.is_file():
+            return None, f"the fused CPU kernel's source {src} is missing (an incomplete install of attnplug-torch-native)"
     cxx = compiler()
     if cxx is None:
         named = f" ($CXX={os.environ['CXX']!r} is not an executable)" if os.environ.get("CXX") else ""
@@ -402,9 +434,16 @@ def load() -> tuple[Any, str | None]:
         lib.attnplug_fused_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
         lib.attnplug_fused_decode.restype = ctypes.c_int
         lib.attnplug_fused_decode_args_size.restype = ctypes.c_int64
+        lib.attnplug_extend_tiled.argtypes = [ctypes.POINTER(TiledArgs)]
+        lib.attnplug_extend_tiled.restype = ctypes.c_int
+        lib.attnplug_extend_tiled_args_size.restype = ctypes.c_int64
+        lib.attnplug_extend_tiled_isa.restype = ctypes.c_int32
         if lib.attnplug_fused_decode_args_size() != ctypes.sizeof(DecodeArgs):
             why = (f"{path.name}: DecodeArgs is {lib.attnplug_fused_decode_args_size()} bytes in the "
                    f"library, {ctypes.sizeof(DecodeArgs)} in fused.py (the two definitions differ)")
+        elif lib.attnplug_extend_tiled_args_size() != ctypes.sizeof(TiledArgs):
+            why = (f"{path.name}: TiledArgs is {lib.attnplug_extend_tiled_args_size()} bytes in the "
+                   f"library, {ctypes.sizeof(TiledArgs)} in fused.py (the two definitions differ)")
     except (OSError, AttributeError) as exc:  # not a library, or not this one
         why = f"cannot load the fused CPU kernel {path}: {exc}"
     if why is None:
