@@ -772,6 +772,9 @@ class TorchNativeBackend(PagedBackend):
             return f"{layer.gqa_group_size} query heads per KV head (the tiled kernel takes up to 64)"
         if meta.custom_mask is not None:
             return "a target-verify mask (the tiled kernel masks causally)"
+        need = kernel.tiled_scratch_bytes(torch.get_num_threads(), layer.head_dim, layer.v_head_dim)
+        if need > self.max_workspace_bytes:
+            return f"the tiled kernel's scratch ({need} bytes) is over the workspace limit"
         return None
 
     def _attend_tiled(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,

@@ -135,6 +135,14 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
     return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
 
 
+def tiled_scratch_bytes(threads: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``extend_tiled.cpp`` allocates (all threads; its ``scratch_floats``:
+    128-row query tiles, 48-key tiles)."""
+    rows, keys = 128, 48
+    return 4 * threads * (d * rows + keys * rows + keys // 2 * rows + keys // 2 * dv + rows * dv + 5 * rows
+                          + max(d, dv) + keys * (d + dv) + 64)
+
+
 def parse_mode(value: str | None, where: str) -> str:
     """``fused`` as given (``None``: ``"auto"``); a clear error naming ``where`` otherwise."""
     mode = "auto" if value in (None, "") else str(value).strip().lower()
