@@ -450,7 +450,6 @@ ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float*
   constexpr int KSTEP = 24;  // a multiple of every register tile's key count (24 / row vectors: 24, 12, 8, 6)
   const T* kr[KT];
   const T* vr[KT];
-  const int64_t kbytes = int64_t(D) * int64_t(sizeof(T)), vbytes = int64_t(Dv) * int64_t(sizeof(T));
   for (int64_t j0 = jbeg; j0 < jend; j0 += KT) {
     const int kt = int(jend - j0 < KT ? jend - j0 : KT);
     const int ktp = (kt + KSTEP - 1) / KSTEP * KSTEP;  // whole register tiles, an even count (key pairs)
@@ -480,15 +479,6 @@ ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float*
         kc[j] = reinterpret_cast<const typename SC::T*>(kr[j]);
         vc[j] = reinterpret_cast<const typename SC::T*>(vr[j]);
       }
-    }
-    // the next tile's cached rows, on their way while this one computes
-    for (int j = 0; j < KT; ++j) {
-      const int64_t key = j0 + KT + j;
-      if (key >= nc || key >= jend) break;
-      const char* pk = reinterpret_cast<const char*>(K + slots[key] * a.k_ss + int64_t(h) * a.k_sh);
-      const char* pv = reinterpret_cast<const char*>(V + slots[key] * a.v_ss + int64_t(h) * a.v_sh);
-      for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(pk + o);
-      for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(pv + o);
     }
     // scores in passes of at most 4 row vectors (64 rows: 24 accumulators), then the rest
 #if ET_DP
@@ -544,8 +534,21 @@ ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float*
       for (int c = 0; c < Dv; c += 16) storef(acc + r * Dv + c, loadf(acc + r * Dv + c) * f);
     }
     if (!full) {
-      pv_select<SC>(acc, Dv, st, MP, vc, ktp, M);
-      continue;
+      // a hidden key's probability is exactly 0, which the register tiles may multiply only by a finite
+      // value row: a tile whose value rows are all finite goes through them, else the select path
+      bool finite = true;
+      for (int j = 0; j < ktp && finite; ++j) {
+        vi bad = vi{};
+        for (int c = 0; c < Dv; c += 16) {
+          const vu u = ubits(SC::load(vc[j] + c));
+          bad |= (vi)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        for (int l = 0; l < 16; ++l) finite = finite && bad[l] == 0;
+      }
+      if (!finite) {
+        pv_select<SC>(acc, Dv, st, MP, vc, ktp, M);
+        continue;
+      }
     }
 #if ET_DP
     if constexpr (dp) {
