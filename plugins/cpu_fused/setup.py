@@ -34,6 +34,9 @@ def _isa_flags() -> dict[str, list[str]]:
 
 
 ISA_FLAGS = _isa_flags()
+#: compiled with -fopenmp (their libgomp.so.1 is torch's, already loaded: one runtime); extend_tiled.cpp
+#: (the tiled extend kernel) carries its own per-ISA bodies (target attributes, chosen by cpuid)
+OPENMP_SOURCES = ("extend_tiled",)
 
 
 def _compiler() -> str:
@@ -52,7 +55,8 @@ def _extensions():  # type: ignore[no-untyped-def]
     _compiler()
     from torch.utils.cpp_extension import CppExtension
 
-    sources = [os.path.join(CSRC, "ops.cpp")] + [os.path.join(CSRC, f"{name}.cpp") for name in ISA_FLAGS]
+    sources = [os.path.join(CSRC, f"{name}.cpp") for name in ("ops", *OPENMP_SOURCES)] + \
+        [os.path.join(CSRC, f"{name}.cpp") for name in ISA_FLAGS]
     return [CppExtension("attnplug_cpu_fused._C", sources, extra_compile_args=["-O3", "-std=c++17"],
                          extra_link_args=["-fopenmp"])]
 
@@ -62,14 +66,14 @@ def _build_ext():  # type: ignore[no-untyped-def]
 
     class Build(BuildExtension):
         """torch's BuildExtension with per-source flags: each isa_*.cpp gets its ISA's -m flags,
-        ops.cpp gets -fopenmp (torch's at::parallel_for)."""
+        ops.cpp (torch's at::parallel_for) and extend_tiled.cpp get -fopenmp."""
 
         def build_extensions(self) -> None:
             inner = self.compiler._compile
 
             def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):  # type: ignore[no-untyped-def]
                 stem = os.path.splitext(os.path.basename(src))[0]
-                extra = ISA_FLAGS.get(stem, ["-fopenmp"] if stem == "ops" else [])
+                extra = ISA_FLAGS.get(stem, ["-fopenmp"] if stem == "ops" or stem in OPENMP_SOURCES else [])
                 post = extra_postargs.get("cxx", []) if isinstance(extra_postargs, dict) else list(extra_postargs)
                 return inner(obj, src, ext, cc_args, [*post, *extra], pp_opts)
 

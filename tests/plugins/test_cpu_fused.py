@@ -351,9 +351,10 @@ def test_extend_modes(dtype, kv_dtype, mode):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
 def test_mixed_batch_splits_requests_between_the_kernel_and_the_eager_extend(dtype):
-    # FUSED_MAX_QUERIES new tokens go through the kernel, one more through the eager extend; both in
-    # one forward, each writing its own rows of the output
+    # FUSED_MAX_QUERIES new tokens go through the kernel, one more through the eager extend (the tiled
+    # kernel off: test_torch_native_tiled.py has it); both in one forward, each writing its own rows
     s = make(dtype=dtype, head_dim=32, seed=62, layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8)))
+    s.backend.tiled = False
     run_and_check(s, extend_batch(s, ForwardMode.MIXED, [9], [FUSED_MAX_QUERIES], req_ids=[0]))
     assert_fused_ran(s)
     run_and_check(s, extend_batch(s, ForwardMode.MIXED, [0, 33, 5, 12], [1, FUSED_MAX_QUERIES + 1, 1, 20],

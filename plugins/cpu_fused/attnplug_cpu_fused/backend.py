@@ -4,9 +4,13 @@ Imported only when the backend is built. ``CpuFusedBackend`` subclasses torch_na
 decode, and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tokens (target-verify
 drafts, a mixed batch's decode requests, short extends), go through
 ``torch.ops.attnplug_cpu_fused.attend`` (``csrc/attention.cpp``, compiled at install: one pass over
-the paged cache reading each visible row once, in place, computing in float32); longer extends run
-torch_native's SDPA path, as do bidirectional layers (the kernel masks causally) and a forward whose
-kernel scratch would exceed ``BuildContext.max_workspace_bytes``. What the kernel does not take at
+the paged cache reading each visible row once, in place, computing in float32); longer extends go
+through ``torch.ops.attnplug_cpu_fused.extend_tiled`` (``csrc/extend_tiled.cpp``: query tiles x key
+tiles with an online softmax, causal tiles skipped, bf16 products through ``vdpbf16ps`` where the
+CPU has it) where the layer fits it (``tiled_fits``: float32/bfloat16 with the cache in the model
+dtype, self-attention, no target-verify mask, at most 64 query heads per KV head); what neither
+takes runs torch_native's SDPA path, as do bidirectional layers (the kernels mask causally) and a
+forward whose kernel scratch would exceed ``BuildContext.max_workspace_bytes``. What the kernel does not take at
 all (another layout, a cache dtype other than the model's or fp8, head dims not multiples of 16,
 another device) is refused by the declared capabilities before a forward, with the reason.
 
@@ -108,6 +112,9 @@ class FusedMeta(ForwardMeta):
         self._chunks: dict[int, list[tuple[int, int, int]]] = {}
         self._plan: dict[tuple[Any, ...], tuple[torch.Tensor, int, int]] = {}
         self._mask: dict[int, torch.Tensor | None] = {}
+        self._tiled: dict[int | None, torch.Tensor] = {}
+        #: per (dtype, layer): why the tiled kernel does not take the layer's long extends (None: it does)
+        self.tiled_why: dict[tuple[Any, ...], str | None] = {}
         #: per (dtype, threads, layer geometry): what the kernel does in this forward
         self.work: dict[tuple[Any, ...], Work] = {}
 
@@ -135,6 +142,26 @@ class FusedMeta(ForwardMeta):
             rows = [i for i, _, _ in self.chunks(chunk)]
             self._mask[chunk] = self.custom_mask[rows].contiguous()
         return self._mask[chunk]
+
+    def tiled_requests(self) -> tuple[int, ...]:
+        """The requests the tiled extend kernel may take in this forward: in the extend modes those
+        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode)."""
+        if self.mode is ForwardMode.DECODE:
+            return ()
+        return tuple(i for i, e in enumerate(self.ext) if e > FUSED_MAX_QUERIES)
+
+    def tiled_plan(self, window: int | None) -> torch.Tensor:
+        """``extend_tiled``'s ``[n, 8]`` int64 plan: ``plan``'s rows with each request of
+        ``tiled_requests()`` whole (self-attention only), built once per forward and window."""
+        got = self._tiled.get(window)
+        if got is None:
+            rows = []
+            for i in self.tiled_requests():
+                p, e = self.prefix[i], self.ext[i]
+                start = 0 if window is None else min(p, max(0, p - window))
+                rows.append([self.rows[i], start, p - start, self.q_off[i], e, p, self.q_off[i], 0])
+            got = self._tiled[window] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+        return got
 
     def plan(self, window: int | None, cross: bool, chunk: int) -> tuple[torch.Tensor, int, int]:
         """The ``[n, 8]`` int64 plan, one row per chunk of ``chunks(chunk)``: req_to_token row, first
@@ -176,6 +203,12 @@ class CpuFusedBackend(TorchNativeBackend):
         if op is None:
             raise BackendUnavailableError(NAME, [str(why)], "pip install attnplug-cpu-fused with a C++ compiler")
         self._op: Callable[..., Any] = op
+        self._tiled_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.extend_tiled.default
+        #: long extends (more than ``FUSED_MAX_QUERIES`` new tokens) through the tiled kernel where the
+        #: layer fits it (``tiled_fits``), else torch_native's SDPA path
+        self.tiled = True
+        #: the tiled kernel's instruction set (``kernel.TILED_ISAS``; 0: the best this CPU runs; tests pin one)
+        self.tiled_isa = 0
         #: the kernel variant this process runs (``avx512bf16``, ``avx512``, ``avx2``, ``portable``)
         self.isa = kernel.isa()
 
@@ -184,8 +217,8 @@ class CpuFusedBackend(TorchNativeBackend):
 
     def runtime_notes(self) -> list[str]:
         return [f"kernel variant {self.isa} (of {', '.join(kernel.ISAS)}; chosen by cpuid at load); decode and "
-                f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel, longer extends through "
-                f"torch_native's SDPA path"]
+                f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel, longer extends through the "
+                f"tiled extend kernel where the layer fits it, else torch_native's SDPA path"]
 
     # -- per layer -----------------------------------------------------------
     def plan_layer(self, layer: Any) -> FusedLayer:
@@ -300,6 +333,72 @@ class CpuFusedBackend(TorchNativeBackend):
         raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} although its declared "
                            f"capabilities admit it: {exc}") from None
 
+    # -- long extends: the tiled kernel -------------------------------------------
+    def tiled_fits(self, q: torch.Tensor, layer: Any, meta: FusedMeta) -> str | None:
+        """``None`` when the tiled extend kernel takes this layer's long extends in this forward, else
+        why torch_native's SDPA path runs them."""
+        if not self.tiled:
+            return "tiled=False"
+        if layer.uses_bidirectional:
+            return "a bidirectional layer (the tiled kernel masks causally)"
+        if q.dtype not in (_F32, torch.bfloat16) or self.cache.quantized or self.cache.dtype != q.dtype:
+            return f"a {self.cache.dtype} cache under a {q.dtype} model (the tiled kernel takes float32 and bfloat16)"
+        if layer.is_cross_attention:
+            return "cross-attention (the tiled kernel attends over the request's own tokens)"
+        if layer.gqa_group_size > 64:
+            return f"{layer.gqa_group_size} query heads per KV head (the tiled kernel takes up to 64)"
+        if meta.custom_mask is not None:
+            return "a target-verify mask (the tiled kernel masks causally)"
+        need = kernel.tiled_scratch_bytes(torch.get_num_threads(), layer.head_dim, layer.v_head_dim)
+        if need > self.max_workspace_bytes:
+            return f"the tiled kernel's scratch ({need} bytes) is over the workspace limit"
+        return None
+
+    def _attend_tiled(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
+                      out: torch.Tensor) -> bool:
+        """Attend ``meta.tiled_requests()`` through the tiled op into their rows of ``out``; ``False``
+        (nothing written) when the layer does not fit it (``tiled_fits``)."""
+        key = (q.dtype, id(layer))
+        if key not in meta.tiled_why:
+            meta.tiled_why[key] = self.tiled_fits(q, layer, meta)
+        if meta.tiled_why[key] is not None:
+            return False
+        fl = self.layer_plan(layer).kernel
+        window = layer.sliding_window
+        plan = meta.tiled_plan(window)
+        q3 = q if q.stride(-1) == 1 else q.contiguous()
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        kn = k if k.stride(-1) == 1 else k.contiguous()
+        vn = v if v.stride(-1) == 1 else v.contiguous()
+        try:
+            self._tiled_op(q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, plan, fl.sinks, out, fl.err,
+                           layer.gqa_group_size, -1 if window is None else int(window), self.tiled_isa, fl.scale,
+                           fl.cap)
+        except RuntimeError as exc:
+            if "attnplug_cpu_fused::extend_tiled failed" not in str(exc):
+                raise
+            self._tiled_failed(fl, layer, meta, exc)
+        return True
+
+    def _tiled_failed(self, fl: FusedLayer, layer: Any, meta: FusedMeta,
+                      exc: Exception) -> None:  # pragma: no cover  (error paths: tests/plugins/test_cpu_fused_tiled.py)
+        code, row, pos, value = (int(x) for x in fl.err.tolist())
+        if code == kernel.RC_BAD_SLOT:
+            i = meta.tiled_requests()[row]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
+                f"outside the cache's {self.cache.num_slots} slots (req_to_token changed after the batch was "
+                f"checked)") from None
+        if code == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(f"{NAME}: the tiled CPU kernel could not allocate its scratch "
+                                     f"({value} bytes per thread, layer {layer.layer_id})") from None
+        if code == kernel.RC_ISA:
+            raise ValueError(f"{NAME}: tiled_isa={self.tiled_isa} is not available on this CPU (best: "
+                             f"{int(torch.ops.attnplug_cpu_fused.tiled_isa())})") from None
+        raise RuntimeError(f"{NAME}: the tiled CPU kernel refused layer {layer.layer_id} although tiled_fits "
+                           f"admitted it: {exc}") from None
+
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
         out = self.empty_output(q, layer)
         if isinstance(self._attend_fused(q, k, v, layer, meta, out), Declined):
@@ -312,6 +411,8 @@ class CpuFusedBackend(TorchNativeBackend):
         if isinstance(work, Declined):
             return super().compute_extend(q, k, v, layer, batch, meta)
         done = frozenset(meta.fused_requests()) if isinstance(work, FusedForward) else frozenset()
+        if meta.tiled_requests() and self._attend_tiled(q, k, v, layer, meta, out):
+            done = done | frozenset(meta.tiled_requests())
         if len(done) == len(meta.rows):
             return out
         return self.extend_requests(q, k, v, layer, meta, out, skip=done)

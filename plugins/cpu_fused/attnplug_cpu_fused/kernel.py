@@ -43,6 +43,10 @@ ISA_FLAGS = {
 
 #: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
+#: the tiled extend kernel's instruction sets (``extend_tiled``'s ``isa``; 0: the best this CPU runs)
+TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
+#: ``extend_tiled``'s code for an instruction set this CPU lacks
+RC_ISA = 6
 
 
 def library_path() -> str | None:
@@ -59,6 +63,14 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
     rows."""
     rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
     return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
+
+
+def tiled_scratch_bytes(threads: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``extend_tiled.cpp`` allocates (all threads; its ``scratch_floats``:
+    128-row query tiles, 48-key tiles)."""
+    rows, keys = 128, 48
+    return 4 * threads * (d * rows + keys * rows + keys // 2 * rows + keys // 2 * dv + rows * dv + 5 * rows
+                          + max(d, dv) + keys * (d + dv) + 64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,6 +117,13 @@ def _register_fake() -> None:
         torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
         return None
 
+    @torch.library.register_fake(f"{LIBRARY}::extend_tiled")
+    def _extend_tiled_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, sinks, out, err,  # type: ignore[no-untyped-def]
+                           group, window, isa, scale, cap):
+        """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
+        torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::extend_tiled: out is {out.dtype}, q is {q.dtype}")
+        return None
+
 
 def build_inplace(cxx: str | None = None) -> str:
     """Compile ``csrc/`` into this package folder's ``_C`` library with ``setup.py``'s flags and return
@@ -132,13 +151,21 @@ def build_inplace(cxx: str | None = None) -> str:
         if proc.returncode:
             raise RuntimeError(f"{cxx} failed on {src}: {proc.stderr.strip().splitlines()[-1:]}")
 
-    key = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read() for f in ("ops.cpp", "kernel.h")))
+    key = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read()
+                                  for f in ("ops.cpp", "kernel.h", "extend_tiled.h")))
     ops_obj = os.path.join(out_dir, f"ops-{key.hexdigest()[:16]}.o")
     jobs = [(f"isa_{name}.cpp", flags, os.path.join(out_dir, f"isa_{name}.o")) for name, flags in ISA_FLAGS.items()]
+    jobs.append(("extend_tiled.cpp", ["-fopenmp"], os.path.join(out_dir, "extend_tiled.o")))
     if not os.path.exists(ops_obj):
         jobs.insert(0, ("ops.cpp", torch_flags, ops_obj))
+    def stale(src: str, obj: str) -> bool:  # an object older than its source or a shared header
+        deps = [src, "attention.cpp", "kernel.h", "extend_tiled.h"] if src.startswith("isa_") else [src, "extend_tiled.h"]
+        return not os.path.exists(obj) or any(os.path.getmtime(os.path.join(csrc, d)) > os.path.getmtime(obj)
+                                              for d in deps)
+
+    todo = [job for job in jobs if job[0] == "ops.cpp" or stale(job[0], job[2])]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for f in [pool.submit(compile_one, *job) for job in jobs]:
+        for f in [pool.submit(compile_one, *job) for job in todo]:
             f.result()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     lib = os.path.join(here, f"_C{suffix}")

@@ -9,8 +9,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
+#include "extend_tiled.h"
 #include "kernel.h"
 
 namespace attnplug_cpu_fused {
@@ -163,6 +165,75 @@ void attend(const at::Tensor& q, const std::optional<at::Tensor>& k_new, const s
 
 std::string isa() { return variant().name; }
 
+// The tiled extend kernel (extend_tiled.cpp: query tiles x key tiles with an online softmax) for long
+// extends: q [T, H, D]; k_new/v_new [T, Hkv, D/Dv] in q's dtype (float32 or bfloat16); plan [B, 8] with
+// each request whole; isa 0: the best this CPU runs (1 portable, 2 avx2, 3 avx512, 4 avx512bf16).
+void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& req_to_token, const at::Tensor& plan,
+                  const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& err, int64_t group,
+                  int64_t window, int64_t isa, double scale, double cap) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_new.dim() == 3 &&
+                  v_new.dim() == 3,
+              "attnplug_cpu_fused::extend_tiled: q, k_new, v_new, out, k_cache and v_cache must be 3-d");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k_new, &v_new, &out, &k_cache, &v_cache})
+    TORCH_CHECK(t->stride(2) == 1, "attnplug_cpu_fused::extend_tiled: every tensor needs a contiguous last dim");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "attnplug_cpu_fused::extend_tiled: q must be float32 or bfloat16, got ", q.scalar_type());
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_new, &v_new, &out, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnplug_cpu_fused::extend_tiled: every tensor must be in q's "
+                "dtype ", q.scalar_type(), ", got ", t->scalar_type());
+  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 8 && plan.is_contiguous(),
+              "attnplug_cpu_fused::extend_tiled: plan must be a contiguous int64 [B, 8]");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "attnplug_cpu_fused::extend_tiled: req_to_token must be int64 [R, L] with a contiguous last dim");
+  TORCH_CHECK(err.scalar_type() == at::kLong && err.numel() >= 4 && err.is_contiguous(),
+              "attnplug_cpu_fused::extend_tiled: err must be a contiguous int64 tensor of 4");
+  const int64_t Hkv = k_cache.size(1), G = group, D = q.size(2), Dv = out.size(2);
+  TORCH_CHECK(G > 0 && q.size(1) == Hkv * G && out.size(1) == q.size(1) && k_cache.size(2) == D &&
+                  v_cache.size(2) == Dv && v_cache.size(1) == Hkv && out.size(0) == q.size(0) &&
+                  k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) && k_new.size(1) == Hkv &&
+                  v_new.size(1) == Hkv && k_new.size(2) == D && v_new.size(2) == Dv,
+              "attnplug_cpu_fused::extend_tiled: shapes disagree (q ", q.sizes(), ", k_cache ", k_cache.sizes(),
+              ", v_cache ", v_cache.sizes(), ", out ", out.sizes(), ", group ", G, ")");
+  TiledArgs a{};
+  a.q = q.data_ptr(); a.q_st = q.stride(0); a.q_sh = q.stride(1);
+  a.k = k_cache.data_ptr(); a.k_ss = k_cache.stride(0); a.k_sh = k_cache.stride(1);
+  a.v = v_cache.data_ptr(); a.v_ss = v_cache.stride(0); a.v_sh = v_cache.stride(1);
+  a.kn = k_new.data_ptr(); a.kn_st = k_new.stride(0); a.kn_sh = k_new.stride(1);
+  a.vn = v_new.data_ptr(); a.vn_st = v_new.stride(0); a.vn_sh = v_new.stride(1);
+  a.r2t = req_to_token.data_ptr<int64_t>(); a.r2t_s = req_to_token.stride(0);
+  a.plan = plan.data_ptr<int64_t>();
+  a.o = out.data_ptr(); a.o_st = out.stride(0); a.o_sh = out.stride(1);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "attnplug_cpu_fused::extend_tiled: sinks must be contiguous float32 [H]");
+    a.sinks = sinks->data_ptr<float>();
+  }
+  a.dtype = q.scalar_type() == at::kFloat ? 0 : 1;
+  a.isa = int32_t(isa);
+  a.B = int32_t(plan.size(0)); a.Hkv = int32_t(Hkv); a.G = int32_t(G); a.D = int32_t(D); a.Dv = int32_t(Dv);
+  a.window = int32_t(window);
+  a.nthreads = int32_t(at::get_num_threads());
+  a.scale = float(scale); a.cap = float(cap);
+  a.num_slots = k_cache.size(0);
+  a.err = err.data_ptr<int64_t>();
+  err.zero_();
+  if (a.B == 0) return;
+  const int rc = attnplug_extend_tiled(&a);
+  if (rc == 0) return;
+  if (err.data_ptr<int64_t>()[0] == 0) err.data_ptr<int64_t>()[0] = rc;
+  TORCH_CHECK(false, "attnplug_cpu_fused::extend_tiled failed with code ", rc,
+              rc == 1 ? " (a shape the kernel does not take)" : rc == 2 ? " (a dtype the kernel does not take)"
+              : rc == 3 ? " (a slot read through req_to_token is out of range)"
+              : rc == 4 ? " (scratch memory could not be allocated)"
+              : rc == 6 ? " (the requested isa is not available on this CPU)" : "",
+              "; record in err: ", err.data_ptr<int64_t>()[0], " ", err.data_ptr<int64_t>()[1], " ",
+              err.data_ptr<int64_t>()[2], " ", err.data_ptr<int64_t>()[3]);
+}
+
+int64_t tiled_isa() { return attnplug_extend_tiled_isa(); }
+
 }  // namespace
 }  // namespace attnplug_cpu_fused
 
@@ -172,6 +243,14 @@ TORCH_LIBRARY(attnplug_cpu_fused, m) {
       "Tensor plan, Tensor? mask, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, int group, int window, "
       "int heads_per_item, float scale, float cap, float k_scale, float v_scale) -> ()");
   m.def("isa() -> str", &attnplug_cpu_fused::isa);
+  m.def(
+      "extend_tiled(Tensor q, Tensor k_new, Tensor v_new, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+      "Tensor plan, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, int group, int window, int isa, float scale, "
+      "float cap) -> ()");
+  m.def("tiled_isa() -> int", &attnplug_cpu_fused::tiled_isa);
 }
 
-TORCH_LIBRARY_IMPL(attnplug_cpu_fused, CPU, m) { m.impl("attend", &attnplug_cpu_fused::attend); }
+TORCH_LIBRARY_IMPL(attnplug_cpu_fused, CPU, m) {
+  m.impl("attend", &attnplug_cpu_fused::attend);
+  m.impl("extend_tiled", &attnplug_cpu_fused::extend_tiled);
+}
