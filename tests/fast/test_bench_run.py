@@ -223,7 +223,7 @@ def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys):
     if "cpu_fused" not in reg.names() or not reg.availability("cpu_fused").available:
         pytest.skip("cpu_fused is not installed with its compiled kernel")
     path = tmp_path / "b.json"
-    assert main(["bench", "--mode", "decode,verify", "--json", str(path), *TINY]) == 0
+    assert main(["bench", "--backend", "cpu_fused", "--mode", "decode,verify", "--json", str(path), *TINY]) == 0
     doc = json.loads(path.read_text())
     (note,) = doc["runtime_notes"]["cpu_fused"]  # two problems, the same note once
     assert note.startswith("kernel variant ")
