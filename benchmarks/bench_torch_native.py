@@ -1,14 +1,14 @@
-"""torch_native decode and extend against their baselines, side by side in one run.
+"""cpu_fused and torch_native decode and extend against their baselines, side by side in one run.
 
 What ``attnplug bench`` does not express: extra torch_native variants (another
 kernel module given by path, e.g. the previous version, for a before/after table
 in one run). For backends as installed, use ``attnplug bench --mode decode,extend``. Rows, timed round-robin (medians, CPU caches
 flushed before every call):
 
-* ``torch_native``: ``forward`` of one layer, metadata built once (as in an engine);
-  decode goes through the fused CPU kernel when it is built (``fused="auto"``);
-* ``torch_native, eager decode`` (decode only): the same with ``fused="off"``,
-  the eager gather-then-matmul path (the before of issue 12's fused kernel);
+* ``cpu_fused`` (when installed with its compiled kernel): ``forward`` of one layer, metadata
+  built once (as in an engine), through the fused C++ kernel;
+* ``torch_native``: the same through plain PyTorch (eager gather-then-matmul decode, SDPA
+  extend: the before of issue 12's fused kernel);
 * ``(a) per-request loop``: write the new K/V, then per request gather its K/V
   through ``req_to_token`` and call SDPA (what engines' torch-native backends do);
 * ``(b) floor``: the same attention on K/V already contiguous (no paging, no gather,
@@ -176,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     batch = a.batch or (32 if a.mode == "decode" else 4)
     p = Problem(a.mode, batch, a.context or 1024, a.new, a.heads, a.kv_heads, a.head_dim, a.page_size, a.dtype)
-    tn = TorchNativeBackend(p.ctx)
-    calls = {"torch_native" + ("" if tn.fused_reason is None else f" (not fused: {tn.fused_reason})"): p.backend_call(tn)}
-    if a.mode == "decode":
-        calls["torch_native, eager decode"] = p.backend_call(TorchNativeBackend(p.ctx, fused="off"))
+    calls = {}
+    try:
+        from attnplug_cpu_fused.backend import CpuFusedBackend
+
+        calls["cpu_fused"] = p.backend_call(CpuFusedBackend(p.ctx))
+    except Exception as exc:  # not installed, or installed without its kernel: the row says so
+        print(f"cpu_fused: not timed ({exc})", file=sys.stderr)
+    calls["torch_native"] = p.backend_call(TorchNativeBackend(p.ctx))
     for n in a.block_bytes:  # the eager decode's block size
         calls[f"torch_native eager, {n >> 10} KiB blocks"] = p.backend_call(
-            TorchNativeBackend(p.ctx, decode_block_bytes=n, fused="off"))
+            TorchNativeBackend(p.ctx, decode_block_bytes=n))
     for spec in a.variant:
         label, path = spec.split("=", 1)
         calls[label] = p.backend_call(load_variant(path).TorchNativeBackend(p.ctx))

@@ -1,4 +1,4 @@
-"""vllm_cpu's forward against vLLM's CPU attention op called directly, with torch_native, side by side.
+"""vllm_cpu's forward against vLLM's CPU attention op called directly, with cpu_fused and torch_native, side by side.
 
 What ``attnplug bench`` does not express: the raw op as a baseline row, so the plugin's overhead on
 top of the kernel is visible (goal: <= 1.05x the raw op on decode). Rows, timed round-robin in one
@@ -10,7 +10,12 @@ before every call unless --warm):
   (index tensors built before timing, as an engine's model runner does);
 * ``vllm_cpu``: the plugin's ``init_forward_metadata`` + ``forward`` of one layer (metadata built per
   forward: index tensors from the batch, the scheduler metadata, every check, the staged write);
-* ``torch_native``: the same, over a token-major (``nhd``) cache with the same contents.
+* ``cpu_fused``: the same, over a token-major (``nhd``) cache with the same contents;
+* ``torch_native``: the same in plain PyTorch (the reference outputs are its);
+* ``cpu_fused sdpa`` (extend only): cpu_fused with its long extends through SDPA instead of the tiled
+  kernel (``backend.tiled = False``, the path before ``csrc/extend_tiled.cpp``).
+
+``--prefix-list 1024,1000,0,31 --new-list 512,7,300,1`` gives an extend of mixed lengths.
 
 Usage::
 
@@ -37,16 +42,22 @@ class Problem:
     """One layer's paged problem, in both layouts with the same contents."""
 
     def __init__(self, mode: str, batch: int, context: int, new: int, heads: int, kv_heads: int, head_dim: int,
-                 page_size: int, dtype: str, seed: int = 0) -> None:
+                 page_size: int, dtype: str, seed: int = 0, prefixes: list[int] | None = None,
+                 news: list[int] | None = None) -> None:
         reg = default_registry()
         self.dtype = getattr(torch, dtype)
         gen = torch.Generator().manual_seed(seed)
-        ext = 1 if mode == "decode" else new
-        prefix = context - 1 if mode == "decode" else context
-        seq = prefix + ext
-        pages = (seq + page_size - 1) // page_size
-        num_pages = batch * pages + 8
-        kw = dict(page_size=page_size, dtype=dtype, max_requests=batch, max_context_len=seq)
+        # per request: cached tokens and new tokens (extend: the lists when given, else uniform)
+        if mode == "decode":
+            pre, ext = [context - 1] * batch, [1] * batch
+        else:
+            pre = list(prefixes) if prefixes else [context] * batch
+            ext = list(news) if news else [new] * batch
+            batch = len(pre)
+        seqs = [a + b for a, b in zip(pre, ext)]
+        pages_of = [(s + page_size - 1) // page_size for s in seqs]
+        num_pages = sum(pages_of) + 8
+        kw = dict(page_size=page_size, dtype=dtype, max_requests=batch, max_context_len=max(seqs))
         self.vcache = PagedKVCache(1, num_pages, kv_heads, head_dim, layout=reg.kv_layout("vllm_cpu"), **kw)
         self.ncache = PagedKVCache(1, num_pages, kv_heads, head_dim, **kw)
         n = self.ncache.num_slots
@@ -56,26 +67,26 @@ class Problem:
         for c in (self.vcache, self.ncache):
             c.set_kv(0, torch.arange(n), k0, v0)
         for r in range(batch):
-            p = alloc.alloc(pages)
+            pg = alloc.alloc(pages_of[r])
             for c in (self.vcache, self.ncache):
-                c.assign_pages(r, seq, p)
+                c.assign_pages(r, seqs[r], pg)
         req = list(range(batch))
-        loc = torch.cat([self.ncache.req_to_token[r, prefix:seq] for r in req])
+        loc = torch.cat([self.ncache.req_to_token[r, pre[r]:seqs[r]] for r in req])
         if mode == "decode":
-            self.fb = ForwardBatch.decode(req, [seq] * batch, loc)
+            self.fb = ForwardBatch.decode(req, seqs, loc)
         else:
-            self.fb = ForwardBatch.extend(req, [prefix] * batch, [ext] * batch, loc)
-        T = batch * ext
+            self.fb = ForwardBatch.extend(req, pre, ext, loc)
+        T = sum(ext)
         self.layer = LayerSpec(0, heads, kv_heads, head_dim)
         self.q = torch.randn(T, heads, head_dim, generator=gen).to(self.dtype)
         self.k = torch.randn(T, kv_heads, head_dim, generator=gen).to(self.dtype)
         self.v = torch.randn(T, kv_heads, head_dim, generator=gen).to(self.dtype)
-        self.kv_bytes = batch * seq * kv_heads * head_dim * 2 * self.q.element_size()
+        self.kv_bytes = sum(seqs) * kv_heads * head_dim * 2 * self.q.element_size()
         self.backends = {}
-        for name, cache in (("vllm_cpu", self.vcache), ("torch_native", self.ncache)):
+        for name, cache in (("vllm_cpu", self.vcache), ("torch_native", self.ncache), ("cpu_fused", self.ncache)):
             ctx = BuildContext(config=AttentionConfig(attention_backend=name), host=reg.host, dtype=dtype,
                                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-                               kv_cache=cache, max_batch_size=batch, max_context_len=seq)
+                               kv_cache=cache, max_batch_size=batch, max_context_len=max(seqs))
             self.backends[name] = reg.build(name, ctx)[1]
         # the raw op's inputs, built once (an engine's model runner builds these per step, outside attention)
         from attnplug_vllm_cpu import isa_for
@@ -100,10 +111,12 @@ class Problem:
                                         -1, self.table, 0.0, meta, None, None, 1.0, 1.0, "auto")
         return out
 
-    def plugin(self, name: str) -> Callable[[], torch.Tensor]:
+    def plugin(self, name: str, tiled: bool = True) -> Callable[[], torch.Tensor]:
         be = self.backends[name]
 
         def call() -> torch.Tensor:
+            if name == "cpu_fused":
+                be.tiled = tiled
             be.init_forward_metadata(self.fb)
             return be.forward(self.q, self.k, self.v, self.layer, self.fb)
         return call
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="requests (default: decode 32, extend 4)")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens a request (default 1024)")
     ap.add_argument("--new-tokens", type=int, default=512, help="new tokens a request in extend (default 512)")
+    ap.add_argument("--prefix-list", default=None, help="extend: cached tokens per request, e.g. 1024,1000,0,31 "
+                    "(with --new-list; overrides --batch/--context)")
+    ap.add_argument("--new-list", default=None, help="extend: new tokens per request, e.g. 512,7,300,1")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -168,15 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.mode.split(","):
         for dtype in a.dtype.split(","):
             batch = a.batch or (32 if mode == "decode" else 4)
-            p = Problem(mode, batch, a.context, a.new_tokens, a.heads, a.kv_heads, a.head_dim, a.page_size, dtype)
+            lists = {}
+            if mode != "decode" and a.prefix_list:
+                lists = dict(prefixes=[int(x) for x in a.prefix_list.split(",")],
+                             news=[int(x) for x in a.new_list.split(",")])
+                batch = len(lists["prefixes"])
+            p = Problem(mode, batch, a.context, a.new_tokens, a.heads, a.kv_heads, a.head_dim, a.page_size, dtype,
+                        **lists)
             ref = p.plugin("torch_native")()
             for name, out in (("raw op", p.raw()), ("vllm_cpu", p.plugin("vllm_cpu")())):
                 err = float((out.double() - ref.double()).abs().max())
                 tol = 1e-4 if dtype == "float32" else 3e-2
                 if err > tol:
                     raise SystemExit(f"{mode} {dtype}: {name} differs from torch_native by {err:.2e} (> {tol})")
-            ms = time_rows({"raw op": p.raw, "vllm_cpu": p.plugin("vllm_cpu"),
-                            "torch_native": p.plugin("torch_native")}, a.repeats, a.warmup, a.warm, clock)
+            rows = {"raw op": p.raw, "vllm_cpu": p.plugin("vllm_cpu"), "cpu_fused": p.plugin("cpu_fused"),
+                    "torch_native": p.plugin("torch_native")}
+            if mode != "decode":  # long extends through SDPA instead of the tiled kernel (the code before it)
+                rows["cpu_fused sdpa"] = p.plugin("cpu_fused", tiled=False)
+            ms = time_rows(rows, a.repeats, a.warmup, a.warm, clock)
             print(f"\n{mode} {dtype} batch {batch} context {a.context}"
                   f"{'' if mode == 'decode' else f' +{a.new_tokens} new'} heads {a.heads}/{a.kv_heads} "
                   f"d{a.head_dim} page {a.page_size} (K/V {p.kv_bytes / 2**20:.0f} MiB, isa {p.isa})")

@@ -11,11 +11,11 @@ wheels tox installs.
 
     python scripts/coverage_gate.py                      # the CI step (tox -e tests)
     python scripts/coverage_gate.py --report-only -- --backend=torch_native -q
-    python scripts/coverage_gate.py --also "ATTNPLUG_TORCH_NATIVE_FUSED=off --backend=torch_native -q" -- --backend=all -q
+    python scripts/coverage_gate.py --also "VAR=VALUE --backend=NAME -q" -- --backend=all -q
 
 ``--also "VAR=VALUE ... PYTEST_ARGS"`` (repeatable) adds a run of pytest with those
 environment variables and arguments, measured into the same data: a backend with two code
-paths (torch_native's fused kernel and its eager paths) is gated on both.
+paths chosen by the environment is gated on both.
 
 Exit status: pytest's when it failed (the suite's verdict comes first), else 1
 when a gated module is below the threshold, else 0. ``--report-only`` never
@@ -38,9 +38,10 @@ THRESHOLD = 95.0
 #: backend -> the modules whose coverage is gated (path patterns inside the installed package).
 #: kernels.py holds the Triton kernels; under TRITON_INTERPRET=1 they run as Python and are measured.
 GATED: dict[str, tuple[str, ...]] = {
-    # fused.py (building and loading the fused CPU kernel) is not gated: the suite finds the
-    # kernel built; its failure paths are tested in tests/fast/test_torch_native_fused.py
     "torch_native": ("*/attnplug_torch_native/backend.py",),
+    # kernel.py (loading the compiled library) is not gated: the suite finds it built; its failure
+    # paths are tested in tests/plugins/test_cpu_fused.py
+    "cpu_fused": ("*/attnplug_cpu_fused/backend.py",),
     "triton": ("*/attnplug_triton/backend.py", "*/attnplug_triton/kernels.py"),
 }
 
@@ -49,13 +50,11 @@ GATED: dict[str, tuple[str, ...]] = {
 #: constructor's refusal of a bad tuning knob (``decode_split_len``/``block_n``/``extend_rows``;
 #: the suite builds every backend through the registry with the defaults), tested by
 #: ``tests/plugins/test_triton.py``. GPU-only tile sizing is marked ``pragma: no cover`` there.
-#: The decode chunk planner is reached by the suite's ``workspace`` family. In torch_native's
-#: backend.py three methods the suite cannot reach are marked ``pragma: no cover`` with where they
+#: The decode chunk planner is reached by the suite's ``workspace`` family. In cpu_fused's
+#: backend.py the methods the suite cannot reach are marked ``pragma: no cover`` with where they
 #: are tested: ``kernel_call`` (``attnplug bench --overhead``'s hook: tests/fast/test_hot_path.py),
-#: ``_fused_failed`` (the kernel's error codes, after req_to_token changed or an allocation failed:
-#: tests/plugins/test_forward_robustness.py) and ``runtime_notes`` (printed by doctor and bench);
-#: the rest left uncovered are the non-CPU-device and fused="on"-without-kernel constructor branches
-#: and cache hits of plans the suite builds once (97% measured 2026-12-01).
+#: ``_failed`` (the kernel's error codes, after req_to_token changed or an allocation failed:
+#: tests/plugins/test_forward_robustness.py).
 
 
 def _patterns() -> list[str]:

@@ -19,18 +19,19 @@ raising at import) must be killed first, which proves the copy is what runs.
         [--pytest-args "-k 'float32 and ps16'"] [--lines 1-90,120-300] [--json mutants.json]
 
 Compiled kernels (``--mutants FILE.json``): the mutants are a curated list of realistic
-single-point bugs in a C/C++ source (``scripts/cpp_mutants.json`` for torch_native's fused
-kernel: ``{"source": path, "mutants": [{"id", "class", "find", "replace"[, "nth"][, "equivalent"]}]}``).
+single-point bugs in a C/C++ source (``scripts/cpp_mutants.json`` for cpu_fused's kernel,
+``csrc/attention.cpp``: ``{"source": path, "mutants": [{"id", "class", "find", "replace"[, "nth"][, "equivalent"]}]}``).
 Each is applied to the copy's source, then ``--build-check`` (a shell command run with the copy
 first on ``PYTHONPATH``) must succeed — it builds and loads the mutant; a failure counts as
 *did not compile*, apart from kills — and the suite runs. A mutant marked ``equivalent`` (with
 the argument why) is counted apart. The canary is a source that does not compile, which the
-build check must refuse. Give ``ATTNPLUG_TORCH_NATIVE_FUSED=on`` in the environment so a kernel
-that fails to build can never hide behind the eager path:
+build check must refuse. cpu_fused is built at install, so the build check rebuilds the copy's
+library in place (``kernel.build_inplace``: the ISA variants in parallel, ``ops.cpp``'s object kept
+between mutants) and loads it; a backend without its kernel is unavailable, so a mutant can never
+hide behind an eager path:
 
-    ATTNPLUG_TORCH_NATIVE_FUSED=on python scripts/mutate.py --backend torch_native \
-        --mutants scripts/cpp_mutants.json \
-        --build-check "python -c 'import sys, attnplug_torch_native.fused as f; sys.exit(f.load()[0] is None)'"
+    python scripts/mutate.py --backend cpu_fused --mutants scripts/cpp_mutants.json \
+        --build-check "python -m attnplug_cpu_fused.kernel build && python -c 'import sys, attnplug_cpu_fused.kernel as k; sys.exit(k.load()[0] is None)'"
 
 Exit status 0 whatever the score (it is a measurement); 2 for bad arguments or a
 canary that survives.

@@ -74,6 +74,8 @@ class Capabilities:
     kv_cache_dtype_follows_model: bool = False
     #: Supported head dims; ``None`` means any.
     head_dims: tuple[int, ...] | None = None
+    #: Head dims (K and V) must be multiples of this (a kernel's vector width); ``None``: no such rule.
+    head_dim_multiple_of: int | None = None
     v_head_dim_differs: bool = False
     #: Supported page sizes; ``None`` means any.
     page_sizes: tuple[int, ...] | None = None
@@ -249,6 +251,11 @@ def layer_reasons(caps: Capabilities, layer: LayerSpec, backend: str | None = No
         return mla_reasons(caps, None, None, backend)
     if caps.head_dims is not None and layer.head_dim not in caps.head_dims:
         reasons.append(f"head_dim={layer.head_dim} (supported: {_join(caps.head_dims)})")
+    m = caps.head_dim_multiple_of
+    if m is not None:
+        for field, dim in (("head_dim", layer.head_dim), ("v_head_dim", layer.v_head_dim)):
+            if dim % m:
+                reasons.append(f"{field}={dim} is not a multiple of {m} (head_dim_multiple_of)")
     if layer.v_head_dim != layer.head_dim and not caps.v_head_dim_differs:
         reasons.append(f"v_head_dim={layer.v_head_dim} differs from head_dim={layer.head_dim} (not claimed)")
     group = layer.gqa_group_size

@@ -272,6 +272,9 @@ def capabilities_problems(caps: Capabilities) -> list[str]:
         if value is not None and not (isinstance(value, tuple) and value and all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
             bad(field, "None (any) or a non-empty tuple of positive ints")
+    m = caps.head_dim_multiple_of
+    if m is not None and not (isinstance(m, int) and not isinstance(m, bool) and m > 0):
+        bad("head_dim_multiple_of", "None (no rule) or a positive int")
     if not (isinstance(caps.devices, tuple) and caps.devices and all(d in PLATFORMS for d in caps.devices)):
         bad("devices", f"a non-empty tuple of platforms from {PLATFORMS}")
     lay = caps.kv_layouts

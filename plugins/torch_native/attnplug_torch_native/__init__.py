@@ -31,7 +31,6 @@ CAPABILITIES = Capabilities(
     logit_softcap=True,
     sinks=True,
     cross_attention=True,
-    # non-causal layers run the eager paths (the fused CPU kernel masks causally)
     bidirectional=True,
     speculative_verify=True,
     draft_extend=True,
@@ -61,7 +60,7 @@ def attnplug_register_backends(register: RegisterBackend) -> None:
             # The fallback everywhere; the default on hosts without better kernels.
             priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
             library="torch",
-            description="exact paged attention in PyTorch; on CPU a fused CPU kernel (compiled at first use with g++, $ATTNPLUG_TORCH_NATIVE_FUSED=auto|on|off)",
+            description="exact paged attention in plain PyTorch (eager decode, SDPA extend): the readable reference and the fallback everywhere",
         )
     )
 

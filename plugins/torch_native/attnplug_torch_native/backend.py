@@ -41,21 +41,8 @@ replaced by zeros for the matmuls, and the output rows of every query that *sees
 (by the same mask) are set to NaN afterwards: garbage reaches exactly the rows that read it,
 as in the reference. Decode has one new token, seen by its query, and no hidden cached key.
 
-Fused CPU kernel
-----------------
-
-On CPU, decode and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tokens
-(target-verify drafts, a mixed batch's decode requests, short extends) go through
-``csrc/attention.cpp`` (built and loaded by ``fused.py``; ``_attend_fused``): one pass over
-the paged cache that reads each visible row once, in place, and computes in float32. A
-request's new tokens are cut into chunks of at most ``FUSED_QUERY_CHUNK`` queries (fewer
-when a chunk's scores would not fit ``FUSED_SCRATCH_BYTES``, as in long contexts); each
-(chunk, KV heads) is one work item, and a chunk reads only the keys its queries can see. ``fused_fits`` says which
-layers it takes (nhd layout, a model-dtype or fp8 cache, head dims multiples of 16); the
-rest, other devices, and ``fused="off"`` take the eager paths below.
-
-Decode (eager)
---------------
+Decode
+------
 
 Requests are processed in blocks holding about ``decode_block_bytes`` of gathered
 K (default 4 MiB on CPU, so the block stays in cache between the gather and the
@@ -88,40 +75,23 @@ chunked by the same bound.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from attnplug import ForwardMode, PagedBackend
-from attnplug.errors import BackendUnavailableError, ResourceLimitError, ShapeError
 
 from . import CAPABILITIES, NAME
-from . import fused as kernel
 
 #: Gathered K bytes per decode block on CPU: small enough to stay in cache between the gather
 #: and the matmuls reading it, large enough to keep the number of ops per layer low.
 DEFAULT_DECODE_BLOCK_BYTES = 4 << 20
 #: Bound on one extend query chunk's mask / float32 scores.
 DEFAULT_EXTEND_SCORE_BYTES = 64 << 20
-#: In the extend modes the fused kernel takes requests with at most this many new tokens (drafts,
-#: a mixed batch's decode requests, short extends); longer ones go through SDPA. Measured (one
-#: thread, 32/8 heads, head dim 128, over 1024 cached tokens, kernel time over SDPA's): 4 new
-#: tokens 0.48x fp32 / 0.31x bf16, 16 0.80x / 0.69x, 32 1.05x / 0.96x, 128 1.26x / 1.13x.
-FUSED_MAX_QUERIES = 16
-#: Most queries per work row of the fused kernel: a request's new tokens are cut into chunks of
-#: this many, fewer when one chunk's scores would not fit ``FUSED_SCRATCH_BYTES`` (long contexts).
-FUSED_QUERY_CHUNK = 16
-#: Per-thread scratch the fused kernel aims under (it takes fewer KV heads per work item to fit).
-FUSED_SCRATCH_BYTES = 8 << 20
-
 _F32 = torch.float32
 _NATIVE = (torch.float32, torch.bfloat16)
-#: query (and unquantized cache) dtypes the fused CPU kernel takes
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Rows:
@@ -157,13 +127,8 @@ class _Rows:
 
 
 def create(ctx: Any) -> tuple[str, "TorchNativeBackend"]:
-    """Factory named by the descriptor: ``(effective_name, backend)``.
-
-    ``$ATTNPLUG_TORCH_NATIVE_FUSED`` (``auto``, the default; ``on``; ``off``) sets the
-    ``fused`` knob of backends built through the registry.
-    """
-    mode = kernel.parse_mode(os.environ.get(kernel.ENV), f"${kernel.ENV}")
-    return NAME, TorchNativeBackend(ctx, fused=mode)
+    """Factory named by the descriptor: ``(effective_name, backend)``."""
+    return NAME, TorchNativeBackend(ctx)
 
 
 def _nonfinite_keys(K: torch.Tensor, V: torch.Tensor) -> torch.Tensor | None:
@@ -246,43 +211,6 @@ class _Block(NamedTuple):
     h1: int  # one past the last KV head
 
 
-class _FusedForward(NamedTuple):
-    """The fused kernel's arguments that depend on the forward (its work rows, their split), shared by
-    every layer of one geometry (``TorchNativeBackend._prepare_fused``)."""
-
-    plan: torch.Tensor  # int64 [B, 8]: the work rows (ForwardMeta.fused_plan)
-    mask: torch.Tensor | None  # the target-verify mask per work row
-    B: int
-    per_item: int
-    threads: int
-    q_dtype: int
-    requests: list[int]  # the request of each work row (error messages name it)
-
-
-class _FusedLayer:
-    """One layer's ``DecodeArgs`` (``TorchNativeBackend.plan_layer``): the layer's constants set once; the
-    forward's fields set by ``fill`` when a forward first reaches the layer; the q/k/v/output pointers
-    set by every call."""
-
-    __slots__ = ("args", "keep", "geometry", "forward", "ref", "err")
-
-    def __init__(self, args: Any, keep: tuple[Any, ...], geometry: tuple[Any, ...], err: Any) -> None:
-        self.args, self.keep, self.geometry, self.err = args, keep, geometry, err
-        self.forward: _FusedForward | None = None  # the forward part the args hold now (kept alive by it)
-        self.ref = ctypes.byref(args)
-
-    def fill(self, fw: _FusedForward, cache: Any, layer_id: int) -> None:
-        a, mask = self.args, fw.mask
-        a.plan = fw.plan.data_ptr()
-        a.mask = 0 if mask is None else mask.data_ptr()
-        a.m_sb = 0 if mask is None else mask.stride(0)
-        a.m_sq = 0 if mask is None else mask.stride(1)
-        a.B, a.heads_per_item, a.nthreads, a.q_dtype = fw.B, fw.per_item, fw.threads, fw.q_dtype
-        ks, vs = cache.kv_scales(layer_id) if cache.quantized else (1.0, 1.0)  # may change between forwards
-        a.k_scale, a.v_scale = float(ks), float(vs)
-        self.forward = fw
-
-
 class ForwardMeta:
     """What one forward's layers share: per-request lengths, and lazily built decode plans."""
 
@@ -312,59 +240,6 @@ class ForwardMeta:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._build_decode_plan(window, cross, block_bytes, row_bytes, head_major)
-        return plan
-
-    def fused_requests(self) -> tuple[int, ...]:
-        """The requests the fused kernel takes in this forward: every one in decode; in the
-        extend modes those with 1 to ``FUSED_MAX_QUERIES`` new tokens, whose queries are too few
-        for SDPA's matmuls to pay."""
-        if self.mode is ForwardMode.DECODE:
-            return tuple(range(len(self.rows)))
-        return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
-
-    def _fused_chunks(self, chunk: int) -> list[tuple[int, int, int]]:
-        """``(request, first query, queries)`` per work row of the kernel: each fused request's new
-        tokens in chunks of at most ``chunk`` (bounded scratch; a chunk reads only the keys its
-        queries can see)."""
-        key = ("fused_chunks", chunk)
-        if key not in self._plans:
-            self._plans[key] = [(i, a0, min(chunk, self.ext[i] - a0))
-                                for i in self.fused_requests() for a0 in range(0, self.ext[i], chunk)]
-        return self._plans[key]
-
-    def fused_mask(self, chunk: int) -> torch.Tensor | None:
-        """The target-verify mask of each work row's request (contiguous), built once per forward."""
-        if self.custom_mask is None:
-            return None
-        key = ("fused_mask", chunk)
-        if key not in self._plans:
-            rows = [i for i, _, _ in self._fused_chunks(chunk)]
-            self._plans[key] = self.custom_mask[rows].contiguous()
-        return self._plans[key]
-
-    def fused_plan(self, window: int | None, cross: bool, chunk: int) -> tuple[torch.Tensor, int, int]:
-        """The fused kernel's ``[n, 8]`` int64 plan, one row per chunk of ``_fused_chunks(chunk)``:
-        req_to_token row, first cached position read, cached keys read, first query token,
-        queries, position of the first query, the request's first new token, the chunk's first
-        query within the request; and the most keys and the most queries of any row. Built on the
-        first layer, then shared."""
-        key = ("fused", window, cross, chunk)
-        plan = self._plans.get(key)
-        if plan is None:
-            rows, keys = [], []
-            for i, a0, nq in self._fused_chunks(chunk):
-                p = self.prefix[i]
-                if cross:
-                    start, cached, new = 0, (self.enc[i] if self.enc else 0), 0
-                else:
-                    # cached keys from the window's start for the chunk's first query (its later
-                    # queries mask more); none when the window ends inside the new tokens
-                    start = 0 if window is None else min(p, max(0, p + a0 - window))
-                    cached, new = p - start, a0 + nq
-                rows.append([self.rows[i], start, cached, self.q_off[i] + a0, nq, p + a0, self.q_off[i], a0])
-                keys.append(cached + new)
-            table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
-            plan = self._plans[key] = (table, max(keys, default=0), max((r[4] for r in rows), default=0))
         return plan
 
     def _build_decode_plan(self, window: int | None, cross: bool, block_bytes: int | None, row_bytes: int,
@@ -459,23 +334,8 @@ class TorchNativeBackend(PagedBackend):
     new_kv_source = "args"
 
     def __init__(self, ctx: Any, decode_block_bytes: int | None | str = "auto",
-                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES, fused: str = "auto") -> None:
+                 extend_score_bytes: int = DEFAULT_EXTEND_SCORE_BYTES) -> None:
         super().__init__(ctx)
-        #: ``"auto"``: attend through the fused CPU kernel (``fused.py``) where it is built and the
-        #: layer fits it, else the eager paths; ``"on"``: the same, but refuse to build without the
-        #: kernel; ``"off"``: eager only
-        self.fused = kernel.parse_mode(fused, "fused")
-        self._fused: Any = None
-        if self.fused == "off":
-            #: why decode is not fused (``None`` when it is, for every layer that fits the kernel)
-            self.fused_reason: str | None = "fused='off'"
-        elif self.device.type != "cpu":
-            self.fused_reason = f"the fused CPU kernel runs on CPU only (this backend is on {self.device.type})"
-        else:
-            self._fused, self.fused_reason = kernel.load()
-        if self.fused == "on" and self._fused is None:
-            raise BackendUnavailableError(NAME, [f"fused='on': {self.fused_reason}"],
-                                          "fused='auto' falls back to the eager paths")
         if decode_block_bytes == "auto":
             decode_block_bytes = DEFAULT_DECODE_BLOCK_BYTES if self.device.type == "cpu" else None
         #: gathered K bytes per decode block (``None``: the whole batch in one block)
@@ -543,8 +403,6 @@ class TorchNativeBackend(PagedBackend):
     # -- decode: blocks of requests ------------------------------------------
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
         out = self.empty_output(q, layer)
-        if self._fused is not None and self._attend_fused(q, k, v, layer, meta, out):
-            return out
         H, Hkv, G = layer.num_heads, layer.num_kv_heads, layer.gqa_group_size
         D, Dv = layer.head_dim, layer.v_head_dim
         cross = layer.is_cross_attention
@@ -617,187 +475,6 @@ class TorchNativeBackend(PagedBackend):
                 ob.index_fill_(0, torch.as_tensor(blk.empty, device=ob.device), 0)
         return out
 
-    # -- decode: the fused CPU kernel -------------------------------------------
-    def runtime_notes(self) -> list[str]:  # pragma: no cover  (doctor and bench print it: tests/fast/test_doctor.py)
-        if self._fused is None:
-            return [f"not fused (eager gather + matmul for decode, SDPA for extends): {self.fused_reason}"]
-        return [f"decode and extends of <= {FUSED_MAX_QUERIES} new tokens through the fused CPU kernel "
-                f"({self._fused._name}); longer extends through SDPA; layers it does not take run eager"]
-
-    def fused_fits(self, q: torch.Tensor, layer: Any) -> str | None:
-        """``None`` when the fused kernel takes this layer, else why the eager paths run."""
-        if self._fused is None:
-            return self.fused_reason
-        cache = self.cache
-        if cache.layout.name != "nhd":
-            return f"the fused kernel reads the nhd layout only (this cache: {cache.layout.name})"
-        if q.dtype not in _FUSED_DTYPES:
-            return f"query dtype {q.dtype} (the fused kernel takes float32, bfloat16, float16)"
-        if cache.dtype != q.dtype and not cache.quantized:
-            return f"a {cache.dtype} cache under a {q.dtype} model (the fused kernel reads the model dtype or fp8)"
-        if layer.head_dim % 16 or layer.v_head_dim % 16:
-            return f"head dims {layer.head_dim}/{layer.v_head_dim} (the fused kernel takes multiples of 16)"
-        if layer.uses_bidirectional:
-            return "a bidirectional layer (the fused kernel masks causally)"
-        return None
-
-    def plan_layer(self, layer: Any) -> "_FusedLayer | None":
-        """The fused kernel's arguments that depend only on the layer (its cache rows, strides, head
-        geometry, window, scaling, soft-cap, sinks), built once per layer object; ``None`` without
-        the kernel. The forward's fields are filled in when a forward first reaches the layer."""
-        if self._fused is None:
-            return None
-        cache, lid = self.cache, layer.layer_id
-        cross = layer.is_cross_attention
-        window = None if cross else layer.sliding_window
-        sinks = None
-        if layer.sinks is not None:
-            sinks = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=_F32).reshape(
-                layer.num_heads).contiguous()
-        kc, vc = cache.get_kv(lid) if cache.layout.name == "nhd" else (None, None)
-        r2t = cache.req_to_token
-        args = kernel.DecodeArgs()
-        if kc is not None:
-            args.k, args.k_ss, args.k_sh = kc.data_ptr(), kc.stride(0), kc.stride(1)
-            args.v, args.v_ss, args.v_sh = vc.data_ptr(), vc.stride(0), vc.stride(1)
-            args.kv_dtype = kernel.dtype_code(cache.dtype) if cache.dtype_name in kernel.DTYPE_CODES else -1
-        args.r2t, args.r2t_s = r2t.data_ptr(), r2t.stride(0)
-        args.num_slots = cache.num_slots  # every slot the kernel reads is checked against it
-        err = kernel.ErrorRecord()  # the kernel's failure record (code, work row, position, slot)
-        args.err = ctypes.addressof(err)
-        args.sinks = 0 if sinks is None else sinks.data_ptr()
-        args.new_f32 = 1 if cache.quantized else 0
-        args.Hkv, args.G, args.D, args.Dv = layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim
-        args.window = -1 if window is None else int(window)
-        args.scale, args.cap = layer.scaling, float(layer.logit_cap or 0.0)
-        geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
-        return _FusedLayer(args, (kc, vc, r2t, sinks, layer), geometry, err)
-
-    def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta,
-                      out: torch.Tensor) -> bool:
-        """Attend ``meta.fused_requests()`` through ``csrc/attention.cpp`` into their rows of ``out``:
-        every visible row read once, in place. ``False`` (nothing written) when the layer does not
-        fit the kernel or its scratch would exceed the workspace limit (the eager path then
-        chunks or refuses). The layer's arguments are built once (``plan_layer``); what depends
-        on the forward (its plan, the work split) once per forward and layer geometry, shared by
-        every layer of that geometry (``_prepare_fused``); a call sets the q/k/v/output pointers."""
-        fl = self.layer_plan(layer).kernel
-        if fl is None:
-            return False
-        threads = torch.get_num_threads()
-        key = ("fused_forward", q.dtype, threads, fl.geometry)
-        fw = meta._plans.get(key)
-        if fw is None:
-            fw = meta._plans[key] = self._prepare_fused(q, layer, meta, threads)
-        if fw is False:
-            return False
-        if fw is True:  # no request for the kernel in this forward
-            return True
-        args = fl.args
-        if fl.forward is not fw:  # the first call of this layer in this forward: its forward fields
-            fl.fill(fw, self.cache, layer.layer_id)
-        q3 = q if q.stride(-1) == 1 else q.contiguous()  # [T, H, D]: the skeleton checked the shape
-        args.q, args.q_st, args.q_sh = q3.data_ptr(), q3.stride(0), q3.stride(1)
-        if not layer.is_cross_attention:
-            if self.cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
-                k, v = self._stored(layer, k, v)
-            elif k.dtype != q.dtype or v.dtype != q.dtype:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            kn = k if k.stride(-1) == 1 else k.contiguous()
-            vn = v if v.stride(-1) == 1 else v.contiguous()
-            args.kn, args.kn_st, args.kn_sh = kn.data_ptr(), kn.stride(0), kn.stride(1)
-            args.vn, args.vn_st, args.vn_sh = vn.data_ptr(), vn.stride(0), vn.stride(1)
-        args.o, args.o_st, args.o_sh = out.data_ptr(), out.stride(0), out.stride(1)
-        if self.cache.quantized:  # the scales as they are now (set_kv_scales between layers is honoured)
-            args.k_scale, args.v_scale = self.cache.kv_scales(layer.layer_id)
-        rc = self._fused.attnplug_fused_decode(fl.ref)
-        if rc != 0:
-            self._fused_failed(rc, fl, fw, layer, meta)
-        return True
-
-    def _fused_failed(self, rc: int, fl: "_FusedLayer", fw: "_FusedForward", layer: Any,
-                      meta: ForwardMeta) -> None:  # pragma: no cover  (error paths: tests/plugins/test_forward_robustness.py)
-        """Raise the error the kernel's return code ``rc`` stands for (its record is ``fl.err``)."""
-        code, work_row, pos, value = list(fl.err)
-        if rc == kernel.RC_BAD_SLOT:
-            i = fw.requests[work_row]
-            raise ShapeError(
-                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
-                f"which is out of range (expected 0 <= slot < num_slots={self.cache.num_slots}); req_to_token "
-                f"changed after init_forward_metadata checked it (layer {layer.layer_id}); nothing was written")
-        if rc == kernel.RC_NO_MEMORY:
-            raise ResourceLimitError(
-                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {value / 2**20:.1f} MiB for a "
-                f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch")
-        if rc == kernel.RC_SCRATCH_PLAN:
-            raise RuntimeError(
-                f"{NAME}: the fused CPU kernel found work row {work_row} needing {value} padded keys, more than "
-                f"the scratch it sized for this call (layer {layer.layer_id}): a bug in attention.cpp's scratch "
-                f"plan; nothing was read past the scratch")
-        # fused_fits admitted a layer the kernel refuses: the two disagree
-        raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} (code {rc}: "
-                           f"{'shape' if rc == kernel.RC_SHAPE else 'dtype'}) although fused_fits admitted it")
-
-    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any,
-                    batch: Any) -> Any:  # pragma: no cover  (bench --overhead's hook: tests/fast/test_hot_path.py)
-        """The fused CPU kernel called through its prepared ``DecodeArgs`` (a copy; only the output
-        pointer set per call) and the two index copies of the K/V write, when every request of the
-        forward goes through the kernel; else the default (the eager compute called directly)."""
-        meta = self.forward_metadata(batch)
-        plan = self.layer_plan(layer)
-        fl = plan.kernel
-        out = self.empty_output(q, layer)
-        if fl is None or layer.is_cross_attention or self.cache.quantized or \
-                len(meta.fused_requests()) != len(meta.rows) or not self._attend_fused(q, k, v, layer, meta, out):
-            return super().kernel_call(q, k, v, layer, batch)
-        args = kernel.DecodeArgs.from_buffer_copy(fl.args)  # every pointer but the output's set by that call
-        ref, fn, write = ctypes.byref(args), self._fused.attnplug_fused_decode, self.raw_write(layer, batch, k, v)
-        keep = (q, k, v, fl, meta)
-        shape, dtype = tuple(out.shape), out.dtype
-
-        def call(keep: tuple[Any, ...] = keep) -> torch.Tensor:  # keep: what the pointers point into
-            o = torch.empty(shape, dtype=dtype)
-            args.o = o.data_ptr()
-            fn(ref)
-            write()
-            return o
-        return call
-
-    def _prepare_fused(self, q: torch.Tensor, layer: Any, meta: ForwardMeta, threads: int) -> Any:
-        """For ``_attend_fused``: ``False`` when the kernel does not take this layer in this forward,
-        ``True`` when no request is for it, else the forward's ``_FusedForward`` (shared by every layer
-        of this geometry)."""
-        if self.fused_fits(q, layer) is not None:
-            return False
-        G, D, Dv = layer.gqa_group_size, layer.head_dim, layer.v_head_dim
-        Hkv = layer.num_kv_heads
-        cross = layer.is_cross_attention
-        window = None if cross else layer.sliding_window
-        aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
-        # work items are (chunk of a request's queries, KV heads): all heads unless that leaves
-        # threads idle, then fewer heads and shorter chunks until the scratch is under the aim
-        chunk = FUSED_QUERY_CHUNK
-        while True:
-            plan, most_keys, most_q = meta.fused_plan(window, cross, chunk)
-            B = plan.shape[0]
-            if B == 0:
-                return True
-            per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
-
-            def scratch(heads: int) -> int:
-                return kernel.scratch_bytes(threads, heads, most_q, G, most_keys, D, Dv)
-
-            while per_item > 1 and scratch(per_item) > aim:
-                per_item = (per_item + 1) // 2
-            if most_q == 1 or scratch(per_item) <= aim:
-                break
-            chunk = max(1, most_q // 2)
-        if scratch(per_item) > self.max_workspace_bytes:
-            return False
-        mask = None if cross else meta.fused_mask(chunk)
-        requests = [i for i, _, _ in meta._fused_chunks(chunk)]  # the request of each work row
-        return _FusedForward(plan, mask, B, per_item, threads, kernel.dtype_code(q.dtype), requests)
-
     def _shifted_scores(self, q: torch.Tensor, Km: torch.Tensor, blk: _Block, n: int, Hkv: int,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s - m, m)``: unscaled scores ``s = q @ Km`` of bf16 operands, shifted by each query
@@ -844,12 +521,14 @@ class TorchNativeBackend(PagedBackend):
 
     # -- extend: per request, queries in bounded chunks ---------------------
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta) -> torch.Tensor:
+        return self.extend_requests(q, k, v, layer, meta, self.empty_output(q, layer))
+
+    def extend_requests(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: ForwardMeta, out: torch.Tensor,
+                        skip: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Attend every request of an extend-mode forward but those in ``skip`` (already attended by a
+        subclass's kernel) into their rows of ``out``."""
         H, Hkv = layer.num_heads, layer.num_kv_heads
         D, Dv = layer.head_dim, layer.v_head_dim
-        out = self.empty_output(q, layer)
-        done: frozenset[int] = frozenset()  # requests the fused kernel attended (few new tokens each)
-        if self._fused is not None and self._attend_fused(q, k, v, layer, meta, out):
-            done = frozenset(meta.fused_requests())
         kb, vb = _Rows(self.cache, layer.layer_id, 0), _Rows(self.cache, layer.layer_id, 1)
         k, v = self._stored(layer, k, v)
         cd = self._compute_dtype(q)
@@ -861,7 +540,7 @@ class TorchNativeBackend(PagedBackend):
         r2t = self.cache.req_to_token
         for i, row in enumerate(meta.rows):
             e = meta.ext[i]
-            if e == 0 or i in done:
+            if e == 0 or i in skip:
                 continue
             t0, p = meta.q_off[i], meta.prefix[i]
             if cross:

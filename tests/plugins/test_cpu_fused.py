@@ -1,30 +1,26 @@
-"""torch_native's fused CPU kernel (``csrc/attention.cpp``, built by ``fused.py``) against the float64
-reference, against the eager paths, and its build: failures stated as reasons, the cache key.
+"""cpu_fused: the fused C++ CPU kernel (``csrc/attention.cpp`` behind the op ``attnplug_cpu_fused::attend``)
+against the float64 reference, against torch_native's eager paths, its declared envelope, the op
+(schema, fake, ``torch.library.opcheck``, ``torch.compile(fullgraph=True)``), the ISA variants and
+the one OpenMP runtime.
 
 The kernel takes every DECODE request, and in the extend modes the requests with at most
 ``FUSED_MAX_QUERIES`` new tokens; a request's new tokens are cut into chunks of at most
 ``FUSED_QUERY_CHUNK`` queries (fewer when a chunk's scores would not fit ``FUSED_SCRATCH_BYTES``), so
 the chunk tests shrink that constant (and lift the first) to put every boundary inside small
-problems. Every case
-builds a paged cache on shuffled pages, fills every slot with noise (garbage tests: NaN and
-infinities wherever no request reads), runs a forward and compares the output with
+problems. Every case builds a paged cache on shuffled pages, fills every slot with noise (garbage
+tests: NaN and infinities wherever no request reads), runs a forward and compares the output with
 ``reference_attention`` of the cache as it was before, and the cache after with
-``expected_cache_after`` (bit for bit). A case that means the fused kernel asserts it ran: the layer
-fits (``fused_fits`` is ``None``) and the eager paths' workspace was never allocated.
-
-The build tests run the real compiler (or a stand-in script that fails the way a compiler does) in a
-temporary ``$ATTNPLUG_CACHE_DIR``; ``fused.load``'s per-process cache is cleared before and after.
+``expected_cache_after`` (bit for bit). A case that means the kernel asserts it ran: torch_native's
+eager workspace was never allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import platform
-import shutil
-import stat
+import subprocess
+import sys
 import textwrap
-from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
@@ -46,24 +42,26 @@ from attnplug.registry import default_registry
 from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
-from attnplug_torch_native import fused
-from attnplug_torch_native import backend as tn_backend
-from attnplug_torch_native.backend import FUSED_MAX_QUERIES, FUSED_QUERY_CHUNK, TorchNativeBackend, create
+from attnplug_cpu_fused import CAPABILITIES, probe
+from attnplug_cpu_fused import backend as cf_backend
+from attnplug_cpu_fused import kernel
+from attnplug_cpu_fused.backend import FUSED_MAX_QUERIES, FUSED_QUERY_CHUNK, CpuFusedBackend, FusedMeta
+from attnplug_torch_native.backend import TorchNativeBackend
 
 HOST = HostInfo(platform="cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPE_IDS = {F32: "f32", BF16: "bf16", F16: "f16", E4M3: "e4m3", E5M2: "e5m2"}
 
-#: the kernel is built for x86-64 Linux only (``fused.load`` says so elsewhere); everything else here
-#: needs it, and on such a host a build failure is a test failure (it prints the reason)
-KERNEL_HOST = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-needs_kernel = pytest.mark.skipif(not KERNEL_HOST, reason="the fused CPU kernel is built on x86-64 Linux only")
+#: the kernel is compiled at install for x86-64; on a host where the package is installed without it
+#: every test here but the probe's is skipped with the reason
+_OP, _WHY = kernel.load()
+needs_kernel = pytest.mark.skipif(_OP is None, reason=f"cpu_fused: {_WHY}")
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request: Any) -> Any:
-    """torch's thread count (the kernel's OpenMP threads and its work split), restored afterwards."""
+    """torch's thread count (the kernel's pool threads and its work split), restored afterwards."""
     old = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -78,7 +76,7 @@ def threads(request: Any) -> Any:
 @dataclasses.dataclass
 class Setup:
     cache: PagedKVCache
-    backend: TorchNativeBackend
+    backend: CpuFusedBackend
     layer: LayerSpec
     dtype: torch.dtype
     gen: torch.Generator
@@ -89,7 +87,7 @@ class Setup:
 def make(
     *, dtype: torch.dtype = F32, kv_dtype: torch.dtype | None = None, kv_heads: int = 2, group: int = 4,
     head_dim: int = 16, v_head_dim: int | None = None, page_size: int = 16, layout: str = "nhd",
-    scales: tuple[float, float] = (1.0, 1.0), fused: str = "auto", layer_kw: dict[str, Any] | None = None,
+    scales: tuple[float, float] = (1.0, 1.0), layer_kw: dict[str, Any] | None = None,
     seed: int = 0, max_workspace_bytes: int = 4 << 30,
 ) -> Setup:
     gen = torch.Generator().manual_seed(seed)
@@ -107,12 +105,12 @@ def make(
     noise_v = (torch.randn(cache.num_slots, kv_heads, v_head_dim, generator=gen) * spread).to(kv_dtype)
     cache.set_kv(0, slots, noise_k, noise_v, stored=True)  # noise everywhere: reading a wrong slot shows
     ctx = BuildContext(
-        config=AttentionConfig(attention_backend="torch_native"), host=HOST, dtype=str(dtype),
+        config=AttentionConfig(attention_backend="cpu_fused"), host=HOST, dtype=str(dtype),
         kv_cache_dtype=str(kv_dtype), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=160,
         max_workspace_bytes=max_workspace_bytes,
     )
-    backend = TorchNativeBackend(ctx, fused=fused)
+    backend = CpuFusedBackend(ctx)
     layer = LayerSpec(0, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {}))
     return Setup(cache, backend, layer, dtype, gen, PageAllocator(num_pages, shuffle=True, seed=seed + 1), ctx)
 
@@ -184,18 +182,8 @@ def run_and_check(s: Setup, batch: ForwardBatch, *, with_kv: bool = True, save: 
 
 
 def assert_fused_ran(s: Setup) -> None:
-    """The layer fits the kernel and the eager decode / extend never allocated their workspace."""
-    probe = torch.zeros(1, s.layer.num_heads, s.layer.head_dim, dtype=s.dtype)
-    assert s.backend.fused_reason is None, s.backend.fused_reason
-    assert s.backend.fused_fits(probe, s.layer) is None
+    """torch_native's eager decode / extend never allocated their workspace: the kernel did the work."""
     assert s.backend.workspace.grows == 0 and s.backend.workspace.nbytes() == 0, "the eager decode ran"
-
-
-def assert_eager_ran(s: Setup, reason: str) -> None:
-    probe = torch.zeros(1, s.layer.num_heads, s.layer.head_dim, dtype=s.dtype)
-    why = s.backend.fused_fits(probe, s.layer)
-    assert why is not None and reason in why, why
-    assert s.backend.workspace.grows > 0, "the eager decode did not run"
 
 
 # lengths count the new token: 1 (only the new token), not multiples of 16, one above 3 * 16
@@ -363,9 +351,10 @@ def test_extend_modes(dtype, kv_dtype, mode):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
 def test_mixed_batch_splits_requests_between_the_kernel_and_the_eager_extend(dtype):
-    # FUSED_MAX_QUERIES new tokens go through the kernel, one more through the eager extend; both in
-    # one forward, each writing its own rows of the output
+    # FUSED_MAX_QUERIES new tokens go through the kernel, one more through the eager extend (the tiled
+    # kernel off: test_torch_native_tiled.py has it); both in one forward, each writing its own rows
     s = make(dtype=dtype, head_dim=32, seed=62, layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8)))
+    s.backend.tiled = False
     run_and_check(s, extend_batch(s, ForwardMode.MIXED, [9], [FUSED_MAX_QUERIES], req_ids=[0]))
     assert_fused_ran(s)
     run_and_check(s, extend_batch(s, ForwardMode.MIXED, [0, 33, 5, 12], [1, FUSED_MAX_QUERIES + 1, 1, 20],
@@ -388,8 +377,8 @@ CHUNK_LAYERS: dict[str, dict[str, Any]] = {
 def test_extend_queries_cut_into_chunks(dtype, layer_kind, threads, monkeypatch):
     # every request through the kernel, in chunks of 4 queries: steps of 1, 4 (one whole chunk), 5 and 9 (a chunk plus one), 13, 23,
     # over no prefix, short and long prefixes, on page size 16 and 1 (every key on its own page)
-    monkeypatch.setattr(tn_backend, "FUSED_MAX_QUERIES", 1000)
-    monkeypatch.setattr(tn_backend, "FUSED_QUERY_CHUNK", 4)
+    monkeypatch.setattr(cf_backend, "FUSED_MAX_QUERIES", 1000)
+    monkeypatch.setattr(cf_backend, "FUSED_QUERY_CHUNK", 4)
     for page_size in (16, 1):
         s = make(dtype=dtype, head_dim=32, page_size=page_size, seed=64 + page_size,
                  layer_kw=CHUNK_LAYERS[layer_kind])
@@ -402,7 +391,7 @@ def test_extend_queries_cut_into_chunks(dtype, layer_kind, threads, monkeypatch)
 @pytest.mark.parametrize("chunk", [1, 2, 3, 8])
 def test_target_verify_mask_rows_follow_their_chunk(chunk, monkeypatch):
     # each chunk reads the mask rows of its own queries: chunks of 1, 2, 3 and 8 over 7 drafts
-    monkeypatch.setattr(tn_backend, "FUSED_QUERY_CHUNK", chunk)
+    monkeypatch.setattr(cf_backend, "FUSED_QUERY_CHUNK", chunk)
     drafts = 7
     s = make(dtype=F32, head_dim=32, seed=70 + chunk, layer_kw=dict(sliding_window=4))
     mask = (torch.rand(3, drafts, drafts, generator=s.gen) > 0.5) | torch.eye(drafts, dtype=torch.bool)
@@ -416,7 +405,7 @@ def test_target_verify_mask_rows_follow_their_chunk(chunk, monkeypatch):
 def test_a_prefill_longer_than_the_default_chunk(dtype, monkeypatch):
     # the default chunk, every request through the kernel: 130 new tokens (the last chunk of 2
     # queries) with and without a prefix, and a window reaching back across chunk boundaries
-    monkeypatch.setattr(tn_backend, "FUSED_MAX_QUERIES", 1000)
+    monkeypatch.setattr(cf_backend, "FUSED_MAX_QUERIES", 1000)
     assert 130 % FUSED_QUERY_CHUNK == 2
     s = make(dtype=dtype, head_dim=32, seed=75, layer_kw=dict(sliding_window=70))
     run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [0, 25], [130, 2 * FUSED_QUERY_CHUNK + 1]))
@@ -427,17 +416,18 @@ def test_a_prefill_longer_than_the_default_chunk(dtype, monkeypatch):
 def test_chunks_shrink_to_fit_the_scratch_aim(monkeypatch):
     # with a scratch aim a whole chunk cannot meet, the kernel takes shorter chunks (its plans name
     # each chunk length it tried) and still answers right; no eager workspace
-    monkeypatch.setattr(tn_backend, "FUSED_SCRATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(cf_backend, "FUSED_SCRATCH_BYTES", 16 << 10)
     s = make(dtype=F32, head_dim=32, seed=76)
     batch = extend_batch(s, ForwardMode.EXTEND, [134, 0], [FUSED_QUERY_CHUNK, 5])
     s.backend.init_forward_metadata(batch)
     q, k, v = inputs(s, batch.num_tokens)
     s.backend.forward(q, k, v, s.layer, batch)
-    plans = s.backend.forward_metadata(batch)._plans
-    tried = sorted(key[3] for key in plans if isinstance(key, tuple) and key[0] == "fused")
+    meta = s.backend.forward_metadata(batch)
+    assert isinstance(meta, FusedMeta)
+    tried = sorted(key[2] for key in meta._plan)
     assert tried[-1] == FUSED_QUERY_CHUNK and tried[0] < FUSED_QUERY_CHUNK
     keys = 134 + FUSED_QUERY_CHUNK
-    assert fused.scratch_bytes(torch.get_num_threads(), 1, tried[0], s.layer.gqa_group_size, keys, 32, 32) <= 16 << 10
+    assert kernel.scratch_bytes(torch.get_num_threads(), 1, tried[0], s.layer.gqa_group_size, keys, 32, 32) <= 16 << 10
     run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [130, 0], [FUSED_QUERY_CHUNK, 9], req_ids=[1, 2]))
     assert_fused_ran(s)
 
@@ -447,7 +437,7 @@ def test_scratch_over_the_workspace_limit_is_refused(threads):
     # the kernel's scratch counts against max_workspace_bytes: one query per chunk over the limit
     # hands the layer to the eager extend, which needs more and refuses with the limit named
     s = make(dtype=F32, head_dim=32, seed=77, max_workspace_bytes=4 << 10)
-    assert fused.scratch_bytes(threads, 1, 1, s.layer.gqa_group_size, 110, 32, 32) > 4 << 10
+    assert kernel.scratch_bytes(threads, 1, 1, s.layer.gqa_group_size, 110, 32, 32) > 4 << 10
     with pytest.raises(ResourceLimitError, match=r"workspace limit of 4\.00 KiB"):
         run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [100], [10]))
 
@@ -526,7 +516,7 @@ def test_garbage_never_reaches_an_output(dtype, kv_dtype, page_size, layer_kind,
 def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, mode):
     s = make(dtype=dtype, kv_dtype=kv_dtype, kv_heads=2, group=3, head_dim=64, seed=31, scales=(0.25, 1.5),
              layer_kw=dict(sliding_window=40, sinks=torch.linspace(-1.0, 1.0, 6)))
-    eager = TorchNativeBackend(s.ctx, fused="off")
+    eager = TorchNativeBackend(s.ctx)
     if mode is ForwardMode.DECODE:
         batch = decode_batch(s, LENS)
     else:
@@ -541,38 +531,61 @@ def test_fused_matches_eager_and_repeats_bit_for_bit(dtype, kv_dtype, threads, m
     assert_fused_ran(s)
     eager.init_forward_metadata(batch)
     ref = eager.forward(q, k, v, s.layer, batch, save_kv_cache=False)
-    assert eager.workspace.grows > 0 and eager.fused_reason == "fused='off'"
+    assert eager.workspace.grows > 0
     tol = tolerance(s)
     torch.testing.assert_close(outs[0].double(), ref.double(), atol=tol.atol, rtol=tol.rtol)
 
 
 # ---------------------------------------------------------------------------
-# layers the kernel does not take: the eager decode runs, and says why
+# the declared envelope: what the kernel does not take is refused before a forward, with the reason
 # ---------------------------------------------------------------------------
 
 
-@needs_kernel
-@pytest.mark.parametrize("kind", ["hnd_layout", "head_dim_40", "v_head_dim_24", "bf16_model_f32_cache"])
-def test_layers_the_kernel_does_not_take_run_eager(kind):
-    kw: dict[str, Any] = dict(seed=41, head_dim=32)
-    reason = {
-        "hnd_layout": "nhd layout only (this cache: hnd)",
-        "head_dim_40": "head dims 40/40",
-        "v_head_dim_24": "head dims 32/24",
-        "bf16_model_f32_cache": "a torch.float32 cache under a torch.bfloat16 model",
-    }[kind]
+@pytest.mark.parametrize("kind,reason", [
+    ("hnd_layout", "kv_layout=hnd (reads: nhd)"),
+    ("head_dim_40", "head_dim=40 is not a multiple of 16 (head_dim_multiple_of)"),
+    ("v_head_dim_24", "v_head_dim=24 is not a multiple of 16 (head_dim_multiple_of)"),
+    ("bf16_model_f32_cache", "a non-fp8 KV cache must be in the model dtype (kv_cache_dtype_follows_model)"),
+    ("cuda_device", "device=cuda (supported: cpu)"),
+])
+def test_layers_outside_the_envelope_are_refused_by_the_registry_with_the_reason(kind, reason):
+    kw: dict[str, Any] = dict(layout="nhd", head_dim=32, v_head_dim=32, dtype="bfloat16", kv="bfloat16", device=None)
+    layer_kw: dict[str, Any] = {}
     if kind == "hnd_layout":
         kw["layout"] = "hnd"
     elif kind == "head_dim_40":
-        kw["head_dim"] = 40
+        kw.update(head_dim=40, v_head_dim=40)
     elif kind == "v_head_dim_24":
         kw["v_head_dim"] = 24
+    elif kind == "bf16_model_f32_cache":
+        kw["kv"] = "float32"
     else:
-        kw.update(dtype=BF16, kv_dtype=F32)
-    s = make(**kw)
-    assert s.backend.fused_reason is None  # the kernel is there; this layer does not fit it
-    run_and_check(s, decode_batch(s, LENS))
-    assert_eager_ran(s, reason)
+        kw["device"] = "cuda"
+    from attnplug.capabilities import support_reasons
+
+    layer = LayerSpec(0, 8, 2, kw["head_dim"], v_head_dim=kw["v_head_dim"], **layer_kw)
+    reasons = support_reasons(CAPABILITIES, layer, dtype=kw["dtype"], kv_cache_dtype=kw["kv"],
+                              kv_layout=kw["layout"], device=kw["device"])
+    assert any(reason in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("dims,expected", [((16, 16), []), ((48, 80), []), ((24, 16), ["head_dim=24"]),
+                                           ((32, 8), ["v_head_dim=8"]), ((40, 24), ["head_dim=40", "v_head_dim=24"])])
+def test_head_dim_multiple_of_names_each_dim_that_breaks_it(dims, expected):
+    from attnplug.capabilities import layer_reasons
+
+    reasons = layer_reasons(CAPABILITIES, LayerSpec(0, 4, 2, dims[0], v_head_dim=dims[1]))
+    assert [r.split(" ")[0] for r in reasons] == expected, reasons
+
+
+@pytest.mark.parametrize("value", [0, -16, 16.0, True, "16"])
+def test_head_dim_multiple_of_of_the_wrong_type_is_a_descriptor_problem(value):
+    from attnplug.capabilities import Capabilities
+    from attnplug.descriptor import capabilities_problems
+
+    problems = capabilities_problems(Capabilities(head_dim_multiple_of=value))
+    assert problems == [f"field 'capabilities.head_dim_multiple_of': expected None (no rule) or a positive int, "
+                        f"got {value!r} ({type(value).__name__})"], problems
 
 
 # ---------------------------------------------------------------------------
@@ -585,19 +598,18 @@ def test_workspace_limit_below_the_kernel_scratch_falls_back_to_an_eager_decode_
     # first tokens only (1 key each) with wide heads: the kernel's scratch (16 padded scores, a
     # 16-row block) is far above the eager decode's ([1 key, D + Dv] per block), which computes
     limit = 8192
-    assert fused.scratch_bytes(1, 1, 1, 8, 1, 256, 256) > limit
+    assert kernel.scratch_bytes(1, 1, 1, 8, 1, 256, 256) > limit
     s = make(dtype=F32, kv_heads=1, group=8, head_dim=256, seed=51, max_workspace_bytes=limit)
     s.backend.decode_block_bytes = 1  # one KV head of one request per eager block
     run_and_check(s, decode_batch(s, [1, 1]))
     # the layer fits the kernel: the workspace limit alone made it decline, and the eager decode ran
-    assert s.backend.fused_fits(torch.zeros(1, 8, 256), s.layer) is None
     assert s.backend.workspace.grows > 0
 
 
 @needs_kernel
 def test_workspace_limit_below_both_paths_is_refused_naming_the_limit():
     s = make(dtype=F32, seed=52, max_workspace_bytes=2048)
-    assert fused.scratch_bytes(1, 1, 1, 4, 53, 16, 16) > 2048
+    assert kernel.scratch_bytes(1, 1, 1, 4, 53, 16, 16) > 2048
     batch = decode_batch(s, LENS)
     q, k, v = inputs(s, batch.num_tokens)
     before = s.cache.read_kv(0)
@@ -614,7 +626,7 @@ def test_workspace_limit_between_one_head_and_all_heads_runs_fused_with_fewer_he
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lo, hi = fused.scratch_bytes(1, 1, 1, 2, 53, 32, 32), fused.scratch_bytes(1, 4, 1, 2, 53, 32, 32)
+        lo, hi = kernel.scratch_bytes(1, 1, 1, 2, 53, 32, 32), kernel.scratch_bytes(1, 4, 1, 2, 53, 32, 32)
         s = make(dtype=BF16, kv_heads=4, group=2, head_dim=32, seed=53, max_workspace_bytes=(lo + hi) // 2)
         run_and_check(s, decode_batch(s, LENS))
         assert_fused_ran(s)
@@ -627,265 +639,255 @@ def test_workspace_limit_in_an_extend_mode_shortens_the_chunks(threads):
     # target-verify with 8 drafts: one chunk of 8 queries needs more scratch than the limit, one of
     # 2 does not, so the kernel runs in shorter chunks (the eager extend never allocates)
     s = make(dtype=F32, kv_heads=1, group=2, head_dim=16, seed=54, max_workspace_bytes=4096)
-    assert fused.scratch_bytes(threads, 1, 8, 2, 8 + 3, 16, 16) > 4096
-    assert fused.scratch_bytes(threads, 1, 2, 2, 8 + 3, 16, 16) <= 4096
+    assert kernel.scratch_bytes(threads, 1, 8, 2, 8 + 3, 16, 16) > 4096
+    assert kernel.scratch_bytes(threads, 1, 2, 2, 8 + 3, 16, 16) <= 4096
     run_and_check(s, extend_batch(s, ForwardMode.TARGET_VERIFY, [3, 1], [8, 8], mask=None))
     assert_fused_ran(s)
 
 
 # ---------------------------------------------------------------------------
-# the knob: fused and $ATTNPLUG_TORCH_NATIVE_FUSED
+# availability: the probe and the loader say "no compiled kernel for this CPU / platform"
 # ---------------------------------------------------------------------------
 
 
-def test_bad_fused_value_is_a_value_error_naming_the_knob():
-    s_ctx = make(fused="off").ctx
-    with pytest.raises(ValueError, match=r"torch_native: fused must be one of auto, on, off, got 'fast'"):
-        TorchNativeBackend(s_ctx, fused="fast")
+def test_probe_on_this_host_finds_the_compiled_kernel():
+    assert probe(HostInfo(platform="cpu")) == ([] if _OP is not None else probe(HostInfo(platform="cpu")))
+    if _OP is not None:
+        assert kernel.library_path() is not None
 
 
-def test_environment_variable_sets_the_knob_of_the_factory(monkeypatch):
-    ctx = make(fused="off").ctx
-    monkeypatch.setenv(fused.ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"\$ATTNPLUG_TORCH_NATIVE_FUSED must be one of auto, on, off, "
-                                         r"got 'sometimes'"):
-        create(ctx)
-    monkeypatch.setenv(fused.ENV, " OFF ")
-    name, backend = create(ctx)
-    assert name == "torch_native" and backend.fused == "off" and backend.fused_reason == "fused='off'"
-    _, backend = default_registry().build("torch_native", ctx)  # the registry goes through the factory
-    assert backend.fused == "off"
-    monkeypatch.delenv(fused.ENV)
-    assert create(ctx)[1].fused == "auto"
+@pytest.mark.parametrize("case,expected", [
+    ("gpu_host", "serves CPU hosts (the fused C++ CPU kernel); this host is cuda"),
+    ("aarch64", "no compiled kernel for this CPU / platform: the kernel is built for x86-64 only (this machine: aarch64)"),
+    ("not_built", "no compiled kernel for this CPU / platform: attnplug_cpu_fused/_C*.so is missing"),
+])
+def test_probe_reasons(case, expected, monkeypatch):
+    import attnplug_cpu_fused as desc
+
+    host = HostInfo(platform="cuda" if case == "gpu_host" else "cpu")
+    if case == "aarch64":
+        monkeypatch.setattr(desc.platform, "machine", lambda: "aarch64")
+    if case == "not_built":
+        monkeypatch.setattr(desc, "_library_built", lambda: False)
+    reasons = probe(host)
+    assert any(r.startswith(expected) for r in reasons), reasons
 
 
-# ---------------------------------------------------------------------------
-# building and loading the kernel
-# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["missing", "does_not_load"])
+def test_loader_without_a_library_is_a_reason_and_the_backend_is_unavailable(case, monkeypatch, tmp_path):
 
-
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """An empty kernel cache directory and a cleared ``fused.load`` cache (cleared again afterwards,
-    so later tests load the real kernel again)."""
-    cache = tmp_path / "kernels"
-    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(cache))
-    fused.load.cache_clear()
-    yield cache
-    fused.load.cache_clear()
-
-
-def script(tmp_path: Path, name: str, body: str) -> Path:
-    """An executable shell script standing in for a compiler."""
-    path = tmp_path / name
-    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return path
-
-
-def leftovers(cache: Path) -> list[str]:
-    return sorted(p.name for p in cache.glob("*.tmp.so")) if cache.exists() else []
-
-
-def test_no_compiler_is_a_reason_and_auto_runs_the_eager_decode(fresh_build, monkeypatch):
-    monkeypatch.setenv("CXX", "/nonexistent/g++")
-    lib, why = fused.load()
-    assert lib is None and why is not None and "no C++ compiler found" in why
-    assert "$CXX='/nonexistent/g++' is not an executable" in why
-    if KERNEL_HOST:
-        s = make(dtype=BF16, head_dim=32, seed=61)  # "auto"
-        assert s.backend._fused is None and s.backend.fused_reason == why
-        run_and_check(s, decode_batch(s, LENS))
-        assert_eager_ran(s, "no C++ compiler found")  # fused_fits answers the backend's reason
-
-
-def test_fused_on_without_the_kernel_is_unavailable_naming_torch_native(fresh_build, monkeypatch):
-    monkeypatch.setenv("CXX", "/nonexistent/g++")
-    ctx = make(fused="off").ctx
-    with pytest.raises(BackendUnavailableError, match=r"'torch_native' is unavailable.*fused='on': no C\+\+ "
-                                                      r"compiler found") as err:
-        TorchNativeBackend(ctx, fused="on")
-    assert err.value.name == "torch_native"
-    monkeypatch.setenv(fused.ENV, "on")
-    with pytest.raises(BackendUnavailableError, match="no C\\+\\+ compiler found"):
-        create(ctx)
-
-
-def test_compile_failure_is_a_reason_with_the_compilers_last_lines(fresh_build, tmp_path, monkeypatch):
-    cxx = script(tmp_path, "badcxx", """\
-        [ "$1" = "--version" ] && { echo "badcxx 1.0"; exit 0; }
-        echo "attention.cpp: In function 'run':" >&2
-        echo "attention.cpp:12:3: error: expected ';' before '}'" >&2
-        exit 1
-    """)
-    monkeypatch.setenv("CXX", str(cxx))
-    lib, why = fused.load()
-    assert lib is None
-    assert why == ("badcxx failed to compile attention.cpp (exit 1): attention.cpp: In function 'run': | "
-                   "attention.cpp:12:3: error: expected ';' before '}'")
-    assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a failed build left files"
-    monkeypatch.setenv("CXX", "/bin/false")  # exits 1 and says nothing
-    fused.load.cache_clear()
-    lib, why = fused.load()
-    assert lib is None and why is not None and why.startswith("false failed to compile attention.cpp (exit 1)")
-    assert leftovers(fresh_build) == []
-
-
-def test_unwritable_cache_directory_is_a_reason(fresh_build, tmp_path, monkeypatch):
-    monkeypatch.setenv("CXX", str(script(tmp_path, "anycxx", 'echo "anycxx 1.0"\n')))  # found; never builds
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(blocker / "kernels"))
-    lib, why = fused.load()
-    assert lib is None and why is not None and why.startswith(f"cannot write the kernel cache directory {blocker}")
-
-
-def test_library_that_does_not_load_is_a_reason(fresh_build, tmp_path, monkeypatch):
-    cxx = script(tmp_path, "junkcxx", """\
-        [ "$1" = "--version" ] && { echo "junkcxx 1.0"; exit 0; }
-        while [ "$#" -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
-        echo "this is not a shared object" > "$out"
-    """)
-    monkeypatch.setenv("CXX", str(cxx))
-    lib, why = fused.load()
-    assert lib is None and why is not None and why.startswith("cannot load the fused CPU kernel ")
-    assert why.endswith("; removed it, the next build retries")
-    assert leftovers(fresh_build) == [] and list(fresh_build.glob("*.so")) == [], "a library that does not load was kept"
-
-
-@pytest.mark.skipif(shutil.which("g++") is None or not KERNEL_HOST, reason="needs g++ on x86-64 Linux")
-def test_struct_size_disagreeing_with_fused_py_is_a_reason(fresh_build, tmp_path, monkeypatch):
-    # a library exporting both entry points but another DecodeArgs: refused before any call
-    stub = tmp_path / "stub.cpp"
-    stub.write_text('extern "C" int attnplug_fused_decode(const void*) { return 0; }\n'
-                    'extern "C" long long attnplug_fused_decode_args_size(void) { return 8; }\n')
-    cxx = script(tmp_path, "stubcxx", f"""\
-        [ "$1" = "--version" ] && {{ echo "stubcxx 1.0"; exit 0; }}
-        while [ "$#" -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
-        exec g++ -shared -fPIC "{stub}" -o "$out"
-    """)
-    monkeypatch.setenv("CXX", str(cxx))
-    lib, why = fused.load()
-    assert lib is None and why is not None
-    assert f"DecodeArgs is 8 bytes in the library, {fused.ctypes.sizeof(fused.DecodeArgs)} in fused.py" in why
-    assert list(fresh_build.glob("*.so")) == [], "a library with another DecodeArgs was kept"
-
-
-def test_missing_source_is_a_reason(fresh_build, tmp_path, monkeypatch):
-    monkeypatch.setattr(fused, "SOURCE", tmp_path / "csrc" / "attention.cpp")
-    lib, why = fused.load()
-    if KERNEL_HOST:
-        assert lib is None and why is not None and "source" in why and "is missing" in why
-
-
-def test_other_platforms_are_a_reason_simulated(fresh_build, monkeypatch):
-    # simulated: this test cannot run on an ARM host, so platform.machine() answers as one would
-    monkeypatch.setattr(fused.platform, "machine", lambda: "aarch64")
-    lib, why = fused.load()
-    assert lib is None and why is not None and "x86-64 Linux only" in why and "aarch64" in why
-
-
-def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path / "explicit"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fused.cache_dir() == tmp_path / "explicit"
-    monkeypatch.delenv("ATTNPLUG_CACHE_DIR")
-    assert fused.cache_dir() == tmp_path / "xdg" / "attnplug"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert fused.cache_dir() == tmp_path / "home" / ".cache" / "attnplug"
-
-
-def test_library_name_hashes_source_bytes_compiler_version_and_flags(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path))
-    cxx = script(tmp_path, "vcxx", 'echo "vcxx $VCXX_VERSION"\n')
-    monkeypatch.setenv("VCXX_VERSION", "1")
-    base = fused.library_path(str(cxx))
-    assert base.parent == tmp_path and base.name.startswith("torch_native_fused-") and base.suffix == ".so"
-    original = fused.SOURCE
-    copy = tmp_path / "copy" / "attention.cpp"
-    copy.parent.mkdir()
-    shutil.copyfile(original, copy)
-    monkeypatch.setattr(fused, "SOURCE", copy)
-    assert fused.library_path(str(cxx)) == base  # the bytes, not where they are
-    copy.write_bytes(copy.read_bytes() + b"\n// one more comment\n")
-    assert fused.library_path(str(cxx)) != base
-    shutil.copyfile(original, copy)
-    assert fused.library_path(str(cxx)) == base
-    monkeypatch.setenv("VCXX_VERSION", "2")  # another compiler version
-    assert fused.library_path(str(cxx)) != base
-    monkeypatch.setenv("VCXX_VERSION", "1")
-    monkeypatch.setattr(fused, "FLAGS", fused.FLAGS + ("-DEXTRA",))
-    assert fused.library_path(str(cxx)) != base
+    if case == "missing":
+        monkeypatch.setattr(kernel, "library_path", lambda: None)
+        expected = "no compiled kernel for this platform: attnplug_cpu_fused/_C*.so is missing"
+    else:
+        bad = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+        bad.write_bytes(b"not a library")
+        monkeypatch.setattr(kernel, "library_path", lambda: str(bad))
+        expected = "no compiled kernel for this CPU / platform: _C.cpython-311-x86_64-linux-gnu.so does not load"
+    kernel.load.cache_clear()
+    try:
+        op, why = kernel.load()
+        assert op is None and why is not None and why.startswith(expected), why
+        with pytest.raises(BackendUnavailableError, match="cpu_fused"):
+            make()
+    finally:
+        monkeypatch.undo()
+        kernel.load.cache_clear()
+        assert kernel.load()[0] is not None
 
 
 @needs_kernel
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
-def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build, tmp_path, monkeypatch):
-    # a real build (about 5 s): the changed source gets its own library, nothing temporary is left,
-    # a second load in a fresh process-cache reuses it, and a backend decodes through it
-    monkeypatch.delenv("CXX", raising=False)
-    copy = tmp_path / "src" / "attention.cpp"
-    copy.parent.mkdir()
-    copy.write_bytes(fused.SOURCE.read_bytes() + b"\n// a comment: another cache key\n")
-    monkeypatch.setattr(fused, "SOURCE", copy)
-    lib, why = fused.load()
-    assert why is None and lib is not None
-    built = fused.library_path(fused.compiler())  # type: ignore[arg-type]
-    assert sorted(p.name for p in fresh_build.iterdir()) == [built.name, fused.sidecar_path(built).name]
-    assert leftovers(fresh_build) == []
-    assert stat.S_IMODE(os.stat(built).st_mode) == 0o755  # usable from a cache shared between users
-    assert fused.verify(built) is None
-    stamp = os.stat(built).st_mtime_ns
-    fused.load.cache_clear()
-    again, why = fused.load()
-    assert why is None and again is not None and os.stat(built).st_mtime_ns == stamp  # loaded, not rebuilt
-    s = make(dtype=F16, head_dim=64, seed=71, layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8)))
-    assert s.backend._fused is again
-    run_and_check(s, decode_batch(s, LENS))
-    assert_fused_ran(s)
+def test_registry_ranks_cpu_fused_above_torch_native_and_vllm_cpu_on_cpu():
+    reg = default_registry()
+    host = HostInfo(platform="cpu", cpu_flags=frozenset({"avx512f", "avx512_bf16", "amx_tile"}))
+    prio = {name: reg.priority(name, host) for name in ("cpu_fused", "torch_native")}
+    assert prio["cpu_fused"] > prio["torch_native"]
+    if "vllm_cpu" in reg.names():
+        assert prio["cpu_fused"] > reg.priority("vllm_cpu", host)
 
 
-@pytest.mark.skipif(not KERNEL_HOST, reason="the fused kernel is built for x86-64 Linux only")
-@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_fp8_widening_is_exact_for_every_byte(kv_dtype):
-    """Every one of the 256 fp8 encodings (subnormals, ±0, the largest, NaN, e5m2's ±inf) is widened
-    by the kernel to the value torch gives it. One request sees a cached key whose score dominates by
-    200 (its weight is exactly 1 in float32) and whose V row holds all 256 bytes, so a float32 output
-    row is the kernel's widening of that row (times a unit scale)."""
-    s = make(dtype=F32, kv_dtype=kv_dtype, kv_heads=1, group=1, head_dim=256, seed=71)
-    assert s.backend.fused_fits(torch.empty(1, 1, 256), s.layer) is None
-    batch = decode_batch(s, [2])  # one cached key (position 0) and the new token
-    slot = int(s.cache.req_to_token[7, 0])
-    every = torch.arange(256, dtype=torch.uint8)
-    k_row = torch.zeros(1, 1, 256).to(kv_dtype)
-    k_row[0, 0, 0] = 16.0  # score 16 * q[0]; q[0] = 200 / 16 / scaling keeps the new token's score at 0
-    s.cache.set_kv(0, torch.tensor([slot]), k_row, every.view(kv_dtype).view(1, 1, 256), stored=True)
-    q = torch.zeros(1, 1, 256)
-    q[0, 0, 0] = 200.0 / 16.0 / s.layer.scaling
-    k_new = torch.zeros(1, 1, 256)
-    v_new = torch.zeros(1, 1, 256)
+# ---------------------------------------------------------------------------
+# the op: schema, fake, opcheck, torch.compile
+# ---------------------------------------------------------------------------
+
+
+def _op_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, **layer_kw: Any) -> tuple[Any, ...]:
+    s = make(dtype=dtype, head_dim=32, seed=90, layer_kw=layer_kw)
+    if mode is ForwardMode.DECODE:
+        batch = decode_batch(s, LENS)
+    else:
+        mask = (torch.rand(2, 3, 3, generator=s.gen) > 0.5) | torch.eye(3, dtype=torch.bool)
+        batch = extend_batch(s, mode, [4, 20], [3, 3], mask=mask)
     s.backend.init_forward_metadata(batch)
-    out = s.backend.forward(q, k_new, v_new, s.layer, batch, save_kv_cache=False)
-    expected = every.view(kv_dtype).float()
-    got = out.reshape(256)
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(got), nan)
-    assert torch.equal(got[~nan], expected[~nan]), "a widened fp8 value differs from torch's"
+    q, k, v = inputs(s, batch.num_tokens)
+    meta = s.backend.forward_metadata(batch)
+    fl = s.backend.layer_plan(s.layer).kernel
+    fw = s.backend._work(q, s.layer, meta, fl)
+    assert isinstance(fw, cf_backend.FusedForward)
+    out = torch.zeros(batch.num_tokens, s.layer.num_heads, s.layer.v_head_dim, dtype=dtype)
+    return s.backend._args(q, k, v, s.layer, fl, fw, out)
 
 
-@pytest.mark.skipif(not KERNEL_HOST or shutil.which("g++") is None, reason="needs g++ on x86-64 Linux")
-def test_the_portable_build_without_avx512_is_correct_too(fresh_build, monkeypatch):
-    """The kernel built for a CPU without AVX-512 (``-march=x86-64-v3``: AVX2) takes the portable code
-    paths (vector-extension widening of fp8, float32 scores for bf16 instead of ``vdpbf16ps``); this
-    machine runs that build, so the paths CPUs without AVX-512 take are tested here for real."""
-    monkeypatch.setattr(fused, "FLAGS", tuple("-march=x86-64-v3" if f == "-march=native" else f for f in fused.FLAGS))
-    lib, why = fused.load()
-    assert why is None and lib is not None
-    assert "x86-64-v3" in " ".join(fused.FLAGS) and len(list(fresh_build.glob("*.so"))) == 1
-    for dtype, kv_dtype, group in ((BF16, None, 4), (torch.float16, None, 3), (F32, E4M3, 2), (BF16, E5M2, 4)):
-        s = make(dtype=dtype, kv_dtype=kv_dtype, group=group, head_dim=64, scales=(0.375, 1.75), seed=81)
-        run_and_check(s, decode_batch(s, LENS))
-        assert_fused_ran(s)
-    test_fp8_widening_is_exact_for_every_byte(E4M3)
-    test_fp8_widening_is_exact_for_every_byte(E5M2)
+@needs_kernel
+@pytest.mark.parametrize("case", ["f32_decode", "bf16_decode_sinks_window", "f32_verify_mask"])
+def test_opcheck_passes(case):
+    if case == "f32_decode":
+        args = _op_args()
+    elif case == "bf16_decode_sinks_window":
+        args = _op_args(BF16, sinks=torch.linspace(-1.0, 1.0, 8), sliding_window=9)
+    else:
+        args = _op_args(F32, ForwardMode.TARGET_VERIFY)
+    torch.library.opcheck(torch.ops.attnplug_cpu_fused.attend.default, args)
+
+
+@needs_kernel
+def test_op_schema_declares_out_and_err_mutated_and_nothing_else():
+    schema = torch.ops.attnplug_cpu_fused.attend.default._schema
+    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert mutated == ["out", "err"] and len(schema.returns) == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend_name", ["aot_eager", "inductor"])
+def test_a_function_calling_the_kernel_compiles_fullgraph(backend_name):
+    args = _op_args()
+    q, kn, vn, kc, vc, r2t, plan, mask, sinks, out, err, *scalars = args
+
+    def f(q: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.ops.attnplug_cpu_fused.attend(q * 1.0, kn, vn, kc, vc, r2t, plan, mask, sinks, out, err, *scalars)
+        return out + 0.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend_name)
+    got = compiled(q, kn, vn, torch.zeros_like(out))
+    want = f(q, kn, vn, torch.zeros_like(out))
+    assert same_bytes(got, want)
+    assert torch.count_nonzero(got) > 0
+
+
+@needs_kernel
+def test_op_errors_name_the_argument_at_fault():
+    args = list(_op_args())
+    bad = list(args)
+    bad[6] = args[6].to(torch.int32)  # plan
+    with pytest.raises(RuntimeError, match=r"plan must be a contiguous int64 \[B, 8\]"):
+        torch.ops.attnplug_cpu_fused.attend(*bad)
+    bad = list(args)
+    bad[9] = args[9].to(BF16)  # out in another dtype
+    with pytest.raises(RuntimeError, match="out is BFloat16, q is Float"):
+        torch.ops.attnplug_cpu_fused.attend(*bad)
+    bad = list(args)
+    bad[11] = 3  # group disagreeing with the heads
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        torch.ops.attnplug_cpu_fused.attend(*bad)
+
+
+# ---------------------------------------------------------------------------
+# ISA variants and threads: one OpenMP runtime, every variant this CPU runs agrees with the reference
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_one_openmp_runtime_in_the_process(threads):
+    s = make(dtype=BF16, head_dim=64, seed=91)
+    run_and_check(s, decode_batch(s, LENS))
+    maps = open("/proc/self/maps").read().splitlines()
+    runtimes = {line.split()[-1] for line in maps if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+    assert len(runtimes) == 1, runtimes
+    import torch as _t
+    assert next(iter(runtimes)).startswith(os.path.dirname(_t.__file__)), runtimes  # torch's own
+
+
+_VARIANT_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import test_cpu_fused as t
+    from attnplug_cpu_fused import kernel
+    print(kernel.isa())
+    for dtype, kv in ((t.F32, t.F32), (t.BF16, t.BF16), (t.F16, t.E4M3), (t.BF16, t.E5M2)):
+        s = t.make(dtype=dtype, kv_dtype=kv, head_dim=64, seed=5, scales=(0.5, 1.5),
+                   layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 8), sliding_window=20))
+        t.run_and_check(s, t.decode_batch(s, t.LENS))
+        t.run_and_check(s, t.extend_batch(s, t.ForwardMode.MIXED, [0, 9], [5, 1], req_ids=[0, 1]))
+        t.assert_fused_ran(s)
+""")
+
+
+def _variants_this_cpu_runs() -> list[str]:
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    out = ["portable"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        out.append("avx512")
+    if "avx512_bf16" in flags:
+        out.append("avx512bf16")
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_every_isa_variant_matches_the_reference(isa):
+    if isa not in _variants_this_cpu_runs():
+        pytest.skip(f"this CPU does not run the {isa} variant")
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == isa
+
+
+@needs_kernel
+def test_an_isa_this_cpu_cannot_run_is_refused_naming_the_variable():
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_ISA="sse9")
+    code = "from attnplug_cpu_fused import kernel; print(kernel.load()[1])"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "$ATTNPLUG_CPU_FUSED_ISA=sse9 is not a kernel variant this CPU runs" in proc.stdout + proc.stderr
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_bidirectional_layers_run_torch_natives_eager_paths(mode):
+    # claimed (encoders): the kernel masks causally, so such a layer takes the parent's eager paths
+    s = make(dtype=F32, head_dim=32, seed=95, layer_kw=dict(causality="bidirectional"))
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [0, 5], [7, 3])
+    run_and_check(s, batch)
+    assert s.backend.workspace.grows > 0, "the eager paths did not run"
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
+def test_kernel_call_does_the_forwards_work(mode):
+    """What bench --overhead compares a forward with: the op with prepared arguments and the K/V write."""
+    s = make(dtype=BF16, head_dim=64, seed=96)
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [3, 20], [4, 4])
+    q, k, v = inputs(s, batch.num_tokens)
+    before = [t.clone() for t in s.cache.read_kv(0)]
+    s.backend.init_forward_metadata(batch)
+    want = s.backend.forward(q, k, v, s.layer, batch)
+    after = [t.clone() for t in s.cache.read_kv(0)]
+    s.cache.set_kv(0, torch.arange(s.cache.num_slots), *before, stored=True)
+    call = s.backend.kernel_call(q, k, v, s.layer, batch)
+    got = call()
+    assert same_bytes(got, want) and got is not call()
+    assert all(same_bytes(a, b) for a, b in zip(after, s.cache.read_kv(0)))
+
+
+@pytest.mark.parametrize("cxx", [None, "no-such-g++"], ids=["no_compiler_on_path", "cxx_names_a_missing_one"])
+def test_a_build_without_a_compiler_stops_naming_the_compiler(cxx, tmp_path):
+    """The install-time build (setup.py) with no C++ compiler reachable: a clear failure naming the
+    compiler it looked for, before torch's build machinery runs (no compile-at-first-use fallback)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "plugins", "cpu_fused")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env["PATH"] = str(bindir)
+    if cxx:
+        env["CXX"] = cxx
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    named = cxx or "c++"
+    assert f"attnplug-cpu-fused: no C++ compiler found: {named!r} is not on PATH" in proc.stderr, proc.stderr

@@ -1,9 +1,11 @@
-// Fused paged attention for torch_native on CPU: gather + attention in one pass over the cache,
-// for every forward mode (decode, extend, mixed, target-verify).
+// The cpu_fused backend's kernel: paged attention on CPU, gather + attention in one pass over the
+// cache, for every forward mode (decode, extend, mixed, target-verify).
 //
-// Built at first use by attnplug_torch_native/fused.py (g++ -O3 -march=native -fopenmp, cached
-// per machine) and called through ctypes; nothing here includes a torch header. The semantics
-// are the eager paths' (backend.py): per work row (a request's decode token, or a chunk of its
+// Compiled at install once per instruction set (isa_<name>.cpp defines ATTNPLUG_ISA and includes
+// this file; setup.py gives each its -m flags), registered as the op attnplug_cpu_fused::attend by
+// ops.cpp, which picks the variant this CPU runs; nothing here includes a torch header, and work
+// items run on torch's thread pool through DecodeArgs.parallel (no OpenMP here). The semantics
+// are torch_native's eager paths': per work row (a request's decode token, or a chunk of its
 // new tokens), the visible cached keys are positions start .. start+ncached-1 read through
 // req_to_token, then (self-attention) the request's new tokens from the arguments up to the
 // chunk's last query, masked causally, by window and by the target-verify mask; nothing else
@@ -23,6 +25,9 @@
 // holding hidden keys a value row is added to a query's sum only where its probability is not 0
 // (0 * NaN is NaN), for this forward's new tokens (causal, target-verify mask) as for the cache.
 
+#ifndef ATTNPLUG_ISA
+#error "compile attention.cpp through an isa_<name>.cpp that defines ATTNPLUG_ISA"
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -32,6 +37,10 @@
 #include <immintrin.h>
 #endif
 
+#include "kernel.h"
+
+namespace attnplug_cpu_fused {
+namespace ATTNPLUG_ISA {
 namespace {
 
 constexpr int W = 16;   // floats per vector
@@ -168,7 +177,7 @@ inline vf vexp(vf x) {
   return x == x ? res : x;
 }
 
-// one thread's scratch, grown on demand and kept (OpenMP threads persist between calls); null
+// one thread's scratch, grown on demand and kept (torch's pool threads persist between calls); null
 // when a grow fails, and then nothing is kept (a later smaller call allocates again)
 struct Scratch {
   float* p = nullptr;
@@ -191,38 +200,6 @@ thread_local Scratch tl_scores, tl_misc;
 
 }  // namespace
 
-extern "C" {
-
-// Field order and types are mirrored by fused.py's ctypes Structure: change both together.
-struct DecodeArgs {
-  const void* q; int64_t q_st, q_sh;        // queries [T, Hkv*G, D] (strides in elements)
-  const void* k; int64_t k_ss, k_sh;        // cache K [slots, Hkv, D]
-  const void* v; int64_t v_ss, v_sh;        // cache V [slots, Hkv, Dv]
-  const void* kn; int64_t kn_st, kn_sh;     // this forward's new K [T, Hkv, D] (null: none, cross-attention)
-  const void* vn; int64_t vn_st, vn_sh;
-  const int64_t* r2t; int64_t r2t_s;        // req_to_token
-  const int64_t* plan;                      // [B, 8] per work row (a request, or a chunk of its queries):
-                                            // req_to_token row, first cached position read, cached keys
-                                            // read, first query token, queries, position of the first
-                                            // query, the request's first new-key token, the chunk's first
-                                            // query within the request (new keys 0 .. that + queries - 1)
-  // the mask's rows are per work row (b * m_sb), indexed by query within the request
-  const uint8_t* mask; int64_t m_sb, m_sq;  // target-verify [B, E, E] (1: query sees draft key), or null
-  void* o; int64_t o_st, o_sh;              // output [T, Hkv*G, Dv]
-  const float* sinks;                       // [Hkv*G] or null
-  int32_t q_dtype, kv_dtype;                // 0 f32, 1 bf16, 2 f16; kv also 3 e4m3fn, 4 e5m2
-  int32_t new_f32;                          // 1: kn/vn are float32 (an fp8 cache's dequantized new tokens)
-  int32_t B, Hkv, G, D, Dv;
-  int32_t window;                           // sliding window (-1: none): a query at position P sees keys >= P - window
-  int32_t heads_per_item, nthreads;
-  float scale, cap, k_scale, v_scale;       // cap 0: none; k/v_scale multiply stored cache values
-  int64_t num_slots;                        // slots of the cache: every slot read is checked against it
-  int64_t* err;                             // [4] out: code (0 none, 3 bad slot, 4 no memory, 5 a work row
-                                            // past the scratch sized for the call: a bug here), work row,
-                                            // position, slot value (the first failure recorded)
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -309,10 +286,25 @@ inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_str
 
 // record the first failure of a call (code, work row, position, slot)
 inline void fail(const DecodeArgs& a, int64_t code, int64_t row, int64_t pos, int64_t slot) {
-#pragma omp critical(attnplug_fused_err)
-  {
-    if (a.err[0] == 0) { a.err[0] = code; a.err[1] = row; a.err[2] = pos; a.err[3] = slot; }
+  int64_t none = 0;  // the first failure claims the record; the others leave it
+  if (__atomic_compare_exchange_n(&a.err[0], &none, int64_t(-1), false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+    a.err[1] = row; a.err[2] = pos; a.err[3] = slot;
+    __atomic_store_n(&a.err[0], code, __ATOMIC_RELEASE);
   }
+}
+
+// Run item(it) for it in [0, n) on the caller's pool: `workers` threads take items one at a time
+// from a shared counter (dynamic scheduling: work rows differ in length)
+template <class F>
+void for_items(const DecodeArgs& a, int64_t n, const F& item) {
+  struct Ctx { const F* item; int64_t n; int64_t next; } ctx{&item, n, 0};
+  auto body = [](void* p) {
+    Ctx* c = static_cast<Ctx*>(p);
+    for (int64_t it; (it = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->n;) (*c->item)(it);
+  };
+  const int64_t workers = a.nthreads < n ? a.nthreads : n;
+  if (a.parallel == nullptr || workers <= 1) body(&ctx);
+  else a.parallel(workers, &ctx, body);
 }
 
 inline float hmax16(vf v) {
@@ -388,9 +380,8 @@ int run(const DecodeArgs& a) {
   const int dmax = D > Dv ? D : Dv;
 
   int failed = 0;  // set once any item failed: the others stop early
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
-  for (int64_t it = 0; it < int64_t(a.B) * NH; ++it) {
-    if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
+  for_items(a, int64_t(a.B) * NH, [&](int64_t it) {
+    if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) return;
     const int b = int(it / NH), h0 = int(it % NH) * HC, h1 = h0 + HC < a.Hkv ? h0 + HC : a.Hkv;
     const int64_t* pl = a.plan + PLAN * b;
     const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], pos0 = pl[5], kn_t0 = pl[6], a0 = pl[7];
@@ -401,10 +392,10 @@ int run(const DecodeArgs& a) {
       const int hh = r / RH, qi = (r % RH) / G, g = r % G;
       return O + (t0 + qi) * a.o_st + int64_t((h0 + hh) * G + g) * a.o_sh;
     };
-    if (nq == 0) continue;
+    if (nq == 0) return;
     if (n == 0) {  // nothing visible (an empty encoder): zeros, sinks or not
       for (int r = 0; r < R; ++r) { QT* op = out_row(r); for (int d = 0; d < Dv; ++d) Q::put(op + d, 0.0f); }
-      continue;
+      return;
     }
     const int64_t* slots = a.r2t + row * a.r2t_s + start;
     {  // every slot this item reads is a slot of the cache (req_to_token may have changed since the check)
@@ -414,21 +405,21 @@ int run(const DecodeArgs& a) {
       if (bad >= 0) {
         fail(a, 3, b, start + bad, slots[bad]);
         __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-        continue;
+        return;
       }
     }
     const int64_t npad = (n + KB - 1) / KB * KB;
     if (npad > npad_max || nq > most_rows) {  // the scratch below is sized for npad_max keys, most_rows queries
       fail(a, 5, b, -1, npad);
       __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-      continue;
+      return;
     }
     float* sc = tl_scores.get(size_t(R) * npad_max);                    // [R][npad] scores, then exp(s - m)
     float* misc = tl_misc.get(size_t(nh) * most_rows * G * (D + Dv + 2) + size_t(KB + 1) * dmax);
     if (sc == nullptr || misc == nullptr) {
       fail(a, 4, b, -1, int64_t(size_t(R) * npad_max * 4));
       __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-      continue;
+      return;
     }
     float* qf = misc;                                        // [R][D] queries, scaled
     float* acc = qf + size_t(R) * D;                         // [R][Dv]
@@ -552,7 +543,7 @@ int run(const DecodeArgs& a) {
       QT* op = out_row(r);
       for (int d = 0; d < Dv; ++d) Q::put(op + d, acc[r * Dv + d] * inv);
     }
-  }
+  });
   return int(a.err[0]);
 }
 
@@ -573,24 +564,18 @@ int dispatch_kv(const DecodeArgs& a) {
 
 }  // namespace
 
-extern "C" {
-
-// 0: done; 1: a shape this kernel does not take; 2: a dtype pairing it does not take; 3: a slot read
-// through req_to_token is out of range; 4: scratch memory could not be allocated (3 and 4: details
-// in a->err, the output is incomplete)
-int attnplug_fused_decode(const DecodeArgs* a) {
-  if (a->D % W || a->Dv % W || a->D <= 0 || a->Dv <= 0 || a->G <= 0 || a->heads_per_item <= 0) return 1;
-  if (a->err == nullptr || a->num_slots < 0) return 1;
+// the return codes: kernel.h (RC_*)
+int attend(const DecodeArgs* a) {
+  if (a->D % W || a->Dv % W || a->D <= 0 || a->Dv <= 0 || a->G <= 0 || a->heads_per_item <= 0) return RC_SHAPE;
+  if (a->err == nullptr || a->num_slots < 0) return RC_SHAPE;
   a->err[0] = 0;
   switch (a->q_dtype) {
     case 0: return dispatch_kv<F32>(*a);
     case 1: return dispatch_kv<BF16>(*a);
     case 2: return dispatch_kv<F16>(*a);
-    default: return 2;
+    default: return RC_DTYPE;
   }
 }
 
-// the struct size, checked against the ctypes mirror when the library is loaded
-int64_t attnplug_fused_decode_args_size(void) { return int64_t(sizeof(DecodeArgs)); }
-
-}  // extern "C"
+}  // namespace ATTNPLUG_ISA
+}  // namespace attnplug_cpu_fused

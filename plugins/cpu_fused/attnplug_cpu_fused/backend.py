@@ -1,0 +1,443 @@
+"""Kernel module of the ``cpu_fused`` backend: the fused C++ CPU kernel behind a torch op.
+
+Imported only when the backend is built. ``CpuFusedBackend`` subclasses torch_native's backend:
+decode, and every extend-mode request with at most ``FUSED_MAX_QUERIES`` new tokens (target-verify
+drafts, a mixed batch's decode requests, short extends), go through
+``torch.ops.attnplug_cpu_fused.attend`` (``csrc/attention.cpp``, compiled at install: one pass over
+the paged cache reading each visible row once, in place, computing in float32); longer extends go
+through ``torch.ops.attnplug_cpu_fused.extend_tiled`` (``csrc/extend_tiled.cpp``: query tiles x key
+tiles with an online softmax, causal tiles skipped, bf16 products through ``vdpbf16ps`` where the
+CPU has it) where the layer fits it (``tiled_fits``: float32/bfloat16 with the cache in the model
+dtype, self-attention, no target-verify mask, at most 64 query heads per KV head); what neither
+takes runs torch_native's SDPA path, as do bidirectional layers (the kernels mask causally) and a
+forward whose kernel scratch would exceed ``BuildContext.max_workspace_bytes``. What the kernel does not take at
+all (another layout, a cache dtype other than the model's or fp8, head dims not multiples of 16,
+another device) is refused by the declared capabilities before a forward, with the reason.
+
+What each layer's call needs is prepared in three named pieces:
+
+- ``FusedLayer`` (``plan_layer``, once per ``LayerSpec``): the layer's cache tensors, sinks,
+  window, scaling, soft-cap, its error record and its geometry;
+- ``FusedForward`` (``FusedMeta.work``, once per forward and layer geometry, shared by every layer
+  of that geometry): the work rows (``plan``), the target-verify mask per row, the work split; or
+  ``NO_REQUESTS`` (no request of this forward is the kernel's) or a ``Declined`` saying why the
+  eager paths run instead;
+- the call: q, the new K/V and the output are passed as tensors each time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from attnplug import ForwardMode
+from attnplug.errors import BackendUnavailableError, ResourceLimitError, ShapeError
+from attnplug_torch_native.backend import ForwardMeta, TorchNativeBackend
+
+from . import CAPABILITIES, NAME
+from . import kernel
+
+#: In the extend modes the kernel takes requests with at most this many new tokens (drafts, a
+#: mixed batch's decode requests, short extends); longer ones go through torch_native's SDPA path.
+#: Measured (one thread, 32/8 heads, head dim 128, over 1024 cached tokens, kernel time over SDPA's):
+#: 4 new tokens 0.48x fp32 / 0.31x bf16, 16 0.80x / 0.69x, 32 1.05x / 0.96x, 128 1.26x / 1.13x.
+FUSED_MAX_QUERIES = 16
+#: Most queries per work row: a request's new tokens are cut into chunks of this many, fewer when
+#: one chunk's scores would not fit ``FUSED_SCRATCH_BYTES`` (long contexts).
+FUSED_QUERY_CHUNK = 16
+#: Per-thread scratch the kernel aims under (it takes fewer KV heads per work item to fit).
+FUSED_SCRATCH_BYTES = 8 << 20
+
+_F32 = torch.float32
+
+
+def create(ctx: Any) -> tuple[str, "CpuFusedBackend"]:
+    """Factory named by the descriptor: ``(effective_name, backend)``."""
+    return NAME, CpuFusedBackend(ctx)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """The kernel does not take this layer in this forward: the eager paths run (``reason`` says why)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NoRequests:
+    """No request of this forward is the kernel's (every one is a long extend)."""
+
+
+NO_REQUESTS = NoRequests()
+BIDIRECTIONAL = Declined("a bidirectional layer (the kernel masks causally): torch_native's eager paths")
+
+
+@dataclass(frozen=True)
+class FusedForward:
+    """The op's arguments that depend on the forward, shared by every layer of one geometry."""
+
+    plan: torch.Tensor  # int64 [B, 8]: the work rows (FusedMeta.plan)
+    mask: torch.Tensor | None  # the target-verify mask per work row
+    per_item: int  # KV heads per work item
+    requests: list[int]  # the request of each work row (error messages name it)
+
+
+#: what ``FusedMeta.work`` answers for one layer geometry
+Work = FusedForward | NoRequests | Declined
+
+
+@dataclass
+class FusedLayer:
+    """The op's arguments that depend only on the layer (``CpuFusedBackend.plan_layer``)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    sinks: torch.Tensor | None  # float32 [H]
+    window: int  # -1: none
+    cross: bool
+    scale: float
+    cap: float
+    err: torch.Tensor  # int64 [4]: the kernel's first failure (code, work row, position, slot)
+    geometry: tuple[Any, ...]
+    bidirectional: bool = False  # the kernel masks causally: such a layer runs torch_native's paths
+
+
+class FusedMeta(ForwardMeta):
+    """torch_native's per-forward metadata plus the kernel's work rows, built once per forward."""
+
+    def __init__(self, batch: Any, cache: Any) -> None:
+        super().__init__(batch, cache)
+        self._chunks: dict[int, list[tuple[int, int, int]]] = {}
+        self._plan: dict[tuple[Any, ...], tuple[torch.Tensor, int, int]] = {}
+        self._mask: dict[int, torch.Tensor | None] = {}
+        self._tiled: dict[int | None, torch.Tensor] = {}
+        #: per (dtype, layer): why the tiled kernel does not take the layer's long extends (None: it does)
+        self.tiled_why: dict[tuple[Any, ...], str | None] = {}
+        #: per (dtype, threads, layer geometry): what the kernel does in this forward
+        self.work: dict[tuple[Any, ...], Work] = {}
+
+    def fused_requests(self) -> tuple[int, ...]:
+        """The requests the kernel takes in this forward: every one in decode; in the extend modes
+        those with 1 to ``FUSED_MAX_QUERIES`` new tokens."""
+        if self.mode is ForwardMode.DECODE:
+            return tuple(range(len(self.rows)))
+        return tuple(i for i, e in enumerate(self.ext) if 1 <= e <= FUSED_MAX_QUERIES)
+
+    def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
+        """``(request, first query, queries)`` per work row: each fused request's new tokens in chunks
+        of at most ``chunk`` (bounded scratch; a chunk reads only the keys its queries can see)."""
+        got = self._chunks.get(chunk)
+        if got is None:
+            got = self._chunks[chunk] = [(i, a0, min(chunk, self.ext[i] - a0))
+                                         for i in self.fused_requests() for a0 in range(0, self.ext[i], chunk)]
+        return got
+
+    def mask(self, chunk: int) -> torch.Tensor | None:
+        """The target-verify mask of each work row's request (contiguous)."""
+        if self.custom_mask is None:
+            return None
+        if chunk not in self._mask:
+            rows = [i for i, _, _ in self.chunks(chunk)]
+            self._mask[chunk] = self.custom_mask[rows].contiguous()
+        return self._mask[chunk]
+
+    def tiled_requests(self) -> tuple[int, ...]:
+        """The requests the tiled extend kernel may take in this forward: in the extend modes those
+        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode)."""
+        if self.mode is ForwardMode.DECODE:
+            return ()
+        return tuple(i for i, e in enumerate(self.ext) if e > FUSED_MAX_QUERIES)
+
+    def tiled_plan(self, window: int | None) -> torch.Tensor:
+        """``extend_tiled``'s ``[n, 8]`` int64 plan: ``plan``'s rows with each request of
+        ``tiled_requests()`` whole (self-attention only), built once per forward and window."""
+        got = self._tiled.get(window)
+        if got is None:
+            rows = []
+            for i in self.tiled_requests():
+                p, e = self.prefix[i], self.ext[i]
+                start = 0 if window is None else min(p, max(0, p - window))
+                rows.append([self.rows[i], start, p - start, self.q_off[i], e, p, self.q_off[i], 0])
+            got = self._tiled[window] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+        return got
+
+    def plan(self, window: int | None, cross: bool, chunk: int) -> tuple[torch.Tensor, int, int]:
+        """The ``[n, 8]`` int64 plan, one row per chunk of ``chunks(chunk)``: req_to_token row, first
+        cached position read, cached keys read, first query token, queries, position of the first
+        query, the request's first new token, the chunk's first query within the request; and the
+        most keys and the most queries of any row."""
+        key = (window, cross, chunk)
+        got = self._plan.get(key)
+        if got is None:
+            rows, keys = [], []
+            for i, a0, nq in self.chunks(chunk):
+                p = self.prefix[i]
+                if cross:
+                    start, cached, new = 0, (self.enc[i] if self.enc else 0), 0
+                else:
+                    # cached keys from the window's start for the chunk's first query (its later
+                    # queries mask more); none when the window ends inside the new tokens
+                    start = 0 if window is None else min(p, max(0, p + a0 - window))
+                    cached, new = p - start, a0 + nq
+                rows.append([self.rows[i], start, cached, self.q_off[i] + a0, nq, p + a0, self.q_off[i], a0])
+                keys.append(cached + new)
+            table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+            got = self._plan[key] = (table, max(keys, default=0), max((r[4] for r in rows), default=0))
+        return got
+
+
+class CpuFusedBackend(TorchNativeBackend):
+    """The fused C++ CPU kernel (torch op ``attnplug_cpu_fused::attend``); torch_native's paths for
+    long extends."""
+
+    capabilities = CAPABILITIES
+    backend_name = NAME
+
+    def __init__(self, ctx: Any, **kw: Any) -> None:
+        super().__init__(ctx, **kw)
+        if self.device.type != "cpu":
+            raise BackendUnavailableError(NAME, [f"runs on CPU only (this backend is on {self.device.type})"], "")
+        op, why = kernel.load()
+        if op is None:
+            raise BackendUnavailableError(NAME, [str(why)], "pip install attnplug-cpu-fused with a C++ compiler")
+        self._op: Callable[..., Any] = op
+        self._tiled_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.extend_tiled.default
+        #: long extends (more than ``FUSED_MAX_QUERIES`` new tokens) through the tiled kernel where the
+        #: layer fits it (``tiled_fits``), else torch_native's SDPA path
+        self.tiled = True
+        #: the tiled kernel's instruction set (``kernel.TILED_ISAS``; 0: the best this CPU runs; tests pin one)
+        self.tiled_isa = 0
+        #: the kernel variant this process runs (``avx512bf16``, ``avx512``, ``avx2``, ``portable``)
+        self.isa = kernel.isa()
+
+    def build_metadata(self, batch: Any) -> FusedMeta:
+        return FusedMeta(batch, self.cache)
+
+    def runtime_notes(self) -> list[str]:
+        return [f"kernel variant {self.isa} (of {', '.join(kernel.ISAS)}; chosen by cpuid at load); decode and "
+                f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel, longer extends through the "
+                f"tiled extend kernel where the layer fits it, else torch_native's SDPA path"]
+
+    # -- per layer -----------------------------------------------------------
+    def plan_layer(self, layer: Any) -> FusedLayer:
+        """The op's arguments that depend only on the layer, built once per layer object."""
+        cache, lid = self.cache, layer.layer_id
+        cross = layer.is_cross_attention
+        window = None if cross else layer.sliding_window
+        sinks = None
+        if layer.sinks is not None:
+            sinks = torch.as_tensor(layer.sinks).detach().to(device=self.device, dtype=_F32).reshape(
+                layer.num_heads).contiguous()
+        kc, vc = cache.get_kv(lid)
+        geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
+        return FusedLayer(kc, vc, sinks, -1 if window is None else int(window), cross, float(layer.scaling),
+                          float(layer.logit_cap or 0.0), torch.zeros(4, dtype=torch.int64), geometry,
+                          bool(layer.uses_bidirectional))
+
+    # -- per forward ------------------------------------------------------------
+    def _work(self, q: torch.Tensor, layer: Any, meta: FusedMeta, fl: FusedLayer) -> Work:
+        threads = torch.get_num_threads()
+        key = (q.dtype, threads, fl.geometry)
+        got = meta.work.get(key)
+        if got is None:
+            got = meta.work[key] = self._prepare(layer, meta, threads)
+        return got
+
+    def _prepare(self, layer: Any, meta: FusedMeta, threads: int) -> Work:
+        G, D, Dv, Hkv = layer.gqa_group_size, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
+        cross = layer.is_cross_attention
+        window = None if cross else layer.sliding_window
+        aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
+        # work items are (chunk of a request's queries, KV heads): all heads unless that leaves
+        # threads idle, then fewer heads and shorter chunks until the scratch is under the aim
+        chunk = FUSED_QUERY_CHUNK
+        while True:
+            plan, most_keys, most_q = meta.plan(window, cross, chunk)
+            B = plan.shape[0]
+            if B == 0:
+                return NO_REQUESTS
+            per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
+
+            def scratch(heads: int) -> int:
+                return kernel.scratch_bytes(threads, heads, most_q, G, most_keys, D, Dv)  # noqa: B023  # called in this iteration
+
+            while per_item > 1 and scratch(per_item) > aim:
+                per_item = (per_item + 1) // 2
+            if most_q == 1 or scratch(per_item) <= aim:
+                break
+            chunk = max(1, most_q // 2)
+        need = scratch(per_item)
+        if need > self.max_workspace_bytes:
+            return Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
+                            f"{self.max_workspace_bytes}")
+        mask = None if cross else meta.mask(chunk)
+        return FusedForward(plan, mask, per_item, [i for i, _, _ in meta.chunks(chunk)])
+
+    # -- the call -----------------------------------------------------------------
+    def _args(self, q: torch.Tensor, k: Any, v: Any, layer: Any, fl: FusedLayer,
+              fw: FusedForward, out: torch.Tensor) -> tuple[Any, ...]:
+        kn = vn = None
+        if not fl.cross:
+            if self.cache.quantized:  # the new tokens as the cache stores them, dequantized (float32)
+                k, v = self._stored(layer, k, v)
+            elif k.dtype != q.dtype or v.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            kn = k if k.stride(-1) == 1 else k.contiguous()
+            vn = v if v.stride(-1) == 1 else v.contiguous()
+        q3 = q if q.stride(-1) == 1 else q.contiguous()
+        ks, vs = self.cache.kv_scales(layer.layer_id) if self.cache.quantized else (1.0, 1.0)
+        return (q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, fw.plan, fw.mask, fl.sinks, out, fl.err,
+                layer.gqa_group_size, fl.window, fw.per_item, fl.scale, fl.cap, float(ks), float(vs))
+
+    def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
+                      out: torch.Tensor) -> Work:
+        """Attend ``meta.fused_requests()`` through the op into their rows of ``out``; what was done."""
+        fl = self.layer_plan(layer).kernel
+        if fl.bidirectional:
+            return BIDIRECTIONAL
+        fw = self._work(q, layer, meta, fl)
+        if not isinstance(fw, FusedForward):
+            return fw
+        try:
+            self._op(*self._args(q, k, v, layer, fl, fw, out))
+        except RuntimeError as exc:
+            if "attnplug_cpu_fused::attend failed" not in str(exc):
+                raise
+            self._failed(fl, fw, layer, meta, exc)
+        return fw
+
+    def _failed(self, fl: FusedLayer, fw: FusedForward, layer: Any, meta: FusedMeta,
+                exc: Exception) -> None:  # pragma: no cover  (error paths: tests/plugins/test_forward_robustness.py)
+        """Raise the error the kernel's record ``fl.err`` stands for."""
+        code, work_row, pos, value = (int(x) for x in fl.err.tolist())
+        if code == kernel.RC_BAD_SLOT:
+            i = fw.requests[work_row]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
+                f"which is out of range (expected 0 <= slot < num_slots={self.cache.num_slots}); req_to_token "
+                f"changed after init_forward_metadata checked it (layer {layer.layer_id}); nothing was written"
+            ) from None
+        if code == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(
+                f"{NAME}: the fused CPU kernel could not allocate its scratch (about {value / 2**20:.1f} MiB for a "
+                f"thread) for layer {layer.layer_id}; lower BuildContext.max_workspace_bytes or split the batch"
+            ) from None
+        if code == kernel.RC_SCRATCH_PLAN:
+            raise RuntimeError(
+                f"{NAME}: the fused CPU kernel found work row {work_row} needing {value} padded keys, more than "
+                f"the scratch it sized for this call (layer {layer.layer_id}): a bug in attention.cpp's scratch "
+                f"plan; nothing was read past the scratch") from None
+        # the capabilities admitted a layer the kernel refuses: the two disagree
+        raise RuntimeError(f"{NAME}: the fused CPU kernel refused layer {layer.layer_id} although its declared "
+                           f"capabilities admit it: {exc}") from None
+
+    # -- long extends: the tiled kernel -------------------------------------------
+    def tiled_fits(self, q: torch.Tensor, layer: Any, meta: FusedMeta) -> str | None:
+        """``None`` when the tiled extend kernel takes this layer's long extends in this forward, else
+        why torch_native's SDPA path runs them."""
+        if not self.tiled:
+            return "tiled=False"
+        if layer.uses_bidirectional:
+            return "a bidirectional layer (the tiled kernel masks causally)"
+        if q.dtype not in (_F32, torch.bfloat16) or self.cache.quantized or self.cache.dtype != q.dtype:
+            return f"a {self.cache.dtype} cache under a {q.dtype} model (the tiled kernel takes float32 and bfloat16)"
+        if layer.is_cross_attention:
+            return "cross-attention (the tiled kernel attends over the request's own tokens)"
+        if layer.gqa_group_size > 64:
+            return f"{layer.gqa_group_size} query heads per KV head (the tiled kernel takes up to 64)"
+        if meta.custom_mask is not None:
+            return "a target-verify mask (the tiled kernel masks causally)"
+        need = kernel.tiled_scratch_bytes(torch.get_num_threads(), layer.head_dim, layer.v_head_dim)
+        if need > self.max_workspace_bytes:
+            return f"the tiled kernel's scratch ({need} bytes) is over the workspace limit"
+        return None
+
+    def _attend_tiled(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
+                      out: torch.Tensor) -> bool:
+        """Attend ``meta.tiled_requests()`` through the tiled op into their rows of ``out``; ``False``
+        (nothing written) when the layer does not fit it (``tiled_fits``)."""
+        key = (q.dtype, id(layer))
+        if key not in meta.tiled_why:
+            meta.tiled_why[key] = self.tiled_fits(q, layer, meta)
+        if meta.tiled_why[key] is not None:
+            return False
+        fl = self.layer_plan(layer).kernel
+        window = layer.sliding_window
+        plan = meta.tiled_plan(window)
+        q3 = q if q.stride(-1) == 1 else q.contiguous()
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        kn = k if k.stride(-1) == 1 else k.contiguous()
+        vn = v if v.stride(-1) == 1 else v.contiguous()
+        try:
+            self._tiled_op(q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, plan, fl.sinks, out, fl.err,
+                           layer.gqa_group_size, -1 if window is None else int(window), self.tiled_isa, fl.scale,
+                           fl.cap)
+        except RuntimeError as exc:
+            if "attnplug_cpu_fused::extend_tiled failed" not in str(exc):
+                raise
+            self._tiled_failed(fl, layer, meta, exc)
+        return True
+
+    def _tiled_failed(self, fl: FusedLayer, layer: Any, meta: FusedMeta,
+                      exc: Exception) -> None:  # pragma: no cover  (error paths: tests/plugins/test_cpu_fused_tiled.py)
+        code, row, pos, value = (int(x) for x in fl.err.tolist())
+        if code == kernel.RC_BAD_SLOT:
+            i = meta.tiled_requests()[row]
+            raise ShapeError(
+                f"{NAME}: request {i} (req_to_token row {meta.rows[i]}): position {pos} maps to slot {value}, "
+                f"outside the cache's {self.cache.num_slots} slots (req_to_token changed after the batch was "
+                f"checked)") from None
+        if code == kernel.RC_NO_MEMORY:
+            raise ResourceLimitError(f"{NAME}: the tiled CPU kernel could not allocate its scratch "
+                                     f"({value} bytes per thread, layer {layer.layer_id})") from None
+        if code == kernel.RC_ISA:
+            raise ValueError(f"{NAME}: tiled_isa={self.tiled_isa} is not available on this CPU (best: "
+                             f"{int(torch.ops.attnplug_cpu_fused.tiled_isa())})") from None
+        raise RuntimeError(f"{NAME}: the tiled CPU kernel refused layer {layer.layer_id} although tiled_fits "
+                           f"admitted it: {exc}") from None
+
+    def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
+        out = self.empty_output(q, layer)
+        if isinstance(self._attend_fused(q, k, v, layer, meta, out), Declined):
+            return super().compute_decode(q, k, v, layer, batch, meta)
+        return out
+
+    def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
+        out = self.empty_output(q, layer)
+        work = self._attend_fused(q, k, v, layer, meta, out)
+        if isinstance(work, Declined):
+            return super().compute_extend(q, k, v, layer, batch, meta)
+        done = frozenset(meta.fused_requests()) if isinstance(work, FusedForward) else frozenset()
+        if meta.tiled_requests() and self._attend_tiled(q, k, v, layer, meta, out):
+            done = done | frozenset(meta.tiled_requests())
+        if len(done) == len(meta.rows):
+            return out
+        return self.extend_requests(q, k, v, layer, meta, out, skip=done)
+
+    def kernel_call(self, q: Any, k: Any, v: Any, layer: Any,
+                    batch: Any) -> Any:  # pragma: no cover  (bench --overhead's hook: tests/fast/test_hot_path.py)
+        """The op with this forward's prepared arguments (only the output made per call) and the two
+        index copies of the K/V write, when every request goes through the kernel; else the default."""
+        meta = self.forward_metadata(batch)
+        fl = self.layer_plan(layer).kernel
+        out = self.empty_output(q, layer)
+        fw = self._work(q, layer, meta, fl)
+        if layer.is_cross_attention or self.cache.quantized or fl.bidirectional or not isinstance(fw, FusedForward) or \
+                len(meta.fused_requests()) != len(meta.rows):
+            return super().kernel_call(q, k, v, layer, batch)
+        args = list(self._args(q, k, v, layer, fl, fw, out))
+        op, write = self._op, self.raw_write(layer, batch, k, v)
+        shape, dtype = tuple(out.shape), out.dtype
+
+        def call() -> torch.Tensor:
+            o = torch.empty(shape, dtype=dtype)
+            args[9] = o
+            op(*args)
+            write()
+            return o
+        return call
+
+

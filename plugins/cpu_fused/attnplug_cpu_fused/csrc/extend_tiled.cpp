@@ -1,0 +1,618 @@
+// Tiled paged attention for long extends (prefill, chunked prefill) on CPU; entry in extend_tiled.h.
+//
+// Work items are (request, KV head, query tile): a tile holds QT = 64 / G consecutive queries of one
+// request, and its rows are (query, head of the KV head's group), so the G query heads of a KV head
+// share every key tile (GQA: each K/V row is read once per tile, not once per query head). Per item:
+// the queries are packed once, transposed ([D][rows], rows padded to a multiple of 16), then key tiles
+// of KT = 48 keys from the first key the tile's first query sees (its window) to the last query's key
+// (causal: tiles past the diagonal are never visited) go through
+//   scores S^T[key][row] = K . Q^T  — a register tile of RB keys x (rows / 16) vectors, each key's
+//     element broadcast straight from its row in the paged cache (no copy of K); bf16 under AVX-512
+//     BF16: pairs of elements through vdpbf16ps (exact products, float32 accumulation);
+//   masking only on tiles that cross the diagonal or the window's edge (select -inf, never add);
+//   online softmax vectorised across rows (running maximum, rescale of the accumulators);
+//   O += P V — register tiles of 4 rows x 4 vectors, V rows read in place (bf16 with vdpbf16ps:
+//     P rounded to bf16 to nearest even, two keys' V rows interleaved per tile); a tile holding a key
+//     hidden from some row adds a value row to a row only where its probability is not 0
+//     (0 * NaN is NaN: garbage in a later new token never reaches an earlier query).
+// Output rows are divided once by the softmax sum (plus exp(sink - max) with sinks; a row that sees
+// no key is zeros) and rounded once to the model dtype.
+//
+// The instruction set is chosen at run time (cpuid through __builtin_cpu_supports): the body below is
+// compiled once per ISA into its own namespace (this file includes itself with ET_NS / ET_TARGET set),
+// every function of it carrying that ISA's target attribute, so the file builds the same whether the
+// compiler runs with -march=native or for a baseline x86-64 (per-ISA objects).
+
+#ifndef ATTNPLUG_ET_BODY
+
+#include "extend_tiled.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ATTNPLUG_ET_X86 1
+#endif
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace {
+
+constexpr int KT = 48;     // keys per tile (a multiple of every register tile's key count: 24, 12, 8, 6)
+constexpr int MROWS = 128;  // rows per query tile at most (queries x G): each K/V row read serves them all
+constexpr int PLAN = 8;    // int64 fields per plan row
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+typedef int (*ItemFn)(const TiledArgs&, int b, int h, int i0, int i1, float* scratch);
+
+struct Scratch {  // one thread's scratch, grown on demand and kept
+  float* p = nullptr;
+  size_t n = 0;
+  ~Scratch() { std::free(p); }
+  float* get(size_t want) {
+    if (want > n) {
+      std::free(p);
+      p = nullptr;
+      n = 0;
+      if (want > (SIZE_MAX - 63) / 4) return nullptr;
+      p = static_cast<float*>(std::aligned_alloc(64, ((want * 4 + 63) / 64) * 64));
+      if (p != nullptr) n = want;
+    }
+    return p;
+  }
+};
+thread_local Scratch tl_tiled;
+
+// floats of scratch one item needs (see item(): its layout)
+size_t scratch_floats(int D, int Dv) {
+  const size_t mp = MROWS;
+  return size_t(D) * mp + KT * mp + KT / 2 * mp + KT / 2 * size_t(Dv) + mp * Dv + 5 * mp +
+         size_t(D > Dv ? D : Dv) + size_t(KT) * (D + Dv) + 64;
+}
+
+}  // namespace
+
+#define ATTNPLUG_ET_BODY 1
+
+#define ET_NS et_portable
+#define ET_TARGET
+#define ET_DP 0
+#include "extend_tiled.cpp"
+#undef ET_NS
+#undef ET_TARGET
+#undef ET_DP
+
+#ifdef ATTNPLUG_ET_X86
+#define ET_NS et_avx2
+#define ET_TARGET __attribute__((target("avx2,fma")))
+#define ET_DP 0
+#include "extend_tiled.cpp"
+#undef ET_NS
+#undef ET_TARGET
+#undef ET_DP
+
+#define ET_NS et_avx512
+#define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define ET_DP 0
+#include "extend_tiled.cpp"
+#undef ET_NS
+#undef ET_TARGET
+#undef ET_DP
+
+#define ET_NS et_avx512bf16
+#define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define ET_DP 1
+#include "extend_tiled.cpp"
+#undef ET_NS
+#undef ET_TARGET
+#undef ET_DP
+#endif
+
+namespace {
+
+int cpu_isa() {
+#ifdef ATTNPLUG_ET_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return __builtin_cpu_supports("avx512bf16") ? 4 : 3;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;
+#endif
+  return 1;
+}
+
+ItemFn item_fn(int isa, int dtype) {
+  switch (isa) {
+#ifdef ATTNPLUG_ET_X86
+    case 4: return dtype == 0 ? et_avx512bf16::item_f32 : et_avx512bf16::item_bf16;
+    case 3: return dtype == 0 ? et_avx512::item_f32 : et_avx512::item_bf16;
+    case 2: return dtype == 0 ? et_avx2::item_f32 : et_avx2::item_bf16;
+#endif
+    default: return dtype == 0 ? et_portable::item_f32 : et_portable::item_bf16;
+  }
+}
+
+void fail(const TiledArgs& a, int64_t code, int64_t row, int64_t pos, int64_t slot) {
+#pragma omp critical(attnplug_tiled_err)
+  {
+    if (a.err[0] == 0) { a.err[0] = code; a.err[1] = row; a.err[2] = pos; a.err[3] = slot; }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t attnplug_extend_tiled_isa(void) {
+  static const int isa = cpu_isa();
+  return isa;
+}
+
+int64_t attnplug_extend_tiled_args_size(void) { return int64_t(sizeof(TiledArgs)); }
+
+int attnplug_extend_tiled(const TiledArgs* ap) {
+  if (ap == nullptr || ap->err == nullptr) return 1;
+  const TiledArgs& a = *ap;
+  a.err[0] = a.err[1] = a.err[2] = a.err[3] = 0;
+  if (a.D <= 0 || a.Dv <= 0 || a.D % 16 || a.Dv % 16 || a.G <= 0 || a.G > 64 || a.Hkv <= 0 || a.B < 0 ||
+      a.num_slots < 0 || a.nthreads <= 0)
+    return 1;
+  if (a.dtype != 0 && a.dtype != 1) return 2;
+  const int avail = attnplug_extend_tiled_isa();
+  int isa = a.isa == 0 ? avail : a.isa;
+  if (isa < 1 || isa > avail) return 6;
+  // bf16 by default widens each tile's K/V to float32 and runs the float32 tiles, also where vdpbf16ps
+  // exists: measured on a Xeon with AVX-512 BF16 and AMX (one thread, 512 new over 1024 cached, 32/8
+  // heads, d128) 85 ms widened against 117 ms through vdpbf16ps, which issues at half the rate of a
+  // float32 FMA there (same flops) and needs P rounded and V pairs interleaved; isa = 4 pins it
+  if (a.isa == 0 && isa == 4 && a.dtype == 1) isa = 3;
+  const ItemFn fn = item_fn(isa, a.dtype);
+  const int QT = MROWS / a.G;
+  std::vector<int32_t> items;  // (request, KV head, first query) triples
+  for (int b = 0; b < a.B; ++b) {
+    const int64_t* pl = a.plan + PLAN * b;
+    const int64_t start = pl[1], nc = pl[2], nq = pl[4];
+    // a whole request per row, keys at positions start + j, and indices that fit int32
+    if (pl[7] != 0 || pl[5] != start + nc || nc < 0 || nq < 0 || nc + nq > INT32_MAX / 2) return 1;
+    const int64_t* slots = a.r2t + pl[0] * a.r2t_s + start;
+    for (int64_t j = 0; j < nc; ++j)
+      if (slots[j] < 0 || slots[j] >= a.num_slots) {
+        fail(a, 3, b, start + j, slots[j]);
+        return 3;
+      }
+    for (int h = 0; h < a.Hkv; ++h)
+      for (int64_t i0 = 0; i0 < nq; i0 += QT) {
+        items.push_back(b);
+        items.push_back(h);
+        items.push_back(int32_t(i0));
+      }
+  }
+  const size_t want = scratch_floats(a.D, a.Dv);
+  const int64_t n = int64_t(items.size() / 3);
+  int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
+  for (int64_t it = 0; it < n; ++it) {
+    if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
+    float* scr = tl_tiled.get(want);
+    if (scr == nullptr) {
+      fail(a, 4, items[3 * it], -1, int64_t(want * 4));
+      __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      continue;
+    }
+    const int b = items[3 * it], h = items[3 * it + 1], i0 = items[3 * it + 2];
+    const int nq = int(a.plan[PLAN * b + 4]);
+    fn(a, b, h, i0, i0 + QT < nq ? i0 + QT : nq, scr);
+  }
+  return int(a.err[0]);
+}
+
+}  // extern "C"
+
+#else  // ATTNPLUG_ET_BODY: the kernel, once per instruction set
+
+namespace ET_NS {
+
+ET_TARGET inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // a broadcast (0 + x is not x for -0)
+ET_TARGET inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+ET_TARGET inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+ET_TARGET inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+ET_TARGET inline vf bits(vu u) { vf f; std::memcpy(&f, &u, sizeof f); return f; }
+ET_TARGET inline vu ubits(vf f) { vu u; std::memcpy(&u, &f, sizeof u); return u; }
+
+struct F32 {
+  typedef float T;
+  ET_TARGET static inline vf load(const T* p) { return loadf(p); }
+  ET_TARGET static inline float one(const T* p) { return *p; }
+  ET_TARGET static inline void put(T* p, float x) { *p = x; }
+};
+struct BF16 {
+  typedef uint16_t T;
+  ET_TARGET static inline vf load(const T* p) {
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return bits(__builtin_convertvector(h, vu) << 16);
+  }
+  ET_TARGET static inline float one(const T* p) { uint32_t u = uint32_t(*p) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  ET_TARGET static inline void put(T* p, float x) {  // round to nearest even; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *p = uint16_t((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = uint16_t(u >> 16);
+  }
+};
+
+// 16 float32 -> bf16 bits (in the low half of each lane), round to nearest even; NaN stays NaN
+ET_TARGET inline vu to_bf16(vf x) {
+  const vu u = ubits(x);
+  const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r;
+}
+
+// exp(x) for x <= 0 (and NaN), as attention.cpp's: 0 below -87, -inf included
+ET_TARGET inline vf vexp(vf x) {
+  vf xc = x < splat(-87.0f) ? splat(-87.0f) : x;
+  vf t = xc * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  n = n > t ? n - 1.0f : n;
+  vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vu e = __builtin_convertvector(__builtin_convertvector(n, vi) + 127, vu) << 23;
+  vf res = p * bits(e);
+  res = x < splat(-87.0f) ? splat(0.0f) : res;
+  return x == x ? res : x;
+}
+
+// st[j][row] = sum over d of K_j[d] * qt[d][row], RB keys x NVR row vectors in registers; each key's
+// element broadcast from its row (qt already holds q * scale)
+template <class S, int NVR>
+ET_TARGET void qk(float* st, int MP, const float* qt, const typename S::T* const* kr, int ktp, int D) {
+  constexpr int RB = 24 / NVR;
+  for (int j = 0; j < ktp; j += RB) {
+    vf acc[RB][NVR];
+    for (int jj = 0; jj < RB; ++jj)
+      for (int v = 0; v < NVR; ++v) acc[jj][v] = vf{};
+    const typename S::T* rp[RB];
+    for (int jj = 0; jj < RB; ++jj) rp[jj] = kr[j + jj];
+    for (int d = 0; d < D; ++d) {
+      vf qv[NVR];
+      for (int v = 0; v < NVR; ++v) qv[v] = loadf(qt + d * MP + 16 * v);
+      for (int jj = 0; jj < RB; ++jj) {
+        const vf kb = splat(S::one(rp[jj] + d));
+        for (int v = 0; v < NVR; ++v) acc[jj][v] += kb * qv[v];
+      }
+    }
+    for (int jj = 0; jj < RB; ++jj)
+      for (int v = 0; v < NVR; ++v) storef(st + (j + jj) * MP + 16 * v, acc[jj][v]);
+  }
+}
+
+#if ET_DP
+// the same for bf16 through vdpbf16ps: qp[d/2][row] holds the row's bf16 pair (q[d], q[d+1]) (unscaled),
+// each key's pair is broadcast from its row; scores scaled here, in float32
+template <int NVR>
+ET_TARGET void qk_dp(float* st, int MP, const uint32_t* qp, const uint16_t* const* kr, int ktp, int D, float scale) {
+  constexpr int RB = 24 / NVR;
+  for (int j = 0; j < ktp; j += RB) {
+    __m512 acc[RB][NVR];
+    for (int jj = 0; jj < RB; ++jj)
+      for (int v = 0; v < NVR; ++v) acc[jj][v] = _mm512_setzero_ps();
+    const uint16_t* rp[RB];
+    for (int jj = 0; jj < RB; ++jj) rp[jj] = kr[j + jj];
+    for (int d2 = 0; d2 < D / 2; ++d2) {
+      __m512i qv[NVR];
+      for (int v = 0; v < NVR; ++v) qv[v] = _mm512_loadu_si512(qp + d2 * MP + 16 * v);
+      for (int jj = 0; jj < RB; ++jj) {
+        uint32_t kk;
+        std::memcpy(&kk, rp[jj] + 2 * d2, 4);
+        const __m512i kb = _mm512_set1_epi32(int(kk));
+        for (int v = 0; v < NVR; ++v) acc[jj][v] = _mm512_dpbf16_ps(acc[jj][v], (__m512bh)kb, (__m512bh)qv[v]);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int jj = 0; jj < RB; ++jj)
+      for (int v = 0; v < NVR; ++v) _mm512_storeu_ps(st + (j + jj) * MP + 16 * v, _mm512_mul_ps(acc[jj][v], sc));
+  }
+}
+
+// acc[r][c..] += sum over key pairs of P pairs (bf16) x interleaved V pairs (bf16), RR rows x NV vectors
+template <int RR, int NV>
+ET_TARGET inline void pv_dp_block(float* acc, int Dv, const uint32_t* pp, int MP, const uint32_t* vp, int kp, int r0, int c0) {
+  __m512 t[RR][NV];
+  for (int rr = 0; rr < RR; ++rr)
+    for (int v = 0; v < NV; ++v) t[rr][v] = _mm512_loadu_ps(acc + (r0 + rr) * Dv + c0 + 16 * v);
+  for (int jp = 0; jp < kp; ++jp) {
+    __m512i x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_si512(vp + jp * Dv + c0 + 16 * v);
+    for (int rr = 0; rr < RR; ++rr) {
+      const __m512i p = _mm512_set1_epi32(int(pp[jp * MP + r0 + rr]));
+      for (int v = 0; v < NV; ++v) t[rr][v] = _mm512_dpbf16_ps(t[rr][v], (__m512bh)p, (__m512bh)x[v]);
+    }
+  }
+  for (int rr = 0; rr < RR; ++rr)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (r0 + rr) * Dv + c0 + 16 * v, t[rr][v]);
+}
+#endif
+
+// acc[r][c..] += sum over keys j of st[j][r] * V_j[c..], RR rows x NV vectors in registers, V rows in place
+template <class S, int RR, int NV>
+ET_TARGET inline void pv_block(float* acc, int Dv, const float* st, int MP, const typename S::T* const* vr, int ktp,
+                               int r0, int c0) {
+  vf t[RR][NV];
+  for (int rr = 0; rr < RR; ++rr)
+    for (int v = 0; v < NV; ++v) t[rr][v] = loadf(acc + (r0 + rr) * Dv + c0 + 16 * v);
+  for (int j = 0; j < ktp; ++j) {
+    vf x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = S::load(vr[j] + c0 + 16 * v);
+    for (int rr = 0; rr < RR; ++rr) {
+      const vf p = splat(st[j * MP + r0 + rr]);
+      for (int v = 0; v < NV; ++v) t[rr][v] += p * x[v];
+    }
+  }
+  for (int rr = 0; rr < RR; ++rr)
+    for (int v = 0; v < NV; ++v) storef(acc + (r0 + rr) * Dv + c0 + 16 * v, t[rr][v]);
+}
+
+// a tile holding keys hidden from some rows: a value row is added to a row only where its probability
+// is not 0 (select, never multiply by zero: 0 * NaN is NaN)
+template <class S>
+ET_TARGET void pv_select(float* acc, int Dv, const float* st, int MP, const typename S::T* const* vr, int ktp, int M) {
+  for (int r = 0; r < M; ++r) {
+    float* ar = acc + r * Dv;
+    for (int j = 0; j < ktp; ++j) {
+      const float p = st[j * MP + r];
+      if (p == 0.0f) continue;
+      const vf pv = splat(p);
+      for (int c = 0; c < Dv; c += 16) storef(ar + c, loadf(ar + c) + pv * S::load(vr[j] + c));
+    }
+  }
+}
+
+// one work item: request b, KV head h, queries i0 .. i1-1 of the request
+template <class S, int NVR>
+ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
+  typedef typename S::T T;
+  constexpr int MP = NVR * 16;
+  const int64_t* pl = a.plan + PLAN * b;
+  const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], kn_t0 = pl[6];
+  const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
+  const T* Q = static_cast<const T*>(a.q);
+  const T* K = static_cast<const T*>(a.k);
+  const T* V = static_cast<const T*>(a.v);
+  const T* KN = static_cast<const T*>(a.kn) + kn_t0 * a.kn_st + int64_t(h) * a.kn_sh;
+  const T* VN = static_cast<const T*>(a.vn) + kn_t0 * a.vn_st + int64_t(h) * a.vn_sh;
+  const int64_t* slots = a.r2t + row * a.r2t_s + start;
+  const int64_t jend = nc + i1;  // the last query sees keys up to nc + i1 - 1 (causal)
+  const int64_t jbeg = a.window >= 0 ? (nc + i0 - a.window > 0 ? nc + i0 - a.window : 0) : 0;
+#if ET_DP
+  constexpr bool dp = std::is_same<S, BF16>::value;
+#else
+  constexpr bool dp = false;
+#endif
+  // bf16 without vdpbf16ps: each tile's K and V rows widened once into float32 (then the float32 tiles)
+  constexpr bool widen = std::is_same<S, BF16>::value && !dp;
+  typedef typename std::conditional<widen, F32, S>::type SC;
+  // scratch: queries, scores, P pairs, V pairs, accumulators, per-row max / sum / alpha / limits, zeros
+  float* qt = scr;                                                 // [D][MP] (dp: uint32 [D/2][MP])
+  float* st = qt + size_t(D) * MROWS;                              // [KT][MP]
+  uint32_t* pp = reinterpret_cast<uint32_t*>(st + KT * MROWS);     // [KT/2][MP]
+  uint32_t* vp = pp + KT / 2 * MROWS;                              // [KT/2][Dv]
+  float* acc = reinterpret_cast<float*>(vp + size_t(KT / 2) * Dv); // [MP][Dv]
+  float* mx = acc + size_t(MROWS) * Dv;
+  float* ls = mx + MROWS;
+  float* al = ls + MROWS;
+  int32_t* hi = reinterpret_cast<int32_t*>(al + MROWS);
+  int32_t* lo = hi + MROWS;
+  T* zeros = reinterpret_cast<T*>(lo + MROWS);
+  std::memset(zeros, 0, sizeof(float) * (D > Dv ? D : Dv));
+  float* kw = reinterpret_cast<float*>(lo + MROWS) + (D > Dv ? D : Dv);  // [KT][D]: a bf16 tile's K widened
+  float* vw = kw + size_t(KT) * D;                                       // [KT][Dv]: and its V
+  for (int r = 0; r < MP; ++r) {
+    if (r < M) {
+      const int qi = i0 + r / G, g = r % G;
+      const T* qr = Q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
+      if (dp) {
+        uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+        for (int d2 = 0; d2 < D / 2; ++d2) std::memcpy(qp + d2 * MP + r, qr + 2 * d2, 4);
+      } else {
+        for (int d = 0; d < D; ++d) qt[d * MP + r] = S::one(qr + d) * a.scale;
+      }
+      hi[r] = int32_t(nc + qi);
+      lo[r] = a.window >= 0 ? int32_t(nc + qi - a.window) : INT32_MIN;
+    } else {  // padding rows see nothing; their output is never written
+      if (dp) {
+        uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+        for (int d2 = 0; d2 < D / 2; ++d2) qp[d2 * MP + r] = 0;
+      } else {
+        for (int d = 0; d < D; ++d) qt[d * MP + r] = 0.0f;
+      }
+      hi[r] = -1;
+      lo[r] = 0;
+    }
+    mx[r] = -INFINITY;
+    ls[r] = 0.0f;
+  }
+  std::memset(acc, 0, sizeof(float) * MP * Dv);
+  constexpr int KSTEP = 24;  // a multiple of every register tile's key count (24 / row vectors: 24, 12, 8, 6)
+  const T* kr[KT];
+  const T* vr[KT];
+  for (int64_t j0 = jbeg; j0 < jend; j0 += KT) {
+    const int kt = int(jend - j0 < KT ? jend - j0 : KT);
+    const int ktp = (kt + KSTEP - 1) / KSTEP * KSTEP;  // whole register tiles, an even count (key pairs)
+    for (int j = 0; j < ktp; ++j) {
+      const int64_t key = j0 + j;
+      if (key >= jend) {
+        kr[j] = vr[j] = zeros;
+      } else if (key < nc) {
+        kr[j] = K + slots[key] * a.k_ss + int64_t(h) * a.k_sh;
+        vr[j] = V + slots[key] * a.v_ss + int64_t(h) * a.v_sh;
+      } else {
+        kr[j] = KN + (key - nc) * a.kn_st;
+        vr[j] = VN + (key - nc) * a.vn_st;
+      }
+    }
+    const typename SC::T* kc[KT];
+    const typename SC::T* vc[KT];
+    if constexpr (widen) {
+      for (int j = 0; j < ktp; ++j) {
+        for (int c = 0; c < D; c += 16) storef(kw + j * D + c, S::load(kr[j] + c));
+        for (int c = 0; c < Dv; c += 16) storef(vw + j * Dv + c, S::load(vr[j] + c));
+        kc[j] = kw + j * D;
+        vc[j] = vw + j * Dv;
+      }
+    } else {
+      for (int j = 0; j < ktp; ++j) {
+        kc[j] = reinterpret_cast<const typename SC::T*>(kr[j]);
+        vc[j] = reinterpret_cast<const typename SC::T*>(vr[j]);
+      }
+    }
+    // scores in passes of at most 4 row vectors (64 rows: 24 accumulators), then the rest
+#if ET_DP
+    if constexpr (dp) {
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
+      const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(kr);
+      for (int v0 = 0; v0 + 4 <= NVR; v0 += 4) qk_dp<4>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale);
+      if constexpr (NVR % 4 != 0) qk_dp<NVR % 4>(st + 16 * (NVR / 4 * 4), MP, qp + 16 * (NVR / 4 * 4), k16, ktp, D, a.scale);
+    } else
+#endif
+    {
+      for (int v0 = 0; v0 + 4 <= NVR; v0 += 4) qk<SC, 4>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D);
+      if constexpr (NVR % 4 != 0) qk<SC, NVR % 4>(st + 16 * (NVR / 4 * 4), MP, qt + 16 * (NVR / 4 * 4), kc, ktp, D);
+    }
+    // every key of the tile visible to every real row: nothing to mask (and no padding key)
+    const bool full = kt == ktp && j0 + kt - 1 <= nc + i0 && (a.window < 0 || j0 >= nc + i1 - 1 - a.window);
+    for (int j = 0; j < ktp; ++j) {
+      float* sr = st + j * MP;
+      if (a.cap > 0.0f)
+        for (int r = 0; r < MP; ++r) sr[r] = a.cap * std::tanh(sr[r] / a.cap);
+      if (!full) {
+        const vi key = vi{} + int32_t(j0 + j);
+        for (int v = 0; v < NVR; ++v) {
+          const vi seen = (key <= loadi(hi + 16 * v)) & (key >= loadi(lo + 16 * v));
+          storef(sr + 16 * v, seen ? loadf(sr + 16 * v) : splat(-INFINITY));
+        }
+      }
+    }
+    // online softmax, vectorised across rows: running maximum (NaN scores do not move it), the
+    // accumulators' rescale factor, probabilities in place of the scores, running sums
+    for (int v = 0; v < NVR; ++v) {
+      const vf m_old = loadf(mx + 16 * v);
+      vf m = m_old;
+      for (int j = 0; j < ktp; ++j) {
+        const vf x = loadf(st + j * MP + 16 * v);
+        m = x > m ? x : m;
+      }
+      const vf mu = m == splat(-INFINITY) ? splat(0.0f) : m;  // a row that saw nothing yet: any finite shift
+      const vf alpha = vexp(m_old - mu);
+      vf sum = vf{};
+      for (int j = 0; j < ktp; ++j) {
+        const vf p = vexp(loadf(st + j * MP + 16 * v) - mu);
+        storef(st + j * MP + 16 * v, p);
+        sum += p;
+      }
+      storef(ls + 16 * v, loadf(ls + 16 * v) * alpha + sum);
+      storef(mx + 16 * v, m);
+      storef(al + 16 * v, alpha);
+    }
+    for (int r = 0; r < M; ++r) {
+      if (al[r] == 1.0f) continue;
+      const vf f = splat(al[r]);
+      for (int c = 0; c < Dv; c += 16) storef(acc + r * Dv + c, loadf(acc + r * Dv + c) * f);
+    }
+    if (!full) {
+      // a hidden key's probability is exactly 0, which the register tiles may multiply only by a finite
+      // value row: a tile whose value rows are all finite goes through them, else the select path
+      bool finite = true;
+      for (int j = 0; j < ktp && finite; ++j) {
+        vi bad = vi{};
+        for (int c = 0; c < Dv; c += 16) {
+          const vu u = ubits(SC::load(vc[j] + c));
+          bad |= (vi)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        for (int l = 0; l < 16; ++l) finite = finite && bad[l] == 0;
+      }
+      if (!finite) {
+        pv_select<SC>(acc, Dv, st, MP, vc, ktp, M);
+        continue;
+      }
+    }
+#if ET_DP
+    if constexpr (dp) {
+      const int kp = ktp / 2;
+      for (int jp = 0; jp < kp; ++jp) {
+        for (int v = 0; v < NVR; ++v) {
+          const vu w = to_bf16(loadf(st + (2 * jp) * MP + 16 * v)) | (to_bf16(loadf(st + (2 * jp + 1) * MP + 16 * v)) << 16);
+          std::memcpy(pp + jp * MP + 16 * v, &w, sizeof w);
+        }
+        const uint16_t* ra = reinterpret_cast<const uint16_t*>(vr[2 * jp]);
+        const uint16_t* rb = reinterpret_cast<const uint16_t*>(vr[2 * jp + 1]);
+        for (int c = 0; c < Dv; c += 16) {
+          vh ha, hb;
+          std::memcpy(&ha, ra + c, sizeof ha);
+          std::memcpy(&hb, rb + c, sizeof hb);
+          const vu w = __builtin_convertvector(ha, vu) | (__builtin_convertvector(hb, vu) << 16);
+          std::memcpy(vp + jp * Dv + c, &w, sizeof w);
+        }
+      }
+      for (int r0 = 0; r0 < MP; r0 += 4) {
+        int c0 = 0;
+        for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<4, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
+        for (; c0 < Dv; c0 += 16) pv_dp_block<4, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
+      }
+      continue;
+    }
+#endif
+    for (int r0 = 0; r0 < MP; r0 += 4) {
+      int c0 = 0;
+      for (; c0 + 64 <= Dv; c0 += 64) pv_block<SC, 4, 4>(acc, Dv, st, MP, vc, ktp, r0, c0);
+      for (; c0 < Dv; c0 += 16) pv_block<SC, 4, 1>(acc, Dv, st, MP, vc, ktp, r0, c0);
+    }
+  }
+  T* O = static_cast<T*>(a.o);
+  for (int r = 0; r < M; ++r) {
+    const int qi = i0 + r / G, g = r % G, head = h * G + g;
+    float den = ls[r];
+    if (a.sinks != nullptr && mx[r] != -INFINITY) den += std::exp(a.sinks[head] - mx[r]);
+    // a row that saw no key (every score -inf; a NaN score makes the sum NaN) is zeros, sinks or not
+    const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
+    const float inv = none ? 0.0f : 1.0f / den;
+    T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
+    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
+  }
+  return 0;
+}
+
+template <class S>
+ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
+  switch (((i1 - i0) * a.G + 15) / 16) {
+    case 1: return item_rows<S, 1>(a, b, h, i0, i1, scr);
+    case 2: return item_rows<S, 2>(a, b, h, i0, i1, scr);
+    case 3: return item_rows<S, 3>(a, b, h, i0, i1, scr);
+    case 4: return item_rows<S, 4>(a, b, h, i0, i1, scr);
+    case 5: return item_rows<S, 5>(a, b, h, i0, i1, scr);
+    case 6: return item_rows<S, 6>(a, b, h, i0, i1, scr);
+    case 7: return item_rows<S, 7>(a, b, h, i0, i1, scr);
+    default: return item_rows<S, 8>(a, b, h, i0, i1, scr);
+  }
+}
+
+ET_TARGET int item_f32(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item<F32>(a, b, h, i0, i1, scr); }
+ET_TARGET int item_bf16(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item<BF16>(a, b, h, i0, i1, scr); }
+
+}  // namespace ET_NS
+
+#endif  // ATTNPLUG_ET_BODY

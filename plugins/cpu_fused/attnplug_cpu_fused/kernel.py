@@ -1,0 +1,186 @@
+"""The cpu_fused kernel library: the op ``torch.ops.attnplug_cpu_fused.attend`` and its fake.
+
+The library ``attnplug_cpu_fused/_C*.so`` is compiled at install (``setup.py``: ``csrc/attention.cpp``
+once per instruction set, ``csrc/ops.cpp`` registering the op with ``TORCH_LIBRARY``); ``load()``
+hands it to ``torch.ops.load_library`` once per process and registers the fake (meta)
+implementation, so ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` see an op
+with a schema that mutates ``out`` and ``err`` and returns nothing. Which variant runs
+(``avx512bf16``, ``avx512``, ``avx2``, ``portable``) is chosen inside the library from cpuid
+(``isa()``); ``$ATTNPLUG_CPU_FUSED_ISA`` asks for a lower one (tests, benchmarks).
+
+Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of everything it
+reads) before the matmuls read it again, which costs about as much as the attention itself
+(issue 12). ``attention.cpp`` reads every visible row once, in place, widens bf16/fp16/fp8 rows to
+float32 in registers a block of 16 keys at a time (or, for bf16 on AVX-512 BF16, dots them as
+stored with ``vdpbf16ps``), and computes scores, softmax and the value sum in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+#: the op's namespace (TORCH_LIBRARY in ops.cpp)
+LIBRARY = "attnplug_cpu_fused"
+#: the kernel variants, best first (ops.cpp picks the first this CPU runs)
+ISAS = ("avx512bf16", "avx512", "avx2", "portable")
+ISA_ENV = "ATTNPLUG_CPU_FUSED_ISA"
+
+#: each ISA variant's translation unit (csrc/isa_<name>.cpp, which includes attention.cpp) and its
+#: -m flags; setup.py reads this table (by path: it cannot import the package)
+ISA_FLAGS = {
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": [],
+}
+
+#: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
+RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
+#: the tiled extend kernel's instruction sets (``extend_tiled``'s ``isa``; 0: the best this CPU runs)
+TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
+#: ``extend_tiled``'s code for an instruction set this CPU lacks
+RC_ISA = 6
+
+
+def library_path() -> str | None:
+    """The compiled library installed with this package (``None``: not built, an incomplete install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    return found[0] if found else None
+
+
+def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``attention.cpp`` allocates (all threads) for work items of
+    ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
+    for every key of every row, the rows' queries, accumulators and sums, one block of widened
+    rows."""
+    rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
+    return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
+
+
+def tiled_scratch_bytes(threads: int, d: int, dv: int) -> int:
+    """Bytes of per-thread scratch ``extend_tiled.cpp`` allocates (all threads; its ``scratch_floats``:
+    128-row query tiles, 48-key tiles)."""
+    rows, keys = 128, 48
+    return 4 * threads * (d * rows + keys * rows + keys // 2 * rows + keys // 2 * dv + rows * dv + 5 * rows
+                          + max(d, dv) + keys * (d + dv) + 64)
+
+
+@functools.cache
+def load() -> tuple[Any, str | None]:
+    """``(op, None)`` — the ``attend`` OpOverload — or ``(None, why there is no compiled kernel)``;
+    loaded once per process."""
+    path = library_path()
+    if path is None:
+        return None, ("no compiled kernel for this platform: attnplug_cpu_fused/_C*.so is missing (the package "
+                      "was installed without its extension; reinstall it with a C++ compiler, or a wheel)")
+    import torch
+
+    try:
+        torch.ops.load_library(path)
+        op = torch.ops.attnplug_cpu_fused.attend.default
+        isa = torch.ops.attnplug_cpu_fused.isa()
+    except (OSError, RuntimeError, AttributeError) as exc:
+        return None, f"no compiled kernel for this CPU / platform: {os.path.basename(path)} does not load ({exc})"
+    _register_fake()
+    _ = isa
+    return op, None
+
+
+def isa() -> str:
+    """The kernel variant this process runs (loads the library)."""
+    import torch
+
+    op, why = load()
+    if op is None:
+        raise RuntimeError(why)
+    return str(torch.ops.attnplug_cpu_fused.isa())
+
+
+@functools.cache
+def _register_fake() -> None:
+    import torch
+
+    @torch.library.register_fake(f"{LIBRARY}::attend")
+    def _attend_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, mask, sinks, out, err,  # type: ignore[no-untyped-def]
+                     group, window, heads_per_item, scale, cap, k_scale, v_scale):
+        """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
+        torch._check(q.dim() == 3 and out.dim() == 3, lambda: "attnplug_cpu_fused::attend: q and out must be 3-d")
+        torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::attend: out is {out.dtype}, q is {q.dtype}")
+        torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
+        return None
+
+    @torch.library.register_fake(f"{LIBRARY}::extend_tiled")
+    def _extend_tiled_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, sinks, out, err,  # type: ignore[no-untyped-def]
+                           group, window, isa, scale, cap):
+        """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
+        torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::extend_tiled: out is {out.dtype}, q is {q.dtype}")
+        return None
+
+
+def build_inplace(cxx: str | None = None) -> str:
+    """Compile ``csrc/`` into this package folder's ``_C`` library with ``setup.py``'s flags and return
+    its path: a developer tool (``scripts/mutate.py``'s build check rebuilds a mutated
+    ``attention.cpp``), never called by the backend. ``ops.cpp``'s object is kept in ``csrc/build/``
+    and rebuilt only when ``ops.cpp`` or ``kernel.h`` change; the ISA variants compile in parallel."""
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    csrc = os.path.join(here, "csrc")
+    out_dir = os.path.join(csrc, "build")
+    os.makedirs(out_dir, exist_ok=True)
+    cxx = cxx or os.environ.get("CXX") or "c++"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    common = ["-O3", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    torch_flags = [*(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
+                   "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-fopenmp"]
+
+    def compile_one(src: str, flags: list[str], obj: str) -> None:
+        proc = subprocess.run([cxx, *common, *flags, "-c", os.path.join(csrc, src), "-o", obj],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cxx} failed on {src}: {proc.stderr.strip().splitlines()[-1:]}")
+
+    key = hashlib.sha256(b"".join(open(os.path.join(csrc, f), "rb").read()
+                                  for f in ("ops.cpp", "kernel.h", "extend_tiled.h")))
+    ops_obj = os.path.join(out_dir, f"ops-{key.hexdigest()[:16]}.o")
+    jobs = [(f"isa_{name}.cpp", flags, os.path.join(out_dir, f"isa_{name}.o")) for name, flags in ISA_FLAGS.items()]
+    jobs.append(("extend_tiled.cpp", ["-fopenmp"], os.path.join(out_dir, "extend_tiled.o")))
+    if not os.path.exists(ops_obj):
+        jobs.insert(0, ("ops.cpp", torch_flags, ops_obj))
+    def stale(src: str, obj: str) -> bool:  # an object older than its source or a shared header
+        deps = [src, "attention.cpp", "kernel.h", "extend_tiled.h"] if src.startswith("isa_") else [src, "extend_tiled.h"]
+        return not os.path.exists(obj) or any(os.path.getmtime(os.path.join(csrc, d)) > os.path.getmtime(obj)
+                                              for d in deps)
+
+    todo = [job for job in jobs if job[0] == "ops.cpp" or stale(job[0], job[2])]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for f in [pool.submit(compile_one, *job) for job in todo]:
+            f.result()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    lib = os.path.join(here, f"_C{suffix}")
+    objs = [ops_obj, *(job[2] for job in jobs if job[0] != "ops.cpp")]
+    link = [cxx, "-shared", "-fopenmp", *objs, *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu",
+            "-ltorch", "-o", lib + ".tmp"]
+    proc = subprocess.run(link, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"linking {lib} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    os.replace(lib + ".tmp", lib)
+    return lib
+
+
+if __name__ == "__main__":  # python -m attnplug_cpu_fused.kernel build: build_inplace()
+    if sys.argv[1:] == ["build"]:
+        print(build_inplace())
+    else:
+        sys.exit("usage: python -m attnplug_cpu_fused.kernel build")
