@@ -54,6 +54,13 @@ when a chunk's scores would not fit ``FUSED_SCRATCH_BYTES``, as in long contexts
 layers it takes (nhd layout, a model-dtype or fp8 cache, head dims multiples of 16); the
 rest, other devices, and ``fused="off"`` take the eager paths below.
 
+Requests with more than ``FUSED_MAX_QUERIES`` new tokens (prefill, chunked prefill) go through the
+tiled kernel ``csrc/extend_tiled.cpp`` (same library; ``_attend_tiled``) where ``tiled_fits`` takes
+the layer (the fused kernel's envelope, float32 or bfloat16 with the cache in the model dtype,
+self-attention, no target-verify mask, at most 64 query heads per KV head): work items of (request,
+KV head, query tile), key tiles with an online softmax, tiles past the causal diagonal never visited,
+the instruction set chosen at run time. Other long extends keep SDPA (``tiled = False`` forces it).
+
 Decode (eager)
 --------------
 
@@ -642,7 +649,8 @@ class TorchNativeBackend(PagedBackend):
         if self._fused is None:
             return [f"not fused (eager gather + matmul for decode, SDPA for extends): {self.fused_reason}"]
         return [f"decode and extends of <= {FUSED_MAX_QUERIES} new tokens through the fused CPU kernel "
-                f"({self._fused._name}); longer extends through SDPA; layers it does not take run eager"]
+                f"({self._fused._name}); longer extends through its tiled kernel "
+                f"({'on' if self.tiled else 'off'}: SDPA otherwise); layers they do not take run eager"]
 
     def fused_fits(self, q: torch.Tensor, layer: Any) -> str | None:
         """``None`` when the fused kernel takes this layer, else why the eager paths run."""

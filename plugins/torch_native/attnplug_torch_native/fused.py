@@ -1,4 +1,6 @@
-"""torch_native's fused CPU kernel: built from ``csrc/attention.cpp`` at first use, cached per machine.
+"""torch_native's fused CPU kernels: built from ``csrc/attention.cpp`` (decode, short extends) and
+``csrc/extend_tiled.cpp`` (the tiled kernel for long extends) into one library at first use, cached per
+machine.
 
 Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of everything
 it reads) before the matmuls read it again, which costs about as much as the attention
