@@ -804,16 +804,18 @@ def test_library_name_hashes_source_bytes_compiler_version_and_flags(tmp_path, m
     monkeypatch.setenv("VCXX_VERSION", "1")
     base = fused.library_path(str(cxx))
     assert base.parent == tmp_path and base.name.startswith("torch_native_fused-") and base.suffix == ".so"
-    original = fused.SOURCE
-    copy = tmp_path / "copy" / "attention.cpp"
-    copy.parent.mkdir()
-    shutil.copyfile(original, copy)
-    monkeypatch.setattr(fused, "SOURCE", copy)
+    originals = fused.sources()
+    (tmp_path / "copy").mkdir()
+    for f in originals:  # attention.cpp and the tiled kernel's source and header beside it
+        shutil.copyfile(f, tmp_path / "copy" / f.name)
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "copy" / "attention.cpp")
     assert fused.library_path(str(cxx)) == base  # the bytes, not where they are
-    copy.write_bytes(copy.read_bytes() + b"\n// one more comment\n")
-    assert fused.library_path(str(cxx)) != base
-    shutil.copyfile(original, copy)
-    assert fused.library_path(str(cxx)) == base
+    for original in originals:  # each file's bytes count
+        copy = tmp_path / "copy" / original.name
+        copy.write_bytes(copy.read_bytes() + b"\n// one more comment\n")
+        assert fused.library_path(str(cxx)) != base, original.name
+        shutil.copyfile(original, copy)
+        assert fused.library_path(str(cxx)) == base
     monkeypatch.setenv("VCXX_VERSION", "2")  # another compiler version
     assert fused.library_path(str(cxx)) != base
     monkeypatch.setenv("VCXX_VERSION", "1")
@@ -829,6 +831,8 @@ def test_changed_source_builds_a_new_library_atomically_and_it_runs(fresh_build,
     monkeypatch.delenv("CXX", raising=False)
     copy = tmp_path / "src" / "attention.cpp"
     copy.parent.mkdir()
+    for f in fused.sources()[1:]:  # the tiled kernel's files beside it
+        shutil.copyfile(f, copy.parent / f.name)
     copy.write_bytes(fused.SOURCE.read_bytes() + b"\n// a comment: another cache key\n")
     monkeypatch.setattr(fused, "SOURCE", copy)
     lib, why = fused.load()

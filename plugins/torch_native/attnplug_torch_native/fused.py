@@ -50,10 +50,13 @@ except ImportError:  # pragma: no cover - not POSIX: the kernel is built for Lin
     fcntl = None  # type: ignore[assignment]
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
-#: the tiled extend kernel (``csrc/extend_tiled.cpp`` and its header), compiled into the same library
-TILED_SOURCE = SOURCE.with_name("extend_tiled.cpp")
-#: every file the library is built from (hashed into its cache name)
-SOURCES = (SOURCE, TILED_SOURCE, SOURCE.with_name("extend_tiled.h"))
+
+
+def sources() -> tuple[Path, Path, Path]:
+    """Every file the library is built from (hashed into its cache name): ``SOURCE``, and beside it the
+    tiled extend kernel ``extend_tiled.cpp`` and its header, compiled into the same library."""
+    return SOURCE, SOURCE.with_name("extend_tiled.cpp"), SOURCE.with_name("extend_tiled.h")
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: the environment variable the factory reads for the ``fused`` knob
 ENV = "ATTNPLUG_TORCH_NATIVE_FUSED"
@@ -114,6 +117,7 @@ class TiledArgs(ctypes.Structure):
         ("nthreads", ctypes.c_int32),
         ("scale", ctypes.c_float), ("cap", ctypes.c_float),
         ("num_slots", ctypes.c_int64), ("err", ctypes.c_void_p),
+        ("parallel", ctypes.c_void_p),  # null: the library's OpenMP threads (torch's libgomp)
     ]
 
 
@@ -229,7 +233,7 @@ def library_path(cxx: str) -> Path:
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         version = f"unknown ({exc})"
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
+    for part in (*(f.read_bytes() for f in sources()), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
     return cache_dir() / f"torch_native_fused-{h.hexdigest()[:20]}.so"
@@ -362,7 +366,7 @@ def build(cxx: str, out: Path) -> str | None:
         tmp = os.path.join(work, out.name)
         env = dict(os.environ, TMPDIR=work)
         try:
-            proc = _run([cxx, *FLAGS, str(SOURCE), str(TILED_SOURCE), "-o", tmp], timeout, env)
+            proc = _run([cxx, *FLAGS, *(str(f) for f in sources()[:2]), "-o", tmp], timeout, env)
         except subprocess.TimeoutExpired:
             return (f"{os.path.basename(cxx)} did not finish compiling {SOURCE.name} within {timeout:g} s "
                     f"(killed; ${TIMEOUT_ENV} sets the limit)")
@@ -401,7 +405,7 @@ def load() -> tuple[Any, str | None]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the fused CPU kernel is built for x86-64 Linux only (this is {platform.system()} " \
                      f"{platform.machine()})"
-    for src in SOURCES:
+    for src in sources():
         if not src.is_file():
             return None, f"the fused CPU kernel's source {src} is missing (an incomplete install of attnplug-torch-native)"
     cxx = compiler()
@@ -444,14 +448,15 @@ def load() -> tuple[Any, str | None]:
         lib.attnplug_fused_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
         lib.attnplug_fused_decode.restype = ctypes.c_int
         lib.attnplug_fused_decode_args_size.restype = ctypes.c_int64
-        lib.attnplug_extend_tiled.argtypes = [ctypes.POINTER(TiledArgs)]
-        lib.attnplug_extend_tiled.restype = ctypes.c_int
-        lib.attnplug_extend_tiled_args_size.restype = ctypes.c_int64
-        lib.attnplug_extend_tiled_isa.restype = ctypes.c_int32
         if lib.attnplug_fused_decode_args_size() != ctypes.sizeof(DecodeArgs):
             why = (f"{path.name}: DecodeArgs is {lib.attnplug_fused_decode_args_size()} bytes in the "
                    f"library, {ctypes.sizeof(DecodeArgs)} in fused.py (the two definitions differ)")
-        elif lib.attnplug_extend_tiled_args_size() != ctypes.sizeof(TiledArgs):
+        else:
+            lib.attnplug_extend_tiled.argtypes = [ctypes.POINTER(TiledArgs)]
+            lib.attnplug_extend_tiled.restype = ctypes.c_int
+            lib.attnplug_extend_tiled_args_size.restype = ctypes.c_int64
+            lib.attnplug_extend_tiled_isa.restype = ctypes.c_int32
+        if why is None and lib.attnplug_extend_tiled_args_size() != ctypes.sizeof(TiledArgs):
             why = (f"{path.name}: TiledArgs is {lib.attnplug_extend_tiled_args_size()} bytes in the "
                    f"library, {ctypes.sizeof(TiledArgs)} in fused.py (the two definitions differ)")
     except (OSError, AttributeError) as exc:  # not a library, or not this one
