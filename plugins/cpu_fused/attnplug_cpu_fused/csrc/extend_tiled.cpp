@@ -140,10 +140,42 @@ ItemFn item_fn(int isa, int dtype) {
   }
 }
 
-void fail(const TiledArgs& a, int64_t code, int64_t row, int64_t pos, int64_t slot) {
-#pragma omp critical(attnplug_tiled_err)
-  {
-    if (a.err[0] == 0) { a.err[0] = code; a.err[1] = row; a.err[2] = pos; a.err[3] = slot; }
+void fail(const TiledArgs& a, int64_t code, int64_t row, int64_t pos, int64_t slot) {  // the first failure wins
+  int64_t none = 0;
+  if (__atomic_compare_exchange_n(&a.err[0], &none, code, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+    a.err[1] = row;
+    a.err[2] = pos;
+    a.err[3] = slot;
+  }
+}
+
+// a call's work items, taken one at a time by every worker (dynamic schedule: items differ in keys)
+struct Work {
+  const TiledArgs* a;
+  ItemFn fn;
+  const int32_t* items;  // (request, KV head, first query) triples
+  int64_t n;
+  size_t want;  // scratch floats per item
+  int QT;
+  int64_t next;
+  int failed;  // set once any item failed: the others stop early
+};
+
+void run_items(void* ctx) {
+  Work& w = *static_cast<Work*>(ctx);
+  const TiledArgs& a = *w.a;
+  for (;;) {
+    const int64_t it = __atomic_fetch_add(&w.next, 1, __ATOMIC_RELAXED);
+    if (it >= w.n || __atomic_load_n(&w.failed, __ATOMIC_RELAXED)) return;
+    float* scr = tl_tiled.get(w.want);
+    if (scr == nullptr) {
+      fail(a, 4, w.items[3 * it], -1, int64_t(w.want * 4));
+      __atomic_store_n(&w.failed, 1, __ATOMIC_RELAXED);
+      return;
+    }
+    const int b = w.items[3 * it], h = w.items[3 * it + 1], i0 = w.items[3 * it + 2];
+    const int nq = int(a.plan[PLAN * b + 4]);
+    w.fn(a, b, h, i0, i0 + w.QT < nq ? i0 + w.QT : nq, scr);
   }
 }
 
@@ -195,21 +227,13 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
         items.push_back(int32_t(i0));
       }
   }
-  const size_t want = scratch_floats(a.D, a.Dv);
-  const int64_t n = int64_t(items.size() / 3);
-  int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a.nthreads)
-  for (int64_t it = 0; it < n; ++it) {
-    if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
-    float* scr = tl_tiled.get(want);
-    if (scr == nullptr) {
-      fail(a, 4, items[3 * it], -1, int64_t(want * 4));
-      __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-      continue;
-    }
-    const int b = items[3 * it], h = items[3 * it + 1], i0 = items[3 * it + 2];
-    const int nq = int(a.plan[PLAN * b + 4]);
-    fn(a, b, h, i0, i0 + QT < nq ? i0 + QT : nq, scr);
+  Work w{&a, fn, items.data(), int64_t(items.size() / 3), scratch_floats(a.D, a.Dv), QT, 0, 0};
+  if (w.n == 0) return 0;
+  if (a.parallel != nullptr) {
+    a.parallel(w.n < a.nthreads ? w.n : a.nthreads, &w, run_items);
+  } else {
+#pragma omp parallel num_threads(a.nthreads)
+    run_items(&w);
   }
   return int(a.err[0]);
 }
@@ -383,10 +407,10 @@ ET_TARGET void pv_select(float* acc, int Dv, const float* st, int MP, const type
 }
 
 // one work item: request b, KV head h, queries i0 .. i1-1 of the request
-template <class S, int NVR>
-ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
+template <class S>
+ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
   typedef typename S::T T;
-  constexpr int MP = NVR * 16;
+  const int NVR = ((i1 - i0) * a.G + 15) / 16, MP = NVR * 16;  // row vectors (rows padded to 16s)
   const int64_t* pl = a.plan + PLAN * b;
   const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], kn_t0 = pl[6];
   const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
@@ -485,13 +509,25 @@ ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float*
     if constexpr (dp) {
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
       const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(kr);
-      for (int v0 = 0; v0 + 4 <= NVR; v0 += 4) qk_dp<4>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale);
-      if constexpr (NVR % 4 != 0) qk_dp<NVR % 4>(st + 16 * (NVR / 4 * 4), MP, qp + 16 * (NVR / 4 * 4), k16, ktp, D, a.scale);
+      int v0 = 0;
+      for (; v0 + 4 <= NVR; v0 += 4) qk_dp<4>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale);
+      switch (NVR - v0) {
+        case 3: qk_dp<3>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
+        case 2: qk_dp<2>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
+        case 1: qk_dp<1>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
+        default: break;
+      }
     } else
 #endif
     {
-      for (int v0 = 0; v0 + 4 <= NVR; v0 += 4) qk<SC, 4>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D);
-      if constexpr (NVR % 4 != 0) qk<SC, NVR % 4>(st + 16 * (NVR / 4 * 4), MP, qt + 16 * (NVR / 4 * 4), kc, ktp, D);
+      int v0 = 0;
+      for (; v0 + 4 <= NVR; v0 += 4) qk<SC, 4>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D);
+      switch (NVR - v0) {
+        case 3: qk<SC, 3>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
+        case 2: qk<SC, 2>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
+        case 1: qk<SC, 1>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
+        default: break;
+      }
     }
     // every key of the tile visible to every real row: nothing to mask (and no padding key)
     const bool full = kt == ktp && j0 + kt - 1 <= nc + i0 && (a.window < 0 || j0 >= nc + i1 - 1 - a.window);
@@ -594,20 +630,6 @@ ET_TARGET int item_rows(const TiledArgs& a, int b, int h, int i0, int i1, float*
     for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
   }
   return 0;
-}
-
-template <class S>
-ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
-  switch (((i1 - i0) * a.G + 15) / 16) {
-    case 1: return item_rows<S, 1>(a, b, h, i0, i1, scr);
-    case 2: return item_rows<S, 2>(a, b, h, i0, i1, scr);
-    case 3: return item_rows<S, 3>(a, b, h, i0, i1, scr);
-    case 4: return item_rows<S, 4>(a, b, h, i0, i1, scr);
-    case 5: return item_rows<S, 5>(a, b, h, i0, i1, scr);
-    case 6: return item_rows<S, 6>(a, b, h, i0, i1, scr);
-    case 7: return item_rows<S, 7>(a, b, h, i0, i1, scr);
-    default: return item_rows<S, 8>(a, b, h, i0, i1, scr);
-  }
 }
 
 ET_TARGET int item_f32(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item<F32>(a, b, h, i0, i1, scr); }

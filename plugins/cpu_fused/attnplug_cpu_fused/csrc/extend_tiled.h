@@ -10,7 +10,12 @@
 
 extern "C" {
 
-// Field order and types are mirrored by fused.py's ctypes Structure (TiledArgs): change both together.
+// run body(ctx) on `workers` threads of the caller's pool, returning when all are done (each worker
+// takes work items until none is left); null in TiledArgs.parallel: OpenMP where the file is built
+// with it, else the calling thread alone
+typedef void (*TiledParallelFn)(int64_t workers, void* ctx, void (*body)(void* ctx));
+
+// Filled field by field from tensors in ops.cpp (extend_tiled_op).
 struct TiledArgs {
   const void* q; int64_t q_st, q_sh;        // queries [T, Hkv*G, D] (strides in elements)
   const void* k; int64_t k_ss, k_sh;        // cache K [slots, Hkv, D]
@@ -35,6 +40,7 @@ struct TiledArgs {
   float scale, cap;                         // cap 0: no soft-cap
   int64_t num_slots;                        // every slot read is checked against it
   int64_t* err;                             // [4] out: code, request, position, slot (first failure)
+  TiledParallelFn parallel;                 // the caller's thread pool (e.g. at::parallel_for), or null
 };
 
 // 0 done; 1 a shape it does not take (head dims not multiples of 16, G > 64, a plan row that is not a

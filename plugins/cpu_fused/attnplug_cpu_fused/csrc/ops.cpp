@@ -197,6 +197,7 @@ void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
               "attnplug_cpu_fused::extend_tiled: shapes disagree (q ", q.sizes(), ", k_cache ", k_cache.sizes(),
               ", v_cache ", v_cache.sizes(), ", out ", out.sizes(), ", group ", G, ")");
   TiledArgs a{};
+  a.parallel = run_parallel;  // torch's intra-op pool: one OpenMP runtime in the process
   a.q = q.data_ptr(); a.q_st = q.stride(0); a.q_sh = q.stride(1);
   a.k = k_cache.data_ptr(); a.k_ss = k_cache.stride(0); a.k_sh = k_cache.stride(1);
   a.v = v_cache.data_ptr(); a.v_ss = v_cache.stride(0); a.v_sh = v_cache.stride(1);
