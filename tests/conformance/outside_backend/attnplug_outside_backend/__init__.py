@@ -28,5 +28,5 @@ def attnplug_register_backends(register):  # type: ignore[no-untyped-def]
     ))
     register(BackendDescriptor(
         name="outside_paged", factory="attnplug_outside_backend.kernel:create_paged", capabilities=CAPABILITIES,
-        description="outside_v01 upgraded: a PagedBackend subclass", conformance_level="0.3",
+        description="outside_v01 upgraded: a PagedBackend subclass", conformance_level="0.4",
     ))
