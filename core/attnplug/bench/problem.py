@@ -210,9 +210,9 @@ class PagedProblem:
             return None, f"a {p.cache_dtype} cache under {p.dtype} (the op takes float32, bfloat16, float16 caches)"
         try:
             # the vllm_cpu plugin's loader (vllm/_C.abi3.so, never `import vllm`), only for this baseline row
-            import attnplug_vllm_cpu as vc  # type: ignore[import-not-found]
-            from attnplug_vllm_cpu.layout import VllmCpuLayout  # type: ignore[import-not-found]
-            from attnplug_vllm_cpu.ops import ops  # type: ignore[import-not-found]
+            import attnplug_vllm_cpu as vc
+            from attnplug_vllm_cpu.layout import VllmCpuLayout
+            from attnplug_vllm_cpu.ops import ops
         except ImportError as exc:
             return None, f"attnplug-vllm-cpu is not installed ({exc})"
         if vc.ops_library_path() is None:
