@@ -194,6 +194,22 @@ def _fa3_kvcache(a: dict[str, Any], version: str, owner: dict[str, Any], strict:
             out.append(f"{n} must be on q's device")
     if strict and q.dtype not in _HALF + _FP8:
         out.append(f"FA3 supports fp16/bf16/fp8 q, got {q.dtype}")
+    d, dv = q.shape[-1], a["v_cache"].shape[-1]
+    if dv != d and not ((128 < d <= 192 and 96 < dv <= 128) or (d <= 64 and dv <= 512)):
+        out.append(f"V head dim {dv} differs from Q/K head dim {d}: FA3 supports Q/K in (128, 192] with V in "
+                   f"(96, 128], or Q/K <= 64 and V <= 512")
+    if dv > 256 and q.dtype not in _HALF:
+        out.append(f"HeaddimV > 256 requires fp16 and bf16 data type, got {q.dtype}")
+    qv = a.get("qv")
+    if qv is not None:  # flash_api.cpp: q_v
+        if d > 64:
+            out.append(f"q_v is only supported for head_size <= 64, got {d}")
+        if q.dtype not in _HALF or qv.dtype != q.dtype:
+            out.append(f"q_v needs fp16/bf16 q and the query's dtype, got q {q.dtype}, qv {qv.dtype}")
+        if tuple(qv.shape) != (*q.shape[:-1], dv):
+            out.append(f"q_v must have shape {(*q.shape[:-1], dv)} (total_q, num_heads, head_size_v), "
+                       f"got {tuple(qv.shape)}")
+        out += _last_dim_contiguous(a, "qv")
     return out
 
 
