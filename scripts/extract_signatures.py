@@ -89,6 +89,7 @@ FUNCTIONS: dict[str, dict[str, tuple[str | tuple[str, ...], str]]] = {
     "amd-aiter": {
         "aiter.mha_batch_prefill_func": ("aiter/ops/mha.py", "mha_batch_prefill_func"),
         "aiter.paged_attention_ragged": ("aiter/ops/attention.py", "paged_attention_ragged"),
+        "aiter.mla.mla_decode_fwd": ("aiter/mla.py", "mla_decode_fwd"),  # MLA absorbed decode
     },
 }
 

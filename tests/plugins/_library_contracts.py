@@ -194,6 +194,22 @@ def _fa3_kvcache(a: dict[str, Any], version: str, owner: dict[str, Any], strict:
             out.append(f"{n} must be on q's device")
     if strict and q.dtype not in _HALF + _FP8:
         out.append(f"FA3 supports fp16/bf16/fp8 q, got {q.dtype}")
+    d, dv = q.shape[-1], a["v_cache"].shape[-1]
+    if dv != d and not ((128 < d <= 192 and 96 < dv <= 128) or (d <= 64 and dv <= 512)):
+        out.append(f"V head dim {dv} differs from Q/K head dim {d}: FA3 supports Q/K in (128, 192] with V in "
+                   f"(96, 128], or Q/K <= 64 and V <= 512")
+    if dv > 256 and q.dtype not in _HALF:
+        out.append(f"HeaddimV > 256 requires fp16 and bf16 data type, got {q.dtype}")
+    qv = a.get("qv")
+    if qv is not None:  # flash_api.cpp: q_v
+        if d > 64:
+            out.append(f"q_v is only supported for head_size <= 64, got {d}")
+        if q.dtype not in _HALF or qv.dtype != q.dtype:
+            out.append(f"q_v needs fp16/bf16 q and the query's dtype, got q {q.dtype}, qv {qv.dtype}")
+        if tuple(qv.shape) != (*q.shape[:-1], dv):
+            out.append(f"q_v must have shape {(*q.shape[:-1], dv)} (total_q, num_heads, head_size_v), "
+                       f"got {tuple(qv.shape)}")
+        out += _last_dim_contiguous(a, "qv")
     return out
 
 
@@ -461,6 +477,50 @@ def _trtllm_mla(a: dict[str, Any], version: str, owner: dict[str, Any], strict: 
     return out
 
 
+#: aiter's MLA decode (csrc/py_itfs_cu/asm_mla.cu, v0.1.10): the heads whose bf16 kernels exist (non-persistent,
+#: one query per request), and the latent width of its ``.co`` kernels
+AITER_MLA_HEADS = (16, 32, 64, 128)
+AITER_MLA_WIDTH, AITER_MLA_V = 576, 512
+
+
+def _aiter_mla_decode(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
+    """``aiter.mla.mla_decode_fwd`` (aiter/mla.py + csrc/py_itfs_cu/asm_mla.cu, v0.1.10): ``kv_buffer`` 4-D
+    ``[num_page, page_size, nhead_kv, 576]`` with ``num_kv_heads==1``, a contiguous ``q [total_s, H, 576]``
+    (``head_size == KV.size(3)``), ``o [total_s, H, 512]`` preallocated, int32 indptrs/indices, bf16 q and KV
+    (the non-fp8 kernels), ``logit_cap <= 0`` ("is not support yet"), query heads per KV head in 16/32/64/128
+    for one query per request; ``max_seqlen_q`` an int, ``sm_scale`` a float."""
+    out = _int32(a, "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens")
+    q, kv, o = a["q"], a["kv_buffer"], a["o"]
+    if kv.dim() != 4:
+        out.append(f"kv_buffer must be 4-D [num_page, page_size, nhead_kv, head_size], got {tuple(kv.shape)}")
+    elif kv.shape[2] != 1:
+        out.append(f"only support num_kv_heads==1, got kv_buffer {tuple(kv.shape)}")
+    if q.dim() != 3 or not q.is_contiguous():
+        out.append(f"q must be a contiguous [total_s, heads, head_size], got {tuple(q.shape)}")
+    elif q.shape[-1] != kv.shape[-1] or q.shape[-1] != AITER_MLA_WIDTH:
+        out.append(f"q head_size {q.shape[-1]} / kv_buffer {kv.shape[-1]}: the kernels take {AITER_MLA_WIDTH}")
+    if o.dim() != 3 or tuple(o.shape[:2]) != tuple(q.shape[:2]) or o.shape[-1] != AITER_MLA_V or o.dtype != q.dtype:
+        out.append(f"o {tuple(o.shape)} {o.dtype} must be [total_s, heads, {AITER_MLA_V}] in q's dtype "
+                   f"({tuple(q.shape[:2])}, {q.dtype})")
+    if q.dim() == 3 and q.shape[1] not in AITER_MLA_HEADS:
+        out.append(f"{q.shape[1]} query heads: the bf16 decode kernels exist for {AITER_MLA_HEADS}")
+    if q.dtype != kv.dtype:
+        out.append(f"q ({q.dtype}) and kv_buffer ({kv.dtype}) differ")
+    if strict and q.dtype != torch.bfloat16:
+        out.append(f"aiter's MLA decode kernels take bf16 (or fp8) q, got {q.dtype}")
+    if a["qo_indptr"].shape[0] != a["kv_indptr"].shape[0]:
+        out.append(f"qo_indptr ({a['qo_indptr'].shape[0]}) and kv_indptr ({a['kv_indptr'].shape[0]}) must both be B + 1")
+    m = a["max_seqlen_q"]
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        out.append(f"max_seqlen_q must be a positive int, got {m!r}")
+    s = a.get("sm_scale")
+    if s is not None and not isinstance(s, float):
+        out.append(f"sm_scale must be a float, got {type(s).__name__}")
+    if (a.get("logit_cap") or 0.0) > 0:
+        out.append(f"logit_cap={a['logit_cap']} is not support yet (mla_decode_fwd asserts logit_cap <= 0)")
+    return out
+
+
 _FI = "flashinfer."
 PRECONDITIONS: dict[str, Check] = {
     _FI + "mla.BatchMLAPagedAttentionWrapper.__init__": _fi_mla_init,
@@ -478,6 +538,7 @@ PRECONDITIONS: dict[str, Check] = {
     _FI + "BatchPrefillWithPagedKVCacheWrapper.run": _fi_run,
     "aiter.mha_batch_prefill_func": _aiter_prefill,
     "aiter.paged_attention_ragged": _aiter_ragged,
+    "aiter.mla.mla_decode_fwd": _aiter_mla_decode,
 }
 
 

@@ -47,6 +47,9 @@ CAPABILITIES = Capabilities(
     cuda_graph=True,  # decode: fixed kv_indptr/kv_indices buffers, fixed partition count
     deterministic=False,  # split-KV partitions reduce in an order that depends on the batch
     devices=("rocm",),
+    # MLA: absorbed decode through aiter.mla.mla_decode_fwd (bf16, 16/128 heads, 512 + 64: backend.mla_reasons);
+    # no extend-shaped form (mla_prefill_fwd is not bound), no unabsorbed form
+    mla_forms={"decode": ("absorbed",)},
 )
 
 

@@ -22,6 +22,11 @@ On the core's ``PagedBackend`` (``new_kv_source = "cache"``): the base writes
 each layer's new K/V before the kernel and restores the rows after a
 ``save_kv_cache=False`` forward, so the rows always list cache slots.
 CUDA graphs: decode only, over fixed ``kv_indptr``/``kv_indices`` buffers.
+
+MLA (docs/mla.md): absorbed decode through ``aiter.mla.mla_decode_fwd(q, kv_buffer, o, qo_indptr,
+kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, sm_scale=)`` as SGLang's aiter backend calls it:
+the latent buffer viewed ``[num_slots, 1, 1, 576]`` (page size 1, token-level rows), ``o`` preallocated
+``[B, H, 512]``. bf16 only, 16 or 128 heads, the 512 + 64 latent (v0.1.10's ``asm_mla.cu``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,15 @@ def create(ctx: Any) -> tuple[str, "AiterBackend"]:
 
 
 #: Every library function this backend calls (bound against the real signatures by the contract tier).
-LIBRARY_CALLS = ("aiter.mha_batch_prefill_func", "aiter.paged_attention_ragged")
+LIBRARY_CALLS = ("aiter.mha_batch_prefill_func", "aiter.paged_attention_ragged", "aiter.mla.mla_decode_fwd")
+#: MLA: the latent shape aiter's MLA decode kernels (asm ``.co`` files) are built for
+MLA_DIMS = (512, 64)
+#: MLA: the query heads (per KV head) whose bf16 decode kernels write ``o`` in v0.1.10. 32 and 64 exist too,
+#: but with one KV split ``mla_decode_fwd`` returns their output in its float32 ``logits`` and leaves ``o``
+#: unwritten (aiter/mla.py, v0.1.10), so they are refused rather than read from a second place.
+MLA_HEADS = (16, 128)
+#: MLA: the only query/latent dtype of the non-fp8 kernels (``Q.dtype() == BFloat16`` in asm_mla.cu)
+MLA_DTYPE = "bfloat16"
 #: ``mha_batch_prefill_func`` converts ``sink_ptr`` to float32 (one value per query head).
 SINKS_DTYPE = torch.float32
 
@@ -78,6 +91,29 @@ def _import_aiter() -> Any:
     return aiter
 
 
+def load_mla_kernel() -> Any:
+    """``aiter.mla.mla_decode_fwd`` (the module ``aiter`` was checked at build)."""
+    import importlib
+
+    return importlib.import_module("aiter.mla").mla_decode_fwd
+
+
+def mla_reasons(layer: Any, ctx: Any) -> list[str]:
+    """Why aiter's MLA decode cannot serve MLA ``layer`` (its kernels' latent, head counts and dtype)."""
+    m, out = layer.mla, []
+    if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
+        out.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (aiter's MLA decode "
+                   f"kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+    if layer.num_heads not in MLA_HEADS:
+        out.append(f"MLA num_heads={layer.num_heads} (aiter's mla_decode_fwd writes o for "
+                   f"{' or '.join(map(str, MLA_HEADS))} heads)")
+    dtype = getattr(ctx, "dtype", None) if ctx is not None else None
+    if dtype is not None and str(dtype).replace("torch.", "") != MLA_DTYPE:
+        out.append(f"MLA with dtype {str(dtype).replace('torch.', '')} (aiter's MLA decode kernels take bfloat16 "
+                   f"queries and latent)")
+    return out
+
+
 class AiterBackend(PagedBackend):
 
     sinks_dtype = SINKS_DTYPE  # PagedBackend.device_sinks converts each layer's sinks once
@@ -85,7 +121,9 @@ class AiterBackend(PagedBackend):
     backend_name = NAME
     new_kv_source = "cache"  # both kernels read prefix and new tokens through the token-level rows
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, *, mla_kernel: Any = None) -> None:
+        #: ``aiter.mla.mla_decode_fwd`` (imported on the first MLA forward unless given)
+        self.mla_kernel = mla_kernel
         md.check_gfx(ctx.host.gfx_arch)
         self.aiter = _import_aiter()
         super().__init__(ctx)
@@ -96,6 +134,8 @@ class AiterBackend(PagedBackend):
         self._graph_bs: set[int] = set()
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        if getattr(layer, "mla", None) is not None:
+            return mla_reasons(layer, ctx if ctx is not None else self.ctx)
         if layer.gqa_group_size > md.MAX_GQA_RATIO:  # paged_attention_ragged's dispatch; no capability field says it
             return [f"GQA ratio num_heads/num_kv_heads={layer.gqa_group_size} (supported: 1..{md.MAX_GQA_RATIO})"]
         return []
@@ -143,6 +183,22 @@ class AiterBackend(PagedBackend):
             self.max_num_partitions, None, "auto", "NHD", md.logits_soft_cap(layer), self._ones, self._ones,
         )
         return out
+
+    # -- MLA (docs/mla.md): absorbed decode through aiter.mla.mla_decode_fwd -------------------------
+    def compute_mla(self, q: torch.Tensor, latent: Any, layer: Any, batch: Any, lay: md.ForwardLayout) -> torch.Tensor:
+        """Absorbed MLA decode (the only MLA claim): ``q [B, H, 576]`` over the latent buffer viewed
+        ``[num_slots, 1, 1, 576]`` (the base wrote this forward's rows first), one query per request
+        (``qo_indptr`` 0..B), the token-level rows of the MHA decode, ``sm_scale`` = ``layer.scaling``;
+        the output is written into ``o [B, H, kv_lora_rank]``."""
+        if self.mla_kernel is None:
+            self.mla_kernel = load_mla_kernel()
+        buf = self.cache.get_kv(layer.layer_id)[0]
+        rows = lay.rows(None)
+        n = q.shape[0]
+        o = torch.empty(n, layer.num_heads, layer.mla.kv_lora_rank, dtype=q.dtype, device=q.device)
+        self.mla_kernel(q.contiguous(), buf.view(-1, 1, 1, buf.shape[-1]), o, lay.query_indptr(), rows.kv_indptr,
+                        rows.kv_indices, rows.kv_last_page_lens, 1, sm_scale=float(layer.scaling))
+        return o
 
     # -- CUDA (HIP) graphs: decode -----------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:

@@ -76,6 +76,9 @@ CAPABILITIES = Capabilities(
     deterministic=True,  # built with num_splits=1 when the configuration asks for determinism
     devices=("cuda",),
     min_compute_capability=(8, 0),
+    # MLA: the absorbed form in every mode through flash_attn_with_kvcache(qv=) (SGLang's FA3 MLA mode);
+    # SM90, 16-bit latent, rope <= 64, rank <= 512 (backend.mla_reasons); no unabsorbed form
+    mla_forms={"decode": ("absorbed",), "extend": ("absorbed",)},
 )
 
 

@@ -11,6 +11,12 @@ On the core's ``PagedBackend`` (``new_kv_source = "cache"``): per forward,
 ``out_cache_loc`` (restoring the rows after a ``save_kv_cache=False`` forward
 or a raising kernel) and ``compute_extend`` makes one kernel call, for every
 mode, that reads prefix and new tokens from the cache.
+
+MLA (docs/mla.md): the absorbed form in every mode, as SGLang's ``FlashAttentionBackend`` calls FA3 for
+MLA: the latent buffer split into two strided views, ``k_cache`` = its rope part ``[pages, page_size, 1,
+qk_rope]`` and ``v_cache`` = its ``c_kv`` part ``[pages, page_size, 1, kv_lora_rank]``, the query split
+likewise (``q`` = ``q_pe``, ``qv`` = the absorbed ``q_nope``); FA3 scores ``q·k + qv·v``. FA3's ``qv`` is
+a Hopper, fp16/bf16, ``head_size <= 64`` feature (hopper/flash_api.cpp): see ``mla_reasons``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,30 @@ Q_SCALE = 1.0
 #: strides, so a broadcast view of one value serves). ``batch`` is the query batch: the rows of
 #: ``cu_seqlens_q`` (one per request, or one per draft token on the tree path).
 DESCALE_DTYPE = torch.float32
+#: MLA through ``qv=``: FA3 takes it on SM90 only, for a q/k head size (the rope part) of at most 64 and a V
+#: head size (``kv_lora_rank``) of at most 512 ("Q/K <= 64 and V <= 512"), both multiples of 8, fp16/bf16 only
+MLA_SMS = (90,)
+MLA_MAX_ROPE, MLA_MAX_RANK, MLA_ALIGN = 64, 512, 8
+
+
+def mla_reasons(layer: Any, ctx: Any) -> list[str]:
+    """Why FA3's ``qv`` MLA mode cannot serve MLA ``layer`` under ``ctx`` (shapes, GPU, latent dtype)."""
+    m, out = layer.mla, []
+    if m.qk_rope_head_dim > MLA_MAX_ROPE or m.qk_rope_head_dim % MLA_ALIGN:
+        out.append(f"MLA qk_rope_head_dim={m.qk_rope_head_dim} (FA3's qv= takes q/k head sizes of at most "
+                   f"{MLA_MAX_ROPE}, multiples of {MLA_ALIGN})")
+    if m.kv_lora_rank > MLA_MAX_RANK or m.kv_lora_rank % MLA_ALIGN:
+        out.append(f"MLA kv_lora_rank={m.kv_lora_rank} (FA3 takes a V head size of at most {MLA_MAX_RANK}, a "
+                   f"multiple of {MLA_ALIGN}, beside q/k <= {MLA_MAX_ROPE})")
+    host = getattr(ctx, "host", None)
+    sm = host.sm() if host is not None and host.platform == "cuda" else None
+    if sm is not None and sm not in MLA_SMS:
+        out.append(f"MLA layer: FA3's qv= (and a V head size other than the q/k one) runs on Hopper "
+                   f"(SM{'/'.join(map(str, MLA_SMS))}) only; this GPU is SM{sm}")
+    kv = getattr(ctx, "kv_cache_dtype", "") or ""
+    if kv.startswith("float8"):
+        out.append(f"MLA layer with kv_cache_dtype={kv}: FA3's qv= is fp16/bf16 only")
+    return out
 
 
 def load_kernel() -> tuple[str, Kernel]:
@@ -98,6 +128,8 @@ class FA3Backend(PagedBackend):
 
     # -- description -----------------------------------------------------
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        if getattr(layer, "mla", None) is not None:
+            return mla_reasons(layer, ctx if ctx is not None else self.ctx)
         # the installed build's limits hold at every forward (ctx None: the build context's dtypes)
         reasons = self._library_reasons(layer, ctx if ctx is not None else self.ctx)
         if ctx is not None:
@@ -219,3 +251,35 @@ class FA3Backend(PagedBackend):
         if isinstance(out, tuple):  # return_softmax_lse variants
             out = out[0]
         return out.view(q.shape[0], layer.num_heads, layer.v_head_dim).to(q.dtype)
+
+    # -- MLA (docs/mla.md): the absorbed form through qv= ------------------------------------------
+    def compute_mla(self, q: torch.Tensor, latent: Any, layer: Any, batch: Any, meta: FA3Metadata) -> torch.Tensor:
+        """Absorbed MLA, every mode (the base wrote this forward's latent rows first): the latent buffer
+        viewed ``[pages, page_size, 1, 576]`` and split into ``k_cache`` (rope part) and ``v_cache`` (``c_kv``),
+        ``q`` = the query's rope part, ``qv`` = its absorbed nope part, page table / lengths / query offsets
+        as for MHA (a custom draft mask: one-query rows over page size 1). Output ``[T, H, kv_lora_rank]``."""
+        r = layer.mla.kv_lora_rank
+        buf = self.cache.get_kv(layer.layer_id)[0]
+        if meta.uses_tree:
+            t = meta.tree_for(None)
+            ps, table, seqlens, cu_q, max_q, causal = 1, t.page_table, t.cache_seqlens, t.cu_seqlens_q, 1, False
+        else:
+            ps, table, seqlens, cu_q = meta.page_size, meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q
+            max_q, causal = meta.max_seqlen_q, True
+        pages = buf.view(-1, ps, 1, buf.shape[-1])
+        out = self.kernel(
+            q=q[..., r:],
+            k_cache=pages[..., r:],
+            v_cache=pages[..., :r],
+            qv=q[..., :r],
+            cache_seqlens=seqlens,
+            page_table=table,
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max_q,
+            softmax_scale=layer.scaling,
+            causal=causal,
+            num_splits=self.num_splits,
+        )
+        if isinstance(out, tuple):  # return_softmax_lse variants
+            out = out[0]
+        return out.view(q.shape[0], layer.num_heads, r).to(q.dtype)
