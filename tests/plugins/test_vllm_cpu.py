@@ -98,7 +98,14 @@ def test_available_on_this_host_and_the_default_on_cpu():
     from attnplug.resolution import resolve
 
     res = resolve(AttentionConfig(), registry=_real, host=_real.host)
-    assert res.pair == ("vllm_cpu", "vllm_cpu") and res.config.kv_layout == "vllm_cpu"
+    # the default CPU pair is the highest priority available: cpu_fused where it is installed (its
+    # decode measures faster, docs/performance.md), else vllm_cpu, above torch_native
+    if "cpu_fused" in _real.names() and _real.availability("cpu_fused", _real.host).available:
+        assert res.pair == ("cpu_fused", "cpu_fused") and res.config.kv_layout == "nhd"
+        assert _real.priority("cpu_fused", _real.host) > _real.priority("vllm_cpu", _real.host)
+    else:
+        assert res.pair == ("vllm_cpu", "vllm_cpu") and res.config.kv_layout == "vllm_cpu"
+    assert _real.priority("vllm_cpu", _real.host) > _real.priority("torch_native", _real.host)
 
 
 @needs_ops
