@@ -115,3 +115,13 @@ def reference(model: Any, prompt_list: list[list[int]], new_tokens: int = NEW_TO
                                return_dict_in_generate=True)
             out.append((o.sequences[0, len(p):].tolist(), torch.stack([s[0] for s in o.logits]).float()))
     return out
+
+
+def cpu_default() -> str:
+    """The backend resolution fills an unset half with on this CPU host: the highest priority available,
+    cpu_fused where its compiled kernel is installed (docs/performance.md), else torch_native."""
+    from attnplug.registry import default_registry
+
+    reg = default_registry()
+    return "cpu_fused" if "cpu_fused" in reg.names() and reg.availability("cpu_fused").available \
+        else "torch_native"

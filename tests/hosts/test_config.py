@@ -19,10 +19,13 @@ def _parse(*argv):
     return parser.parse_args(list(argv))
 
 
+CPU = models.cpu_default()
+
+
 @pytest.mark.parametrize("argv,pair", [
-    ((), ("torch_native", "torch_native")),  # nothing set: resolved for the architecture and this CPU host
-    (("--attention-backend", "auto"), ("torch_native", "torch_native")),
-    (("--decode-attention-backend", "template"), ("torch_native", "template_sdpa")),
+    ((), (CPU, CPU)),  # nothing set: resolved for the architecture and this CPU host
+    (("--attention-backend", "auto"), (CPU, CPU)),
+    (("--decode-attention-backend", "template"), (CPU, "template_sdpa")),
     (("--attention-backend", "torch", "--prefill-attention-backend", "triton"), ("triton", "torch_native")),
 ])
 def test_flags_are_resolved_into_the_pair_the_runner_builds(argv, pair):

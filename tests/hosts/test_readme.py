@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import hf_models as models
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,8 +20,11 @@ def test_readme_shows_the_transformers_example_verbatim():
     assert f"```python\n{example}```" in section
 
 
+CPU = models.cpu_default()
+
+
 @pytest.mark.parametrize("args,pair,extend_kernel,decode_kernel", [
-    ([], "('torch_native', 'torch_native')", "torch_native", "torch_native"),
+    ([], f"({CPU!r}, {CPU!r})", CPU, CPU),
     (["--prefill-attention-backend", "template", "--decode-attention-backend", "torch"],
      "('template_sdpa', 'torch_native')", "template_sdpa", "torch_native"),
 ], ids=["resolved-default", "split-by-alias"])
