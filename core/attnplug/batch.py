@@ -82,7 +82,7 @@ class ForwardBatch:
         cls, req_pool_indices: IndexLike, seq_lens: IndexLike, out_cache_loc: IndexLike, **kw: Any
     ) -> ForwardBatch:
         if not kw.keys() - {"mla_form"} and _all_ints(req_pool_indices, seq_lens, out_cache_loc):
-            return cls._decode_from_host(list(req_pool_indices), list(seq_lens), list(out_cache_loc),  # type: ignore[arg-type]
+            return cls._decode_from_host(list(req_pool_indices), list(seq_lens), list(out_cache_loc),
                                          kw.get("mla_form", ABSORBED))
         seq = _i64(seq_lens)
         return cls(
