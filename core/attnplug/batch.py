@@ -119,7 +119,12 @@ class ForwardBatch:
                        _host_i64("out_cache_loc", loc), extend_prefix_lens=_host_i64("extend_prefix_lens", prefix),
                        extend_seq_lens=torch.ones(b, dtype=torch.int64), positions=_host_i64("positions", prefix),
                        mla_form=mla_form)
-        self._validated_as(seq, prefix, [1] * b, rows)
+        # the validation record ``_validated_as`` makes, written out: fresh tensors with write counters
+        self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, [1] * b
+        self.req_pool_indices_cpu = rows
+        d = self.__dict__
+        d["_validated"] = {f: (t, None if t is None else t._version)
+                           for f in _INDEX_FIELDS for t in (d[f],)}
         return self
 
     @classmethod
@@ -365,7 +370,13 @@ def _expect_int(name: str, t: object) -> None:
 
 def _all_ints(*seqs: object) -> bool:
     """Every argument is a list or tuple of plain ``int`` (not ``bool``, not a tensor or numpy scalar)."""
-    return all(type(s) in (list, tuple) and all(type(x) is int for x in s) for s in seqs)  # type: ignore[attr-defined]
+    for s in seqs:
+        if type(s) is not list and type(s) is not tuple:
+            return False
+        for x in s:
+            if type(x) is not int:
+                return False
+    return True
 
 
 def _host_i64(field: str, xs: list[int]) -> torch.Tensor:
