@@ -1,6 +1,6 @@
 """Generated tokens/s: a transformers model through attnplug vs transformers' own sdpa, side by side.
 
-    python benchmarks/bench_transformers.py [--backend torch_native --batch 8 --new-tokens 64 \
+    python benchmarks/bench_transformers.py [--backend auto --batch 8 --new-tokens 64 \
         --hidden 256 --layers 4 --repeats 3]
 
 One small Llama-style model (random weights from a config, no download), one
@@ -11,10 +11,15 @@ batch of prompts of different lengths, greedy decoding:
 * attnplug: ``TransformersRunner`` + ``generate`` (ragged, no padding, the
   paged cache), every request arriving at step 0.
 
+``--backend auto`` (the default) serves through the pair resolution gives this
+host (what a user gets without naming a backend: cpu_fused where its kernel is
+installed, else torch_native); the name it resolved to is printed.
+
 Runs alternate (baseline, attnplug, baseline, ...) and the median of each is
-reported, with the ratio and, for attnplug, where its time goes (attention
-kernels, per-forward metadata, the rest of the model, the loop's own
-bookkeeping; means over the same runs). On a shared machine, compare
+reported, with the ratio and, for attnplug, where its time goes per generated
+token (the backend's forwards, per-forward metadata, building the
+``ForwardBatch``, the rest of the model, the loop's own bookkeeping; means over
+the same runs). On a shared machine, compare
 ``--threads 1`` runs: with more threads than free cores the small GEMMs of
 both runs are dominated by thread contention. Timings only; nothing is asserted.
 """
@@ -29,7 +34,8 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="torch_native")
+    parser.add_argument("--backend", default="auto",
+                        help="attention backend for attnplug (auto: the pair resolution gives this host)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=32)
@@ -75,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     n_new = args.new_tokens
     total = args.batch * n_new
 
-    runner = TransformersRunner(model, AttentionConfig(attention_backend=args.backend),
-                                max_requests=args.batch, max_context_len=longest + n_new + 16)
-    timers = {"attention": 0.0, "metadata": 0.0}
+    config = AttentionConfig() if args.backend == "auto" else AttentionConfig(attention_backend=args.backend)
+    runner = TransformersRunner(model, config, max_requests=args.batch, max_context_len=longest + n_new + 16)
+    prefill, decode = runner.pair
+    served = str(decode) if prefill == decode else f"{prefill}/{decode}"
+    timers = {"attention": 0.0, "metadata": 0.0, "batch": 0.0}
     forward, init = runner.backend.forward, runner.backend.init_forward_metadata
 
     def timed_forward(*a, **kw):
@@ -95,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             timers["metadata"] += time.perf_counter() - t
 
     runner.backend.forward, runner.backend.init_forward_metadata = timed_forward, timed_init
+    make_batch = runner._batch
+
+    def timed_batch(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return make_batch(*a, **kw)
+        finally:
+            timers["batch"] += time.perf_counter() - t
+
+    runner._batch = timed_batch
     model_time = [0.0]
     run_model = runner._run
 
@@ -141,11 +159,16 @@ def main(argv: list[str] | None = None) -> int:
           f"(greedy), median of {args.repeats}")
     print(f"{'run':<34} {'s':>8} {'tokens/s':>10} {'ratio':>7}")
     print(f"{'transformers generate(), sdpa':<34} {b:8.3f} {total / b:10.1f} {1.0:7.2f}")
-    print(f"{'attnplug ' + args.backend + ', generate()':<34} {o:8.3f} {total / o:10.1f} {b / o:7.2f}")
+    print(f"{'attnplug ' + served + ', generate()':<34} {o:8.3f} {total / o:10.1f} {b / o:7.2f}")
     n, mean = args.repeats, statistics.mean(our_t)
-    attn, meta, mod = timers["attention"] / n, timers["metadata"] / n, model_time[0] / n
+    attn, meta, mod, fb = (timers["attention"] / n, timers["metadata"] / n, model_time[0] / n, timers["batch"] / n)
     print(f"attnplug, mean of {n} runs ({mean:.3f} s): attention kernels {attn:.3f} s, metadata {meta:.3f} s, "
           f"rest of the model {mod - attn - meta:.3f} s, loop and batching {mean - mod:.3f} s")
+    us = 1e6 / total  # per generated token
+    print(f"per generated token (us): whole {mean * us:.0f}, the backend's forwards {attn * us:.0f}, "
+          f"init_forward_metadata {meta * us:.0f}, ForwardBatch {fb * us:.0f}, rest of the model "
+          f"{(mod - attn - meta) * us:.0f}, loop and runner bookkeeping {(mean - mod - fb) * us:.0f}; "
+          f"sdpa's whole token {statistics.mean(base_t) * us:.0f}")
     return 0
 
 

@@ -25,7 +25,8 @@ from attnplug import AttnplugError, LayerSpec
 
 from .layers import attnplug_sliding_window
 
-__all__ = ["ATTENTION_NAME", "FORWARD_KWARG", "Forward", "attnplug_attention_forward", "register_attention"]
+__all__ = ["ATTENTION_NAME", "FORWARD_KWARG", "Forward", "LayerCall", "attnplug_attention_forward", "layer_calls",
+           "register_attention"]
 
 #: The name under which the function is registered with transformers' AttentionInterface.
 ATTENTION_NAME = "attnplug"
@@ -33,18 +34,59 @@ ATTENTION_NAME = "attnplug"
 FORWARD_KWARG = "attnplug_forward"
 
 
+class LayerCall:
+    """What every attention call of one layer must pass, read off its ``LayerSpec`` once (the runner builds
+    one per layer at construction; ``layer_calls``). ``matches`` compares a call with it in a few reads;
+    a call that does not match exactly runs the full ``_check_layer_kwargs``, which words the error (or
+    accepts a scaling within its tolerance)."""
+
+    __slots__ = ("layer", "scaling", "hf_window", "cap", "causal", "sinks")
+
+    def __init__(self, layer: LayerSpec) -> None:
+        self.layer = layer
+        self.scaling = layer.scaling
+        #: the window as transformers passes it (``W`` keys, self included; attnplug's is ``W - 1``)
+        self.hf_window = None if layer.sliding_window is None else layer.sliding_window + 1
+        self.cap = layer.logit_cap or None
+        self.causal = layer.causality == "causal"
+        self.sinks = layer.sinks is not None
+
+    def matches(self, module: Any, scaling: float | None, dropout: float, attention_mask: Any,
+                kwargs: dict[str, Any]) -> bool:
+        """The call passes exactly what the spec says (``True`` implies ``_check_layer_kwargs`` passes)."""
+        if attention_mask is not None or dropout or (scaling is not None and scaling != self.scaling):
+            return False
+        window = kwargs.get("sliding_window")
+        if window != self.hf_window or (window is not None and type(window) is not int):
+            return False
+        if (kwargs.get("softcap") or None) != self.cap or (kwargs.get("s_aux") is None) == self.sinks:
+            return False
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        return bool(is_causal) == self.causal
+
+
+def layer_calls(layers: Sequence[LayerSpec]) -> tuple[LayerCall, ...]:
+    """One ``LayerCall`` per layer, in layer order."""
+    return tuple(LayerCall(layer) for layer in layers)
+
+
 class Forward:
-    """What one forward's attention calls share: the backend, the batch, the layer specs."""
+    """What one forward's attention calls share: the backend, the batch, the layer specs (and their
+    ``LayerCall``s, when the runner passes them: else every call runs the full keyword check)."""
 
-    __slots__ = ("backend", "batch", "layers", "calls", "cache")
+    __slots__ = ("backend", "batch", "layers", "calls", "cache", "plans")
 
-    def __init__(self, backend: Any, batch: Any, layers: Sequence[LayerSpec], cache: Any = None) -> None:
+    def __init__(self, backend: Any, batch: Any, layers: Sequence[LayerSpec], cache: Any = None,
+                 plans: Sequence[LayerCall] | None = None) -> None:
         self.backend = backend
         self.batch = batch
         self.layers = layers
         self.calls = 0
         #: the ``AttnplugCache`` of this forward (an MLA layer reads the latents its ``update`` received)
         self.cache = cache
+        self.plans = plans
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -53,7 +95,10 @@ class Forward:
             raise AttnplugError(f"attention module {type(module).__name__} has layer_idx={layer_idx!r}, "
                                 f"expected 0 … {len(self.layers) - 1}")
         layer = self.layers[layer_idx]
-        _check_layer_kwargs(layer, module, scaling, dropout, attention_mask, kwargs)
+        plan = None if self.plans is None else self.plans[layer_idx]
+        if plan is None or plan.layer is not layer or not plan.matches(module, scaling, dropout, attention_mask,
+                                                                      kwargs):
+            _check_layer_kwargs(layer, module, scaling, dropout, attention_mask, kwargs)
         if query.shape[0] != 1:
             raise AttnplugError(f"layer {layer_idx}: query batch dimension is {query.shape[0]}; the runner "
                                 f"packs every request into one ragged sequence (expected 1)")

@@ -135,6 +135,9 @@ class AttnplugCache(Cache):
         except KeyError:
             raise AttnplugError(f"request {rid!r} is not in the KV cache (known: {sorted(map(str, self._seqs))})") from None
 
+    def __contains__(self, rid: Any) -> bool:
+        return rid in self._seqs
+
     def row(self, rid: Any) -> int:
         return self._seq(rid).row
 
@@ -155,13 +158,28 @@ class AttnplugCache(Cache):
             seq.pages.extend(self.pool.alloc(need))
         old = seq.length
         if n == 1:  # a decode step: one slot, computed here (assign_pages' tensor ops cost ~10x more)
-            slot = seq.pages[old // ps] * ps + old % ps
-            cache.req_to_token[seq.row, old] = slot
-            seq.length = new_len
-            return torch.tensor([slot], dtype=torch.int64, device=cache.device)
+            return torch.tensor([self.extend_one(rid)], dtype=torch.int64, device=cache.device)
         cache.assign_pages(seq.row, new_len, seq.pages, start=old)
         seq.length = new_len
         return cache.slots(seq.row, old, new_len)
+
+    def extend_one(self, rid: Any) -> int:
+        """Map one more position of ``rid`` (a decode step; a page taken when it starts one); returns its slot.
+        The slot is computed here from the request's page list (``assign_pages``' tensor ops for one
+        slot cost ~10x more) and written into ``req_to_token`` (a torch write: its write counter moves)."""
+        seq = self._seq(rid)
+        cache = self.kv_cache
+        ps, old = cache.page_size, seq.length
+        if old + 1 > cache.max_context_len:
+            raise AttnplugError(
+                f"request {rid!r} would hold {old + 1} tokens, beyond max_context_len={cache.max_context_len}"
+            )
+        if old // ps >= len(seq.pages):
+            seq.pages.extend(self.pool.alloc(old // ps + 1 - len(seq.pages)))
+        slot = seq.pages[old // ps] * ps + old % ps
+        cache.req_to_token[seq.row, old] = slot
+        seq.length = old + 1
+        return slot
 
     def truncate(self, rid: Any, length: int) -> None:
         """Forget positions ``length …`` of ``rid`` (a forward that failed), returning whole pages."""

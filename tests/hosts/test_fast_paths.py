@@ -1,0 +1,204 @@
+"""The runner's per-token fast paths (issue 30, round 3) skip work, never checks.
+
+* a decode step maps its slot as an int (``AttnplugCache.extend_one``) and builds the batch from host
+  ints: the same slots, pages and logits as the general path, and every corruption the per-forward
+  checks catch (a changed page table, a bad slot, an unknown request, a length past the cache) is still
+  refused, with the cache left as it was;
+* each attention call is compared with its layer's ``LayerCall`` (built once); a call that differs in
+  anything runs the full keyword check and gets its error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as models
+from attnplug import AttentionConfig, AttnplugError, LayerSpec, ShapeError
+from attnplug.integrations.transformers import Chunk, TransformersRunner
+from attnplug.integrations.transformers.attention import Forward, LayerCall, _check_layer_kwargs
+
+
+def _runner(**kw):
+    kw.setdefault("max_requests", 3)
+    kw.setdefault("max_context_len", 64)
+    kw.setdefault("page_size", 4)
+    return TransformersRunner(models.build("llama"), AttentionConfig(attention_backend="torch_native"), **kw)
+
+
+# -- the decode slot -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size,prompt", [(4, 3), (4, 4), (4, 5), (1, 2), (8, 7), (16, 1)])
+def test_extend_one_maps_the_slot_and_pages_extend_maps(page_size, prompt):
+    a, b = _runner(page_size=page_size), _runner(page_size=page_size)
+    for r in (a, b):
+        r.forward([Chunk("x", range(1, prompt + 1))])
+    for _ in range(page_size + 2):  # across at least one page boundary
+        slot = a.cache.extend_one("x")
+        want = b.cache.extend("x", 1)
+        assert [slot] == want.tolist()
+        assert a.cache._seqs["x"].pages == b.cache._seqs["x"].pages
+        assert torch.equal(a.kv_cache.req_to_token, b.kv_cache.req_to_token)
+
+
+def test_a_decode_step_gives_the_logits_the_general_path_gives():
+    """The same token as a decode chunk (host-int path) and as a one-token extend chunk (tensor path)."""
+    fast, slow = _runner(), _runner()
+    prompt = models.prompts((9,))[0]
+    for r in (fast, slow):
+        r.forward([Chunk("a", prompt), Chunk("b", prompt[:5])])
+    for tok in (3, 17, 250):
+        lf = fast.forward([Chunk("a", (tok,), decode=True), Chunk("b", (tok,), decode=True)])
+        ls = slow.forward([Chunk("a", (tok,)), Chunk("b", (tok,))])
+        assert fast.steps[-1].mode.value == "decode" and slow.steps[-1].mode.value == "extend"
+        torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast.kv_cache.req_to_token, slow.kv_cache.req_to_token)
+
+
+def _prefix_entry(value):
+    def corrupt(runner):
+        runner.kv_cache.req_to_token[runner.cache.row("a"), 2] = value
+    return corrupt
+
+
+def _bad_page(runner):
+    seq = runner.cache._seqs["a"]
+    seq.pages[seq.length // runner.kv_cache.page_size] = runner.kv_cache.num_pages + 3
+
+
+CORRUPTIONS = {
+    "prefix entry unassigned": (_prefix_entry(-1), ShapeError, r"position 2 .* is unassigned"),
+    "prefix entry wild": (_prefix_entry(10 ** 6), ShapeError, r"position 2 .* is out of range"),
+    "prefix entry past the slots": (_prefix_entry(4 * 64), ShapeError, r"position 2 .* is out of range"),
+    "new slot past the cache": (_bad_page, ShapeError, r"out_cache_loc\[0\]=\d+ is out of range"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_a_corrupted_cache_is_refused_at_a_decode_step_and_the_request_keeps_its_length(case):
+    corrupt, exc, match = CORRUPTIONS[case]
+    runner = _runner(num_pages=64)
+    runner.forward([Chunk("a", range(1, 6))])  # 5 tokens: the next one goes into the second page
+    runner.forward([Chunk("a", (7,), decode=True)])
+    row, length = runner.cache.row("a"), runner.cache.length("a")
+    corrupt(runner)
+    table = runner.kv_cache.req_to_token.clone()
+    with pytest.raises(exc, match=match):
+        runner.forward([Chunk("a", (8,), decode=True)])
+    assert runner.cache.length("a") == length
+    assert int(runner.kv_cache.req_to_token[row, length]) == -1  # the new position unmapped again
+    assert torch.equal(runner.kv_cache.req_to_token[:, :length], table[:, :length])
+
+
+def test_a_decode_step_for_an_unknown_request_or_past_the_context_is_refused():
+    runner = _runner(max_context_len=8)
+    with pytest.raises(AttnplugError, match="decode Chunk for request 'z', which has no prompt in the cache"):
+        runner.forward([Chunk("z", (1,), decode=True)])
+    runner.forward([Chunk("a", range(1, 9))])
+    with pytest.raises(AttnplugError, match="would hold 9 tokens, beyond max_context_len=8"):
+        runner.forward([Chunk("a", (3,), decode=True)])
+    assert runner.cache.length("a") == 8 and runner.cache.requests == ["a"]
+
+
+# -- the per-layer call check ------------------------------------------------------------------------
+class _Module:
+    def __init__(self, layer_idx=0, is_causal=True):
+        self.layer_idx, self.is_causal = layer_idx, is_causal
+
+
+LAYERS = {
+    "plain": LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8),
+    "window": LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=7),
+    "window 0": LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=0),
+    "cap": LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, logit_cap=30.0),
+    "sinks": LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sinks=torch.zeros(4)),
+}
+
+
+def _good(layer):
+    """The call the model makes for ``layer``: (module, scaling, dropout, mask, kwargs)."""
+    kw = {"position_ids": None}
+    if layer.sliding_window is not None:
+        kw["sliding_window"] = layer.sliding_window + 1
+    if layer.logit_cap:
+        kw["softcap"] = layer.logit_cap
+    if layer.sinks is not None:
+        kw["s_aux"] = layer.sinks
+    return _Module(), layer.scaling, 0.0, None, kw
+
+
+def _vary(name):
+    def apply(layer):
+        module, scaling, dropout, mask, kw = _good(layer)
+        kw = dict(kw)
+        if name == "mask":
+            mask = torch.zeros(1, 1, 1, 1)
+        elif name == "dropout":
+            dropout = 0.1
+        elif name == "scaling off":
+            scaling = layer.scaling * 1.1
+        elif name == "scaling within tolerance":
+            scaling = layer.scaling * (1 + 1e-9)
+        elif name == "scaling None":
+            scaling = None
+        elif name == "window added":
+            kw["sliding_window"] = 5
+        elif name == "window dropped":
+            kw.pop("sliding_window", None)
+        elif name == "window as bool":
+            kw["sliding_window"] = True
+        elif name == "window as float":
+            kw["sliding_window"] = None if layer.sliding_window is None else float(layer.sliding_window + 1)
+        elif name == "softcap added":
+            kw["softcap"] = 50.0
+        elif name == "softcap dropped":
+            kw.pop("softcap", None)
+        elif name == "is_causal False":
+            kw["is_causal"] = False
+        elif name == "module bidirectional":
+            module = _Module(is_causal=False)
+        elif name == "sinks added":
+            kw["s_aux"] = torch.zeros(4)
+        elif name == "sinks dropped":
+            kw.pop("s_aux", None)
+        return module, scaling, dropout, mask, kw
+    return apply
+
+
+VARIANTS = ["as the model calls", "mask", "dropout", "scaling off", "scaling within tolerance", "scaling None",
+            "window added", "window dropped", "window as bool", "window as float", "softcap added",
+            "softcap dropped", "is_causal False", "module bidirectional", "sinks added", "sinks dropped"]
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except (AttnplugError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("layer_name", sorted(LAYERS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_layer_call_accepts_only_calls_the_full_check_accepts_and_attend_words_the_same_error(layer_name, variant):
+    layer = LAYERS[layer_name]
+    module, scaling, dropout, mask, kw = _vary(variant)(layer)
+    full = _outcome(lambda: _check_layer_kwargs(layer, module, scaling, dropout, mask, kw))
+    plan = LayerCall(layer)
+    if full is not None:
+        assert not plan.matches(module, scaling, dropout, mask, kw)  # never skips a check that would fail
+        fwd = Forward(None, None, [layer], None, [plan])  # the check runs before the backend is reached
+        q = torch.zeros(1, 4, 1, 8)
+        assert _outcome(lambda: fwd.attend(module, q, q, q, mask, scaling, dropout, kw)) == full
+    if variant == "as the model calls":
+        assert full is None and plan.matches(module, scaling, dropout, mask, kw)
+
+
+def test_a_layer_call_for_another_spec_object_is_not_trusted():
+    """``Forward`` checks with a plan only when the plan was built for the very spec it serves."""
+    layer, other = LAYERS["plain"], LAYERS["window"]
+    module, scaling, dropout, mask, kw = _good(layer)
+    kw["sliding_window"] = 8  # what ``other`` expects, not ``layer``
+    fwd = Forward(None, None, [layer], None, [LayerCall(other)])
+    q = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(AttnplugError, match="the model passes sliding_window=8"):
+        fwd.attend(module, q, q, q, mask, scaling, dropout, kw)
