@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from attnplug import ForwardBatch, ForwardMode, HostInfo, LayerSpec, PageAllocator, PagedKVCache
-from attnplug.kvcache import quantize
+from _problems import fill_kv_noise
 
 
 @dataclasses.dataclass
@@ -65,14 +65,7 @@ def make_problem(
     rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
     for r, s, n in zip(rows, seq, pages_per):
         cache.assign_pages(r, s, alloc.alloc(n))
-    kb, vb = cache.get_kv(0)
-    if cache.quantized:
-        cache.set_kv_scales(0, *kv_scales)
-        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
-        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
-    else:
-        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
+    kb, vb = fill_kv_noise(cache, g, dtype, kv_scales)
     out_loc = torch.cat([cache.req_to_token[r, p:p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)])
     n_tok = sum(extend_lens)
     kw: dict[str, Any] = {}
@@ -93,6 +86,37 @@ def make_problem(
     k = torch.randn(n_tok, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(n_tok, num_kv_heads, head_dim, generator=g).to(dtype)
     return Problem(cache, batch, q, k, v, layer, kb.clone(), vb.clone())
+
+
+def registry(*dists: str) -> Any:
+    """A registry that discovered only ``dists`` (through their entry points)."""
+    from attnplug.registry import Registry
+
+    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
+
+
+def check_registered_and_unavailable(dist: str, name: str, *, library: str, floor: str, capabilities: Any,
+                                     reasons: Sequence[str], build_match: str) -> None:
+    """``dist``, loaded alone through its entry point, registers ``name`` as declared (library, floor,
+    capabilities); on a CPU host with torch only ``name`` is unavailable with each of ``reasons`` (a
+    fragment of some reason) and building it raises ``BackendUnavailableError`` matching ``build_match``."""
+    import pytest
+
+    from attnplug import AttentionConfig, BuildContext
+    from attnplug.errors import BackendUnavailableError
+    reg = registry(dist)
+    (rec,) = [p for p in reg.plugins if p.distribution == dist]
+    assert rec.status == "loaded", rec.error
+    d = reg.get(name)
+    assert d.distribution == dist and d.library == library and d.min_library_version == floor
+    assert d.capabilities is capabilities
+    cpu = host("cpu", {"torch": "2.13.0"})
+    avail = reg.availability(name, cpu)
+    assert not avail
+    for fragment in reasons:
+        assert any(fragment in r for r in avail.reasons), (fragment, avail.reasons)
+    with pytest.raises(BackendUnavailableError, match=build_match):
+        reg.build(name, BuildContext(AttentionConfig(), cpu))
 
 
 def host(platform: str, libraries: dict[str, str], **kw: Any) -> HostInfo:
