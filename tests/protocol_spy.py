@@ -1,15 +1,37 @@
 """One protocol spy and one way to call any protocol method, shared by the container/wrapper tests.
 
-``ProtocolSpy`` (a mixin in front of any backend class) records every protocol method looked up on
-the instance, optional ones included, so a test sees which child a container or wrapper routed a
-call to; ``call_protocol_method`` calls one method by name with placeholder arguments.
+``RecordingBackend`` implements only the required methods, answers its tag from every forward and
+records each call it gets; ``ProtocolSpy`` (a mixin in front of any backend class) records every
+protocol method looked up on the instance, optional ones included, so a test sees which child a
+container or wrapper routed a call to (``SpyBackend``: the spy in front of ``RecordingBackend``);
+``call_protocol_method`` calls one method by name with placeholder arguments.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from attnplug.backend import PROTOCOL_METHODS
+from attnplug.backend import PROTOCOL_METHODS, AttentionBackend
+
+
+class RecordingBackend(AttentionBackend):
+    """Implements only the required methods; answers ``tag`` from every forward and records each call
+    (``(method, forward_mode)``) in ``calls``."""
+
+    def __init__(self, tag: Any = "r") -> None:
+        self.tag = tag
+        self.calls: list[tuple[str, Any]] = []
+
+    def init_forward_metadata(self, batch: Any) -> None:
+        self.calls.append(("init_forward_metadata", batch.forward_mode))
+
+    def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        self.calls.append(("forward_extend", batch.forward_mode))
+        return self.tag
+
+    def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, batch: Any, save_kv_cache: bool = True) -> Any:
+        self.calls.append(("forward_decode", batch.forward_mode))
+        return self.tag
 
 
 class ProtocolSpy:
@@ -25,6 +47,10 @@ class ProtocolSpy:
         if name in PROTOCOL_METHODS:
             object.__getattribute__(self, "__dict__").setdefault("names", []).append(name)
         return object.__getattribute__(self, name)
+
+
+class SpyBackend(ProtocolSpy, RecordingBackend):
+    """A ``RecordingBackend`` that also records every protocol method looked up on it by name."""
 
 
 def call_protocol_method(backend: Any, name: str, batch: Any, layer: Any) -> Any:

@@ -68,6 +68,14 @@ class MLASpec:
         """Whether ``w_kc`` and ``w_vc`` are given (what the unabsorbed form needs)."""
         return self.w_kc is not None and self.w_vc is not None
 
+    def latent_reasons(self, dims: tuple[int, int], kernels: str) -> list[str]:
+        """``[]`` where this latent is ``dims`` (``kv_lora_rank``, ``qk_rope_head_dim``), else the one reason:
+        the layer's latent and what ``kernels`` (e.g. ``"aiter's MLA decode kernels"``) exist for."""
+        if (self.kv_lora_rank, self.qk_rope_head_dim) == tuple(dims):
+            return []
+        return [f"MLA kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim} ({kernels} exist "
+                f"for {dims[0]} + {dims[1]})"]
+
     def check_weights(self, num_heads: int) -> None:
         """``w_kc`` / ``w_vc`` (where given) have the per-head shapes; a ``ValueError`` naming the field."""
         want = {"w_kc": (num_heads, self.qk_nope_head_dim, self.kv_lora_rank),

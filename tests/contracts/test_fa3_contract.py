@@ -135,9 +135,7 @@ def test_a_descale_of_the_wrong_shape_fails_the_precondition():
 # -- issue 27: sinks only on SM90 --------------------------------------------------------------------
 def _fa3_on(sm, p):
     host = H.cuda_host(sm, sgl_kernel="0.3.21")
-    ctx = BuildContext(config=AttentionConfig(), host=host, dtype="bfloat16", num_heads=p.layer.num_heads,
-                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
-                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, host, dtype="bfloat16")
     return FA3Backend(ctx, kernel=unchecked(test_fa3.emulate_flash_attn_with_kvcache), provider=SGL_KERNEL)
 
 

@@ -62,10 +62,7 @@ def _fa3(monkeypatch, mode):
     p = FH.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, sinks=True, mode=mode,
                         **({"ext": (1, 1, 1)} if mode is ForwardMode.DECODE else {}))
     rec = C.Recorder()
-    ctx = BuildContext(config=AttentionConfig(), host=FH.cuda_host(90, sgl_kernel="0.3.21"), dtype="bfloat16",
-                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
-                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len,
-                       layers=(p.layer,))
+    ctx = FH.context(p, FH.cuda_host(90, sgl_kernel="0.3.21"), dtype="bfloat16", layers=(p.layer,))
     qual = "sgl_kernel.flash_attn.flash_attn_with_kvcache"
     be = FA3Backend(ctx, kernel=rec.wrap(qual, unchecked(test_fa3.emulate_flash_attn_with_kvcache)),
                     provider=SGL_KERNEL)
@@ -79,10 +76,7 @@ def _trtllm(monkeypatch, mode):
     p = FH.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, sinks=True, mode=mode,
                         **({"ext": (1, 1, 1)} if mode is ForwardMode.DECODE else {}))
     rec = C.Recorder()
-    ctx = BuildContext(config=AttentionConfig(), host=FH.cuda_host(100, flashinfer_python="0.6.3"), dtype="bfloat16",
-                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
-                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len,
-                       layers=(p.layer,))
+    ctx = FH.context(p, FH.cuda_host(100, flashinfer_python="0.6.3"), dtype="bfloat16", layers=(p.layer,))
     kernels = (rec.wrap("flashinfer.decode.trtllm_batch_decode_with_kv_cache", unchecked(T.emulate_decode)),
                rec.wrap("flashinfer.prefill.trtllm_batch_context_with_kv_cache", unchecked(T.emulate_context)))
     be = TrtllmMHABackend(ctx, kernels=kernels, workspace_bytes=1024)

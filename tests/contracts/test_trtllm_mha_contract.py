@@ -12,7 +12,7 @@ import torch
 import _fa3_family_helpers as H
 import _library_contracts as C
 from _drive import check_versions, forward, unchecked
-from attnplug import AttentionConfig, BuildContext, ForwardMode
+from attnplug import ForwardMode
 from packaging.version import Version as version_key
 from attnplug_trtllm_mha import LIBRARY, MIN_VERSION
 from attnplug_trtllm_mha.backend import TrtllmMHABackend
@@ -29,11 +29,8 @@ SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= vers
 
 def _calls(p):
     rec = C.Recorder()
-    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(100, flashinfer_python=MIN_VERSION),
-                       dtype="bfloat16", kv_cache_dtype="float8_e4m3fn" if p.cache.quantized else "bfloat16",
-                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
-                       head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
-                       max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, H.cuda_host(100, flashinfer_python=MIN_VERSION), dtype="bfloat16",
+                    kv_cache_dtype="float8_e4m3fn" if p.cache.quantized else "bfloat16")
     kernels = (rec.wrap(DECODE, unchecked(T.emulate_decode)), rec.wrap(CONTEXT, unchecked(T.emulate_context)))
     forward(TrtllmMHABackend(ctx, kernels=kernels, workspace_bytes=1024), p)
     return rec.calls
@@ -122,10 +119,8 @@ def test_kv_scales_changed_after_capture_are_refused(mode, change):
     kw = dict(mode=ForwardMode.DECODE, ext=(1, 1, 1)) if mode == "decode" else dict(mode=ForwardMode.EXTEND)
     p = H.make_problem(dtype=torch.bfloat16, head_dim=64, page_size=16, kv_dtype=torch.float8_e4m3fn,
                        kv_scales=FP8_SCALES, **kw)
-    ctx = BuildContext(config=AttentionConfig(), host=H.cuda_host(100, flashinfer_python=MIN_VERSION),
-                       dtype="bfloat16", kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
-                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
-                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, H.cuda_host(100, flashinfer_python=MIN_VERSION), dtype="bfloat16",
+                    kv_cache_dtype="float8_e4m3fn")
     be = TrtllmMHABackend(ctx, kernels=(unchecked(T.emulate_decode), unchecked(T.emulate_context)),
                           workspace_bytes=1024)
     be.init_cuda_graph_state(8, 64)

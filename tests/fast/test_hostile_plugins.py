@@ -48,6 +48,18 @@ def no_traceback(proc):
     assert "Exception ignored" not in proc.stderr, proc.stderr
 
 
+def set_aside(site, mode):
+    """``attnplug list --json`` with the hostile plugin in ``mode``: exit 0, no traceback, the hostile
+    plugin's record failed (set aside). Returns the listing and that record."""
+    proc = cli(site, "list", "--json", mode=mode)
+    assert proc.returncode == 0, proc.stderr
+    no_traceback(proc)
+    data = json.loads(proc.stdout)
+    rec = record_of(data)
+    assert rec["status"] == "failed", rec
+    return data, rec
+
+
 # -- class 8: a plugin can raise anything ---------------------------------------------------
 @pytest.mark.parametrize("mode,fragment", [
     ("import_systemexit", "raised SystemExit: 3"),
@@ -55,12 +67,8 @@ def no_traceback(proc):
     ("hook_systemexit", "hook attnplug_register_backends raised SystemExit: 5"),
 ])
 def test_base_exception_while_loading_sets_the_plugin_aside(test_dists_site, mode, fragment):
-    proc = cli(test_dists_site, "list", "--json", mode=mode)
-    assert proc.returncode == 0, proc.stderr
-    no_traceback(proc)
-    data = json.loads(proc.stdout)
-    rec = record_of(data)
-    assert rec["status"] == "failed" and fragment in rec["error"]
+    data, rec = set_aside(test_dists_site, mode)
+    assert fragment in rec["error"]
     assert "fake_triton" in names_of(data) and "hostile_ok" not in names_of(data)
     text = cli(test_dists_site, "list", mode=mode)
     assert text.returncode == 0 and f"plugin {DIST} 0.3.0 (hostile): failed:" in text.stdout
@@ -158,12 +166,7 @@ def test_plugin_stdout_during_resolution_goes_to_stderr(test_dists_site):
     ("aliases_str", ["field 'aliases'", "expected a tuple of non-empty str names", "'xyz'"]),
 ])
 def test_malformed_values_set_that_plugin_aside_naming_field_and_type(test_dists_site, mode, fragments):
-    proc = cli(test_dists_site, "list", "--json", mode=mode)
-    assert proc.returncode == 0, proc.stderr
-    no_traceback(proc)
-    data = json.loads(proc.stdout)
-    rec = record_of(data)
-    assert rec["status"] == "failed", rec
+    data, rec = set_aside(test_dists_site, mode)
     for fragment in fragments:
         assert fragment in rec["error"], (fragment, rec["error"])
     assert "hostile_ok" not in names_of(data) and "fake_triton" in names_of(data)

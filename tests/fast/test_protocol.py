@@ -17,28 +17,9 @@ from attnplug import (
 from attnplug.backend import OPTIONAL_METHODS, MetadataGuard
 from attnplug.errors import MetadataNotInitializedError
 from attnplug.backend import PROTOCOL_METHODS, REQUIRED_METHODS
-from tests.protocol_spy import ProtocolSpy, call_protocol_method
+from tests.protocol_spy import RecordingBackend, SpyBackend, call_protocol_method
 
 LAYER = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=6)
-
-
-class Recorder(AttentionBackend):
-    """Implements only the required methods; records every protocol call it receives."""
-
-    def __init__(self, tag="r"):
-        self.tag = tag
-        self.calls = []
-
-    def init_forward_metadata(self, batch):
-        self.calls.append(("init_forward_metadata", batch.forward_mode))
-
-    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
-        self.calls.append(("forward_extend", batch.forward_mode))
-        return self.tag
-
-    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
-        self.calls.append(("forward_decode", batch.forward_mode))
-        return self.tag
 
 
 def test_required_methods_raise_naming_the_class():
@@ -53,7 +34,7 @@ def test_required_methods_raise_naming_the_class():
 def test_optional_methods_have_explicit_defaults_on_the_base():
     for name in OPTIONAL_METHODS:
         assert name in vars(AttentionBackend), name
-    r = Recorder()
+    r = RecordingBackend()
     assert r.get_cuda_graph_seq_len_fill_value() == 1
     assert r.init_cuda_graph_state(8, 8) is None
     assert r.on_after_cuda_graph_warmup() is None
@@ -64,13 +45,13 @@ def test_optional_methods_have_explicit_defaults_on_the_base():
 
 
 def test_stamps_default_to_none():
-    r = Recorder()
+    r = RecordingBackend()
     assert (r.prefill_attention_backend_str, r.decode_attention_backend_str) == (None, None)
 
 
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_forward_dispatches_by_mode(mode):
-    r = Recorder()
+    r = RecordingBackend()
     q = torch.zeros(0, 4, 8)
     batch = type("B", (), {"forward_mode": mode})()
     out = r.forward(q, None, None, LAYER, batch)
@@ -93,13 +74,9 @@ def _call(backend, name, batch):
     return call_protocol_method(backend, name, batch, LAYER)
 
 
-class Spy(ProtocolSpy, Recorder):
-    """Records every protocol method by name (optional ones included)."""
-
-
 @pytest.mark.parametrize("name", PROTOCOL_METHODS)
 def test_wrapper_forwards_each_method(name):
-    inner = Spy("inner")
+    inner = SpyBackend("inner")
     w = BackendWrapper(inner)
     _call(w, name, type("B", (), {"forward_mode": ForwardMode.EXTEND})())
     assert inner.names[0] == name
@@ -108,7 +85,7 @@ def test_wrapper_forwards_each_method(name):
 @pytest.mark.parametrize("name", PROTOCOL_METHODS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_hybrid_forwards_each_method_to_the_right_halves(name, mode):
-    p, d = Spy("p"), Spy("d")
+    p, d = SpyBackend("p"), SpyBackend("d")
     _call(HybridBackend(p, d), name, type("B", (), {"forward_mode": mode})())
     both = name in {"init_cuda_graph_state", "on_after_cuda_graph_warmup", "not_supported_reasons"}
     decode_only = name == "get_cuda_graph_seq_len_fill_value"
@@ -133,7 +110,7 @@ def test_metadata_guard_rejects_forward_before_init():
 
 
 def test_require_supported_memoises_the_verdict_per_layer_object():
-    class Picky(Recorder):
+    class Picky(RecordingBackend):
         def __init__(self):
             super().__init__()
             self.checks = 0
@@ -156,10 +133,10 @@ def test_require_supported_memoises_the_verdict_per_layer_object():
 def test_require_supported_defaults_to_the_declared_capabilities():
     window = LayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4)
     with pytest.raises(NotSupportedError, match="sliding_window=4 is not claimed"):
-        Recorder().require_supported(window)
+        RecordingBackend().require_supported(window)
 
 
-class Noted(Recorder):
+class Noted(RecordingBackend):
     def __init__(self, *notes):
         super().__init__()
         self.notes = list(notes)
@@ -168,7 +145,7 @@ class Noted(Recorder):
         return self.notes
 
 
-class RaisingNotes(Recorder):
+class RaisingNotes(RecordingBackend):
     def runtime_notes(self):
         raise KeyError("no such path")
 
@@ -176,7 +153,7 @@ class RaisingNotes(Recorder):
 def test_runtime_notes_default_to_the_childrens_once_each():
     from attnplug.backend import runtime_notes_of
 
-    assert runtime_notes_of(Recorder()) == []
+    assert runtime_notes_of(RecordingBackend()) == []
     assert runtime_notes_of(BackendWrapper(Noted("fused", "eager for layer 3"))) == ["fused", "eager for layer 3"]
     hybrid = HybridBackend(Noted("a", "shared"), Noted("shared", "b"))
     assert runtime_notes_of(hybrid) == ["a", "shared", "b"]

@@ -15,27 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from attnplug import AttentionBackend, AttentionConfig, BackendDescriptor, BuildContext, Capabilities, HostInfo, hookimpl
+from attnplug import AttentionConfig, BackendDescriptor, BuildContext, Capabilities, HostInfo, hookimpl
 from attnplug import hookspecs
 from attnplug.descriptor import descriptor_problems
 from attnplug.errors import NotSupportedError, PluginError
 from attnplug.isolation import call_plugin
 from attnplug.layer import LayerSpec
 from attnplug.registry import Registry, in_process_source
+from tests.protocol_spy import RecordingBackend
 
 CORE = Path(__file__).resolve().parents[2] / "core" / "attnplug"
 CPU = HostInfo()
-
-
-class Tiny(AttentionBackend):
-    def init_forward_metadata(self, batch):
-        pass
-
-    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
-        return "tiny"
-
-    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
-        return "tiny"
 
 
 def plugin(**hooks):
@@ -146,7 +136,7 @@ def test_register_refuses_each_malformed_field_naming_it(field, value, fragment)
         register(BackendDescriptor(**{"name": "bad", "factory": "m:f", field: value}))
 
     def good_hook(register):
-        register(BackendDescriptor(name="good", factory=lambda ctx: ("good", Tiny())))
+        register(BackendDescriptor(name="good", factory=lambda ctx: ("good", RecordingBackend("tiny"))))
 
     reg = registry((plugin(attnplug_register_backends=reg_hook), "attnplug-malformed"),
                    (plugin(attnplug_register_backends=good_hook), "attnplug-good"))
@@ -161,7 +151,7 @@ FP32_BF16 = Capabilities(dtypes=("float32", "bfloat16"), head_dims=(64, 128), pa
 
 def _narrow_registry(caps=FP32_BF16, host=CPU):
     def hook(register):
-        register(BackendDescriptor(name="narrow", factory=lambda ctx: ("narrow", Tiny()), capabilities=caps))
+        register(BackendDescriptor(name="narrow", factory=lambda ctx: ("narrow", RecordingBackend("tiny")), capabilities=caps))
 
     return registry((plugin(attnplug_register_backends=hook), "attnplug-narrow"), host=host)
 

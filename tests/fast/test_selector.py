@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import attnplug
-from attnplug import AttentionBackend, AttentionConfig, ForwardMode, HybridBackend
+from attnplug import AttentionConfig, ForwardMode, HybridBackend
 from attnplug import hybrid as hybrid_module
 from attnplug.selector import backend_name_for_mode, half_for_mode
+from tests.protocol_spy import RecordingBackend
 
 # Written from SPEC.md by hand: mode -> half, for speculative_attention_mode prefill / decode.
 EXPECTED_HALF = {
@@ -59,20 +60,6 @@ def test_unstamped_falls_back_to_pair_not_base_field():
     assert backend_name_for_mode(ForwardMode.EXTEND, cfg, _Stamped(None, None)) == "fa3"
 
 
-class _Tag(AttentionBackend):
-    def __init__(self, tag):
-        self.tag = tag
-
-    def init_forward_metadata(self, batch):
-        return None
-
-    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
-        return self.tag
-
-    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
-        return self.tag
-
-
 class _Batch:
     def __init__(self, mode):
         self.forward_mode = mode
@@ -81,7 +68,7 @@ class _Batch:
 @pytest.mark.parametrize("mode,spec", list(itertools.product(
     [m for m in ForwardMode if m is not ForwardMode.IDLE], ["prefill", "decode"])))
 def test_hybrid_routes_like_the_selector(mode, spec):
-    h = HybridBackend(_Tag("P"), _Tag("D"), spec)
+    h = HybridBackend(RecordingBackend("P"), RecordingBackend("D"), spec)
     assert h.forward(None, None, None, None, _Batch(mode)) == EXPECTED_HALF[mode][spec == "decode"][0].upper()
 
 
@@ -93,7 +80,7 @@ def test_hybrid_calls_the_selector_function(monkeypatch):
         return "decode"
 
     monkeypatch.setattr(hybrid_module, "half_for_mode", spy)
-    h = HybridBackend(_Tag("P"), _Tag("D"), "decode")
+    h = HybridBackend(RecordingBackend("P"), RecordingBackend("D"), "decode")
     assert h.forward(None, None, None, None, _Batch(ForwardMode.EXTEND)) == "D"
     assert calls == [(ForwardMode.EXTEND, "decode")]
 

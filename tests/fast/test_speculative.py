@@ -42,31 +42,12 @@ from attnplug.speculative import (
 )
 from attnplug.stamps import stamps_of
 from tests.conftest import run_json
-from tests.protocol_spy import ProtocolSpy, call_protocol_method
+from tests.protocol_spy import RecordingBackend, SpyBackend, call_protocol_method
 
 HOST = HostInfo()
 
 
 # -- an in-process registry -------------------------------------------------------------------------
-
-
-class Tag(AttentionBackend):
-    """Answers its constructor's tag from every forward; records the protocol calls it gets."""
-
-    def __init__(self, tag):
-        self.tag = tag
-        self.calls = []
-
-    def init_forward_metadata(self, batch):
-        self.calls.append(("init_forward_metadata", batch.forward_mode))
-
-    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
-        self.calls.append(("forward_extend", batch.forward_mode))
-        return self.tag
-
-    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
-        self.calls.append(("forward_decode", batch.forward_mode))
-        return self.tag
 
 
 def _plugin():
@@ -75,12 +56,12 @@ def _plugin():
     @hookimpl
     def attnplug_register_backends(register):
         for name in ("kp", "kd", "kdraft"):
-            register(BackendDescriptor(name=name, factory=lambda ctx, n=name: (n, Tag(n)), aliases=(name + "_a",)))
+            register(BackendDescriptor(name=name, factory=lambda ctx, n=name: (n, RecordingBackend(n)), aliases=(name + "_a",)))
         # a host-dependent constructor: answers another registered name
-        register(BackendDescriptor(name="kauto", factory=lambda ctx: ("kd", Tag("kd"))))
-        register(BackendDescriptor(name="kalias", factory=lambda ctx: ("kp_a", Tag("kp"))))
+        register(BackendDescriptor(name="kauto", factory=lambda ctx: ("kd", RecordingBackend("kd"))))
+        register(BackendDescriptor(name="kalias", factory=lambda ctx: ("kp_a", RecordingBackend("kp"))))
         flips = iter(["kp", "kd"] * 100)  # a constructor that answers a different name on each call
-        register(BackendDescriptor(name="kflip", factory=lambda ctx: (lambda n: (n, Tag(n)))(next(flips))))
+        register(BackendDescriptor(name="kflip", factory=lambda ctx: (lambda n: (n, RecordingBackend(n)))(next(flips))))
 
     mod.attnplug_register_backends = attnplug_register_backends
     return mod
@@ -153,7 +134,7 @@ def test_every_child_of_the_multi_step_container_is_stamped(reg):
 def test_stamping_the_container_stamps_every_child():
     from attnplug.stamps import stamp
 
-    c = MultiStepDraftBackend([Tag("a"), Tag("b"), Tag("c")])
+    c = MultiStepDraftBackend([RecordingBackend("a"), RecordingBackend("b"), RecordingBackend("c")])
     stamp(c, "x", "y")
     assert [stamps_of(ch) for ch in c.children()] == [("x", "y")] * 3
 
@@ -206,7 +187,7 @@ def test_a_wrapper_that_drops_the_stamps_is_rejected(reg):
     with pytest.raises(AttnplugError, match="Forgetful.*does not carry the inner stamps"):
         build_draft_backends(reg, ctx(), 1, wrap_extend=Forgetful)
     d = build_draft_backends(reg, ctx(), 1, wrap_extend=None)
-    assert isinstance(d.extend, Tag)
+    assert isinstance(d.extend, RecordingBackend)
 
 
 def test_stamps_are_effective_names_not_requested_names(reg):
@@ -286,10 +267,6 @@ def _call(backend, name, batch):
     return call_protocol_method(backend, name, batch, attnplug.LayerSpec(0, 2, 1, 8))
 
 
-class Spy(ProtocolSpy, Tag):
-    pass
-
-
 def test_container_defines_every_protocol_method():
     assert [m for m in PROTOCOL_METHODS if m not in vars(MultiStepDraftBackend)] == []
 
@@ -300,7 +277,7 @@ BATCHLESS = {"init_cuda_graph_state", "on_after_cuda_graph_warmup", "get_cuda_gr
 
 @pytest.mark.parametrize("name", PROTOCOL_METHODS)
 def test_container_forwards_each_method_to_the_active_step(name):
-    steps = [Spy("s0"), Spy("s1"), Spy("s2")]
+    steps = [SpyBackend("s0"), SpyBackend("s1"), SpyBackend("s2")]
     c = MultiStepDraftBackend(steps)
     batch = Batch(ForwardMode.DECODE)
     if name in BATCHLESS:
@@ -317,7 +294,7 @@ def test_container_forwards_each_method_to_the_active_step(name):
 def test_container_rejects_empty_and_shared_steps():
     with pytest.raises(ValueError):
         MultiStepDraftBackend([])
-    t = Tag("x")
+    t = RecordingBackend("x")
     with pytest.raises(ValueError, match="distinct"):
         MultiStepDraftBackend([t, t])
 
@@ -362,9 +339,9 @@ def test_kernel_for_forward_reads_the_forward_context_not_a_global(reg):
 
 def test_kernel_for_forward_falls_back_to_the_pair_only_when_unstamped():
     cfg = AttentionConfig(prefill_attention_backend="kp", decode_attention_backend="kd")
-    assert kernel_for_forward(ForwardMode.DECODE, cfg, Tag("unstamped")) == "kd"
+    assert kernel_for_forward(ForwardMode.DECODE, cfg, RecordingBackend("unstamped")) == "kd"
     with pytest.raises(AttnplugError, match="unstamped"):
-        kernel_for_forward(ForwardMode.DECODE, AttentionConfig(), Tag("unstamped"))
+        kernel_for_forward(ForwardMode.DECODE, AttentionConfig(), RecordingBackend("unstamped"))
 
 
 # -- two runners in one process, against the real installed test distributions ----------------------

@@ -33,13 +33,11 @@ from attnplug import (
 )
 from attnplug.errors import MetadataNotInitializedError, ResourceLimitError
 from attnplug.errors import AttnplugError
-from attnplug.registry import default_registry
-from attnplug.dtypes import dtype_name
-from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.suite.harness import same_bytes
-from attnplug.testing.tolerances import tolerance_for
 from attnplug_torch_native import CAPABILITIES
 from attnplug_torch_native.backend import TorchNativeBackend, create
+from tests import paged_setup
+from tests.paged_setup import Setup, make_batch, new_slots, place, qkv, run_and_check
 
 HOST = HostInfo(platform="cpu")
 
@@ -51,16 +49,6 @@ FUSED_PATHS = [pytest.param("off", id="eager")]
 def mode_paths(modes: Sequence[ForwardMode]) -> list[Any]:
     """``(mode, fused)`` pairs: every mode on the eager paths."""
     return [pytest.param(m, "off", id=f"{m.name}-eager") for m in modes]
-
-
-@dataclasses.dataclass
-class Setup:
-    cache: PagedKVCache
-    alloc: PageAllocator
-    backend: TorchNativeBackend
-    layers: list[LayerSpec]
-    dtype: torch.dtype
-    gen: torch.Generator
 
 
 def make_setup(
@@ -80,88 +68,17 @@ def make_setup(
     via_registry: bool = False,
     fused: str = "off",
 ) -> Setup:
-    gen = torch.Generator().manual_seed(seed)
-    kv_dtype = kv_dtype or dtype
     num_pages = max(8, 512 // page_size)
-    cache = PagedKVCache(
-        num_layers, num_pages, kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size, dtype=kv_dtype,
-        max_requests=8, max_context_len=160,
+    return paged_setup.make_setup(
+        "torch_native",
+        lambda ctx: TorchNativeBackend(ctx, decode_block_bytes=decode_block_bytes,
+                                       extend_score_bytes=extend_score_bytes),
+        host=HOST, page_size=page_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+        dtype=dtype, kv_dtype=kv_dtype, num_layers=num_layers, seed=seed, layer_kw=layer_kw, num_pages=num_pages,
+        max_context_len=160, via_registry=via_registry,
+        # positions no request owns point far outside the cache (engines leave such garbage)
+        unassigned=num_pages * page_size + 12345,
     )
-    for buf in cache.k_buffers + cache.v_buffers:  # noise everywhere: reading a wrong slot shows
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(kv_dtype))
-    # positions no request owns point far outside the cache (engines leave such garbage)
-    cache.req_to_token.fill_(cache.num_slots + 12345)
-    ctx = BuildContext(
-        config=AttentionConfig(attention_backend="torch_native"), host=HOST, dtype=str(dtype),
-        kv_cache_dtype=str(kv_dtype), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=160,
-    )
-    if via_registry:
-        name, backend = default_registry().build("torch_native", ctx)
-        assert name == "torch_native"
-    else:
-        backend = TorchNativeBackend(ctx, decode_block_bytes=decode_block_bytes,
-                                     extend_score_bytes=extend_score_bytes)
-    layers = [
-        LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {})) for i in range(num_layers)
-    ]
-    return Setup(cache, PageAllocator(num_pages, shuffle=True, seed=seed + 1), backend, layers, dtype, gen)
-
-
-def place(s: Setup, req_ids: Sequence[int], seq_lens: Sequence[int]) -> None:
-    """Give each request scattered pages covering ``seq_lens`` positions."""
-    ps = s.cache.page_size
-    for r, n in zip(req_ids, seq_lens):
-        s.cache.assign_pages(r, n, s.alloc.alloc((n + ps - 1) // ps))
-
-
-def new_slots(s: Setup, req_ids: Sequence[int], prefix: Sequence[int], ext: Sequence[int]) -> torch.Tensor:
-    parts = [s.cache.req_to_token[r, p:p + e] for r, p, e in zip(req_ids, prefix, ext)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-
-def make_batch(
-    s: Setup, mode: ForwardMode, prefix: Sequence[int], ext: Sequence[int], req_ids: Sequence[int] | None = None,
-    **kw: Any,
-) -> ForwardBatch:
-    req_ids = list(req_ids if req_ids is not None else [7 - i for i in range(len(prefix))])  # not 0..B-1
-    place(s, req_ids, [p + e for p, e in zip(prefix, ext)])
-    loc = new_slots(s, req_ids, prefix, ext)
-    if mode is ForwardMode.DECODE:
-        return ForwardBatch.decode(req_ids, [p + 1 for p in prefix], loc, **kw)
-    return ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode, **kw)
-
-
-def qkv(s: Setup, layer: LayerSpec, tokens: int, with_kv: bool = True) -> tuple[torch.Tensor, ...]:
-    g = s.gen
-    q = torch.randn(tokens, layer.num_heads, layer.head_dim, generator=g).to(s.dtype)
-    if not with_kv:
-        return q, None, None
-    k = torch.randn(tokens, layer.num_kv_heads, layer.head_dim, generator=g).to(s.dtype)
-    v = torch.randn(tokens, layer.num_kv_heads, layer.v_head_dim, generator=g).to(s.dtype)
-    return q, k, v
-
-
-def run_and_check(
-    s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, *, with_kv: bool = True, save: bool = True,
-    init: bool = True, inputs: tuple[Any, Any, Any] | None = None,
-) -> torch.Tensor:
-    layer = layer or s.layers[0]
-    q, k, v = inputs or qkv(s, layer, batch.num_tokens, with_kv)
-    kc0, vc0 = (b.clone() for b in s.cache.get_kv(layer.layer_id))
-    if init:
-        s.backend.init_forward_metadata(batch)
-    out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=save)
-    assert out.shape == (batch.num_tokens, layer.num_heads, layer.v_head_dim)
-    assert out.dtype == s.dtype
-    ref = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token)
-    tol = tolerance_for(dtype_name(s.dtype), dtype_name(s.cache.dtype))  # the suite's, stated in one place
-    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
-    kc1, vc1 = s.cache.get_kv(layer.layer_id)
-    writes = save and k is not None and not layer.is_cross_attention
-    exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc) if writes else (kc0, vc0)
-    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
-    return out
 
 
 def check_path(s: Setup, fused: str, batch: ForwardBatch, layer: LayerSpec | None = None) -> None:

@@ -15,7 +15,8 @@ implementations round differently. The rule, per generated token:
 
 ``Follower`` is a sampler for ``attnplug.integrations.transformers.generate``
 that applies the rule at every step and always returns the reference token; a
-violation raises at the step where it happens.
+violation raises at the step where it happens. ``follow_reference`` runs ``generate`` with one and
+checks the whole run against the reference (tokens, steps checked, every logit within tolerance).
 """
 
 from __future__ import annotations
@@ -73,3 +74,21 @@ class Follower:
             self.near_ties.append((rid, index))
         self.checked += 1
         return int(self.ref_tokens[rid][index])
+
+
+def follow_reference(runner: Any, ref: Sequence[tuple[Sequence[int], torch.Tensor]], prompts: Sequence[Any],
+                     lens: Sequence[int], new_tokens: int, tol: Tolerance) -> tuple[Any, Follower]:
+    """``generate`` on ``prompts`` (of ``lens`` tokens) with a ``Follower`` of ``ref`` (per prompt: the reference's
+    tokens and logits), checked: the reference's tokens, every step checked by the margin rule, every logit
+    within ``tol`` of the reference's. Returns the result and the follower."""
+    from attnplug.integrations.transformers import Request, generate
+
+    follower = Follower([t for t, _ in ref], [lg for _, lg in ref], tol)
+    res = generate(runner, [Request(p, new_tokens) for p in prompts], sampler=follower, record_logits=True)
+    assert res.tokens == [t for t, _ in ref]
+    assert follower.checked == len(lens) * new_tokens
+    for i, (_, ref_logits) in enumerate(ref):
+        got = torch.stack(res.logits[i])
+        excess = (got - ref_logits).abs() - (tol.atol + tol.rtol * ref_logits.abs())
+        assert float(excess.max()) <= 0, f"prompt {i} (len {lens[i]}): logits off by {float(excess.max())} past tol"
+    return res, follower

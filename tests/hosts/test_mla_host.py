@@ -19,9 +19,9 @@ import torch
 
 import hf_models as models
 from attnplug import AttentionConfig, ForwardMode, NotSupportedError
-from attnplug.integrations.transformers import Request, TransformersRunner, generate
+from attnplug.integrations.transformers import TransformersRunner
 from attnplug.testing.tolerances import tolerance_for
-from greedy_rule import Follower
+from greedy_rule import follow_reference
 
 FP32 = tolerance_for("float32")
 LENS, NEW_TOKENS = (5, 64, 171), 16
@@ -64,15 +64,7 @@ def test_deepseek_v3_greedy_matches_transformers_eager(form):
         attn = model.model.layers[spec.layer_id].self_attn
         assert spec.mla is not None and spec.num_kv_heads == 1 and spec.v_head_dim == 64
         assert math.isclose(spec.scaling, attn.scaling) and not math.isclose(spec.scaling, 1 / math.sqrt(32 + 16))
-    follower = Follower([t for t, _ in ref], [lg for _, lg in ref], FP32)
-    res = generate(runner, [Request(p, NEW_TOKENS) for p in models.prompts(LENS)], sampler=follower,
-                   record_logits=True)
-    assert res.tokens == [t for t, _ in ref]
-    assert follower.checked == len(LENS) * NEW_TOKENS
-    for i, (_, ref_logits) in enumerate(ref):
-        got = torch.stack(res.logits[i])
-        excess = (got - ref_logits).abs() - (FP32.atol + FP32.rtol * ref_logits.abs())
-        assert float(excess.max()) <= 0, f"prompt {i}: logits off by {float(excess.max())} past tolerance"
+    res, _ = follow_reference(runner, ref, models.prompts(LENS), LENS, NEW_TOKENS, FP32)
     modes = {s.mode for s in res.steps}
     assert ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes
     assert runner.cache.requests == [] and runner.cache.pool.free_pages == runner.kv_cache.num_pages

@@ -16,13 +16,12 @@ through triton's prefill).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hf_models as models
 from attnplug import AttentionConfig, ForwardMode
-from attnplug.integrations.transformers import Request, TransformersRunner, generate
+from attnplug.integrations.transformers import TransformersRunner
 from attnplug.testing.tolerances import tolerance_for
-from greedy_rule import Follower
+from greedy_rule import follow_reference
 
 FP32 = tolerance_for("float32")
 SPLIT = AttentionConfig(prefill_attention_backend="triton", decode_attention_backend="torch_native")
@@ -62,15 +61,7 @@ def _config(backend: str) -> AttentionConfig:
 def run_and_compare(backend: str, arch: str, reference, lens=models.PROMPT_LENS, new_tokens=models.NEW_TOKENS):
     ref = reference(arch, new_tokens, lens)
     runner = TransformersRunner(models.build(arch), _config(backend), max_requests=4, max_context_len=512)
-    follower = Follower([t for t, _ in ref], [lg for _, lg in ref], FP32)
-    res = generate(runner, [Request(p, new_tokens) for p in models.prompts(lens)], sampler=follower,
-                   record_logits=True)
-    assert res.tokens == [t for t, _ in ref]
-    assert follower.checked == len(lens) * new_tokens
-    for i, (_, ref_logits) in enumerate(ref):
-        got = torch.stack(res.logits[i])
-        excess = (got - ref_logits).abs() - (FP32.atol + FP32.rtol * ref_logits.abs())
-        assert float(excess.max()) <= 0, f"prompt {i} (len {lens[i]}): logits off by {float(excess.max())} past tol"
+    res, follower = follow_reference(runner, ref, models.prompts(lens), lens, new_tokens, FP32)
     return runner, res, follower
 
 

@@ -8,6 +8,7 @@ compiler (no g++, c++, cc, clang++): the installed wheel needs none.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -18,30 +19,18 @@ from pathlib import Path
 
 import pytest
 
+import _flow
+
 ROOT = Path(__file__).resolve().parents[2]
 _IGNORE = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "_C*.so")
 
 COMPILERS = ("g++", "c++", "cc", "gcc", "clang++", "clang")
 
 
-def _run(cmd: list[str], cwd: Path, timeout: int = 1800) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ATTNPLUG_", "PYTEST_", "PYTHONPATH", "VIRTUAL_ENV"))}
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def _wheel(src: Path, out: Path) -> Path:
-    """Build ``src`` (a copy: no build folders appear in the repo) into one wheel in ``out``."""
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-          str(src)], cwd=src)
-    name = (src / "pyproject.toml").read_text().split('name = "', 1)[1].split('"', 1)[0].replace("-", "_")
-    wheels = sorted(out.glob(f"{name}-*.whl"))
-    assert wheels, f"no wheel for {name} in {out}"
-    return wheels[-1]
+#: a command or a wheel build may take this long (seconds)
+TIMEOUT = 1800
+_run = functools.partial(_flow.run, timeout=TIMEOUT)
+_wheel = functools.partial(_flow.wheel, timeout=TIMEOUT)
 
 _FORWARD = textwrap.dedent("""
     import attnplug_cpu_fused, torch

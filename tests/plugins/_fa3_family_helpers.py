@@ -24,7 +24,7 @@ import torch
 
 from attnplug import ForwardBatch, ForwardMode, LayerSpec, PageAllocator, PagedKVCache
 from attnplug.host import HostInfo
-from attnplug.kvcache import quantize
+from _problems import fill_kv_noise, visible
 from attnplug.registry import Registry
 from attnplug.testing.reference import reference_attention
 
@@ -95,14 +95,7 @@ def make_problem(
     max_requests = 2 * B + 3
     cache = PagedKVCache(1, num_pages, num_kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
                          dtype=kv_dtype or dtype, max_requests=max_requests, max_context_len=max(seq) + page_size)
-    kb, vb = cache.get_kv(0)
-    if cache.quantized:
-        cache.set_kv_scales(0, *kv_scales)
-        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
-        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
-    else:
-        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
+    kb, vb = fill_kv_noise(cache, g, dtype, kv_scales)
     cache.req_to_token.fill_(-1)  # nothing may read an unassigned position
     alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
     rows = torch.randperm(max_requests, generator=g)[:B].tolist()
@@ -170,15 +163,7 @@ def attend64(
     s = torch.einsum("qhd,khd->hqk", q.double(), Kh) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    vis = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        vis &= j <= i
-    if left >= 0:
-        vis &= j >= i - left
-    if right >= 0:
-        vis &= j <= i + right
+    vis = visible(sq, sk, causal, left, right)
     s = s.masked_fill(~vis[None], -math.inf)
     m = s.amax(dim=2) if sk else torch.full((H, sq), -math.inf, dtype=torch.float64)
     snk = None if sinks is None else sinks.double()[:, None]
@@ -192,6 +177,36 @@ def attend64(
     o = torch.einsum("hqk,khd->qhd", w, Vh)
     den = den.transpose(0, 1)[:, :, None]
     return torch.where(den > 0, o / den.clamp_min(1e-300), torch.zeros_like(o))
+
+
+def context(p: types.SimpleNamespace, host: HostInfo, *, config: Any = None, dtype: Any = None,
+            **kw: Any) -> Any:
+    """The build context of problem ``p`` on ``host``: its layer's heads and head dim, its page size and
+    cache (``dtype``: default q's dtype; ``kw``: more ``BuildContext`` fields)."""
+    from attnplug import AttentionConfig, BuildContext
+
+    return BuildContext(config=config or AttentionConfig(), host=host, dtype=p.q.dtype if dtype is None else dtype,
+                        num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
+                        page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len, **kw)
+
+
+def forward(backend: Any, p: types.SimpleNamespace, save: bool = True) -> torch.Tensor:
+    """``init_forward_metadata`` of ``p``'s batch, then its mode's forward (``forward_decode`` for DECODE,
+    ``forward_extend`` otherwise) on ``p``'s q/k/v."""
+    backend.init_forward_metadata(p.batch)
+    fwd = backend.forward_decode if p.batch.forward_mode is ForwardMode.DECODE else backend.forward_extend
+    return fwd(p.q, p.k, p.v, p.layer, p.batch, save_kv_cache=save)
+
+
+def assert_written_at_loc_only(p: types.SimpleNamespace, save: bool) -> None:
+    """After a forward of ``p``: its new K/V at ``out_cache_loc`` when ``save`` (nothing written otherwise),
+    every other slot as it was before."""
+    kb, vb = p.cache.get_kv(0)
+    loc = p.batch.out_cache_loc
+    if save:
+        assert torch.equal(kb[loc], p.k) and torch.equal(vb[loc], p.v)
+        kb[loc], vb[loc] = p.before[0][loc], p.before[1][loc]
+    assert torch.equal(kb, p.before[0]) and torch.equal(vb, p.before[1])
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None) -> None:

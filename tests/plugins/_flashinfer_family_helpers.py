@@ -15,8 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug import ForwardBatch, ForwardMode, HostInfo, LayerSpec, PageAllocator, PagedKVCache
-from attnplug.kvcache import quantize
+from attnplug import ForwardBatch, ForwardMode, HostInfo, LayerSpec, PagedKVCache
 
 
 @dataclasses.dataclass
@@ -49,50 +48,62 @@ def make_problem(
     kv_dtype: torch.dtype | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Problem:
-    """A batch whose requests sit in pool rows 3, 0, 5, … (not batch order) on shuffled pages.
+    """One layer's problem, asked of the conformance suite's harness (``harness.make_problem``): requests
+    in random pool rows on shuffled pages, noise in every slot, the new tokens' slots following each
+    prefix in the same page table (a prefix ending mid-page shares its last page).
 
-    Prefix K/V are random in the cache; the new tokens' slots follow the prefix
-    in the same page table (so a prefix ending mid-page shares its last page).
-    ``kv_dtype`` fp8: the cache stores fp8 with the layer's ``kv_scales`` (dequantized values ~ N(0, 1)).
-    """
-    g = torch.Generator().manual_seed(seed)
-    b = len(prefix_lens)
-    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    pages_per = [(s + page_size - 1) // page_size for s in seq]
-    cache = PagedKVCache(1, sum(pages_per) + 5, num_kv_heads, head_dim, page_size=page_size, dtype=kv_dtype or dtype,
-                         max_requests=2 * b + 6, max_context_len=max(seq) + page_size)
-    alloc = PageAllocator(cache.num_pages, shuffle=True, seed=seed)
-    rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
-    for r, s, n in zip(rows, seq, pages_per):
-        cache.assign_pages(r, s, alloc.alloc(n))
-    kb, vb = cache.get_kv(0)
-    if cache.quantized:
-        cache.set_kv_scales(0, *kv_scales)
-        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
-        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
-    else:
-        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
-    out_loc = torch.cat([cache.req_to_token[r, p:p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)])
-    n_tok = sum(extend_lens)
-    kw: dict[str, Any] = {}
-    if mode is ForwardMode.TARGET_VERIFY:
-        d = extend_lens[0]
-        kw["spec_num_draft_tokens"] = d
-        if tree_mask:  # a random tree: every draft sees itself and a random subset of earlier drafts
-            m = torch.rand(b, d, d, generator=g) < 0.5
-            m = (m & torch.ones(d, d, dtype=torch.bool).tril()) | torch.eye(d, dtype=torch.bool)
-            kw["spec_custom_mask"] = m
-    if mode is ForwardMode.DECODE:
-        batch = ForwardBatch.decode(rows, seq, out_loc)
-    else:
-        batch = ForwardBatch.extend(rows, list(prefix_lens), list(extend_lens), out_loc, mode=mode, **kw)
-    layer = LayerSpec(0, num_heads, num_kv_heads, head_dim, sliding_window=sliding_window, logit_cap=logit_cap,
-                      sinks=(torch.randn(num_heads, generator=g) if sinks else None))
-    q = torch.randn(n_tok, num_heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(n_tok, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(n_tok, num_kv_heads, head_dim, generator=g).to(dtype)
-    return Problem(cache, batch, q, k, v, layer, kb.clone(), vb.clone())
+    ``tree_mask``: a target-verify batch gets a random tree mask (every draft sees itself and a random
+    subset of earlier drafts); other modes get none. ``kv_dtype`` fp8: the cache stores fp8 with the
+    layer's ``kv_scales``. ``seed`` picks the case (and so its data)."""
+    from attnplug.dtypes import dtype_name
+    from attnplug.testing.suite import harness
+    from attnplug.testing.suite.cases import Case, Features, Scenario, Shape
+
+    verify = mode is ForwardMode.TARGET_VERIFY
+    sc = Scenario("plugin", mode.value, tuple(prefix_lens), tuple(extend_lens),
+                  draft=extend_lens[0] if verify else None, custom_mask=tree_mask and verify)
+    quantized = kv_dtype is not None and kv_dtype.itemsize == 1
+    case = Case("plugin_test", f"seed{seed}", sc, dtype=dtype_name(dtype), page_size=page_size,
+                shape=Shape("plugin", num_heads, num_kv_heads, head_dim),
+                features=Features(sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks),
+                kv_cache_dtype=None if kv_dtype is None else dtype_name(kv_dtype),
+                kv_scales=kv_scales if quantized else None)
+    p = harness.make_problem(case, "cpu")
+    q, k, v = p.qkv[0]
+    assert k is not None and v is not None
+    k_before, v_before = p.before[0]
+    return Problem(p.cache, p.batch, q, k, v, p.layers[0], k_before, v_before)
+
+
+def registry(*dists: str) -> Any:
+    """A registry that discovered only ``dists`` (through their entry points)."""
+    from attnplug.registry import Registry
+
+    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
+
+
+def check_registered_and_unavailable(dist: str, name: str, *, library: str, floor: str, capabilities: Any,
+                                     reasons: Sequence[str], build_match: str) -> None:
+    """``dist``, loaded alone through its entry point, registers ``name`` as declared (library, floor,
+    capabilities); on a CPU host with torch only ``name`` is unavailable with each of ``reasons`` (a
+    fragment of some reason) and building it raises ``BackendUnavailableError`` matching ``build_match``."""
+    import pytest
+
+    from attnplug import AttentionConfig, BuildContext
+    from attnplug.errors import BackendUnavailableError
+    reg = registry(dist)
+    (rec,) = [p for p in reg.plugins if p.distribution == dist]
+    assert rec.status == "loaded", rec.error
+    d = reg.get(name)
+    assert d.distribution == dist and d.library == library and d.min_library_version == floor
+    assert d.capabilities is capabilities
+    cpu = host("cpu", {"torch": "2.13.0"})
+    avail = reg.availability(name, cpu)
+    assert not avail
+    for fragment in reasons:
+        assert any(fragment in r for r in avail.reasons), (fragment, avail.reasons)
+    with pytest.raises(BackendUnavailableError, match=build_match):
+        reg.build(name, BuildContext(AttentionConfig(), cpu))
 
 
 def host(platform: str, libraries: dict[str, str], **kw: Any) -> HostInfo:

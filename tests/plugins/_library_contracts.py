@@ -213,6 +213,20 @@ def _fa3_kvcache(a: dict[str, Any], version: str, owner: dict[str, Any], strict:
     return out
 
 
+def _bmm_scale_problems(a: dict[str, Any]) -> list[str]:
+    """trtllm-gen's ``bmm1_scale`` / ``bmm2_scale``: a float, or a float32 tensor ("bmm1_scale tensor must have
+    dtype torch.float32", decode.py); the same rule for the MHA and the MLA entry points."""
+    out = []
+    for n in ("bmm1_scale", "bmm2_scale"):
+        t = a.get(n)
+        if isinstance(t, torch.Tensor):
+            if t.dtype != torch.float32:
+                out.append(f"{n} tensor must have dtype torch.float32, got {t.dtype}")
+        elif not isinstance(t, (float, int)) or isinstance(t, bool):
+            out.append(f"{n} must be a float or a float32 tensor, got {type(t).__name__}")
+    return out
+
+
 def _trtllm(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool) -> list[str]:
     """flashinfer ``trtllm_batch_{decode,context}_with_kv_cache`` (flashinfer/decode.py, prefill.py and the
     trtllm-gen FMHA runner): int32 block tables / lengths, HND ``[pages, kv_heads, page_size, dim]`` pages
@@ -241,13 +255,7 @@ def _trtllm(a: dict[str, Any], version: str, owner: dict[str, Any], strict: bool
             out.append(f"sinks must be float32, got {s.dtype}")
         if s.numel() != a["query"].shape[-2]:
             out.append(f"sinks must hold one value per query head ({a['query'].shape[-2]}), got {s.numel()}")
-    for n in ("bmm1_scale", "bmm2_scale"):  # "bmm1_scale tensor must have dtype torch.float32" (decode.py)
-        t = a.get(n)
-        if isinstance(t, torch.Tensor):
-            if t.dtype != torch.float32:
-                out.append(f"{n} tensor must have dtype torch.float32, got {t.dtype}")
-        elif not isinstance(t, (float, int)) or isinstance(t, bool):
-            out.append(f"{n} must be a float or a float32 tensor, got {type(t).__name__}")
+    out += _bmm_scale_problems(a)
     q, kc = a["query"], pair[0]
     if q.dtype != kc.dtype:
         out.append(f"query ({q.dtype}) and the cache ({kc.dtype}) must share a dtype (fp8 KV: cast the query)")
@@ -463,13 +471,7 @@ def _trtllm_mla(a: dict[str, Any], version: str, owner: dict[str, Any], strict: 
         out.append("block_tables / seq_lens rows must equal the query batch")
     if not isinstance(a["max_seq_len"], int) or isinstance(a["max_seq_len"], bool):
         out.append(f"max_seq_len must be an int, got {type(a['max_seq_len']).__name__}")
-    for n in ("bmm1_scale", "bmm2_scale"):
-        t = a.get(n)
-        if isinstance(t, torch.Tensor):
-            if t.dtype != torch.float32:
-                out.append(f"{n} tensor must have dtype torch.float32, got {t.dtype}")
-        elif not isinstance(t, (float, int)) or isinstance(t, bool):
-            out.append(f"{n} must be a float or a float32 tensor, got {type(t).__name__}")
+    out += _bmm_scale_problems(a)
     o = a.get("out")
     if o is not None and tuple(o.shape) not in ((*q.shape[:-1], a["kv_lora_rank"]),
                                                 (q.shape[0] * q.shape[1], q.shape[2], a["kv_lora_rank"])):

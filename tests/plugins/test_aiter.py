@@ -26,13 +26,15 @@ import torch
 import attnplug_aiter
 from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, HostInfo, LayerSpec
 from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError, NotSupportedError, ShapeError
-from attnplug.registry import Registry
 from attnplug.resolution import resolve, trace
-from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug.testing.tolerances import Tolerance
+from tests.forward_check import forward_and_check
+from attnplug.testing.reference import reference_attention
 from attnplug_aiter import metadata as M
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
+from _problems import visible
 
 DIST = "attnplug-aiter"
 LIB = {"amd-aiter": "0.1.10"}
@@ -81,16 +83,7 @@ def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices
         assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
         idx = kv_page_indices[k0:k1].long()
         K, V = k[idx], v[idx]
-        qn, L = q1 - q0, k1 - k0
-        pos = L - qn + torch.arange(qn)[:, None]
-        j = torch.arange(L)[None, :]
-        vis = torch.ones(qn, L, dtype=torch.bool)
-        if causal:
-            vis &= j <= pos
-        if left >= 0:
-            vis &= j >= pos - left
-        if right >= 0:
-            vis &= j <= pos + right
+        vis = visible(q1 - q0, k1 - k0, causal, left, right)
         res[q0:q1] = _attend(q[q0:q1], K, V, vis, scale, logits_soft_cap, sink_ptr)
     return res.to(q.dtype)
 
@@ -140,9 +133,13 @@ def _build(pb):
     return AiterBackend(ctx)
 
 
+#: bfloat16 outputs: tighter than the suite's bfloat16 tolerance
+TOL = Tolerance(atol=2e-2, rtol=2e-2)
+
+
 def _check(pb, out):
     ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)  # bfloat16 output
+    torch.testing.assert_close(out.double(), ref, atol=TOL.atol, rtol=TOL.rtol)
 
 
 CASES = {
@@ -162,12 +159,7 @@ def test_emulated_backend_matches_reference(fake_aiter, case, page_size, variant
           "sinks": dict(sinks=True, sliding_window=7)}.get(variant, {})
     pb = H.make_problem(mode, prefix, ext, page_size=page_size, dtype=torch.bfloat16, tree_mask=True,
                         seed=len(case) + page_size, **kw)
-    be = _build(pb)
-    be.init_forward_metadata(pb.batch)
-    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
-    _check(pb, out)
-    kc, vc = expected_cache_after(pb.k_before, pb.v_before, pb.k, pb.v, pb.batch.out_cache_loc)
-    assert torch.equal(pb.cache.k_buffers[0], kc) and torch.equal(pb.cache.v_buffers[0], vc)
+    forward_and_check(_build(pb), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.bfloat16, tol=TOL)
     expected_kernel = "mha_batch_prefill_func"
     if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and variant != "sinks":
         expected_kernel = "paged_attention_ragged"
@@ -241,7 +233,7 @@ def test_build_refuses_other_gfx_and_old_library(fake_aiter, monkeypatch):
         AiterBackend(ctx)
     # the floor is Registry.build's (the support query), checked before the factory runs
     old = H.host("rocm", {"amd-aiter": "0.1.9"}, **MI300)
-    reg = _registry(DIST)
+    reg = H.registry(DIST)
     with pytest.raises(NotSupportedError, match=r"amd-aiter >= 0.1.10, found 0.1.9"):
         reg.build("aiter", ctx.replace(host=old, device="cuda"))
 
@@ -290,7 +282,7 @@ def test_guards_and_versions():
     # the floor is Registry.build's (the support query), before the factory imports aiter
     for version, refused in (("0.1.12", False), ("0.1.9", True)):
         host = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": version})
-        problems = _registry(DIST).build_problems(_registry(DIST).get("aiter"),
+        problems = H.registry(DIST).build_problems(H.registry(DIST).get("aiter"),
                                                   BuildContext(config=AttentionConfig(), host=host, device="cuda",
                                                                dtype="bfloat16", head_dim=128))
         assert any("found 0.1.9" in p for p in problems) is refused, problems
@@ -306,23 +298,10 @@ def test_guards_and_versions():
 # ---------------------------------------------------------------------------
 
 
-def _registry(*dists):
-    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
-
-
 def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
-    reg = _registry(DIST)
-    (rec,) = [p for p in reg.plugins if p.distribution == DIST]
-    assert rec.status == "loaded", rec.error
-    d = reg.get("aiter")
-    assert d.distribution == DIST and d.library == "amd-aiter" and d.min_library_version == "0.1.10"
-    assert d.capabilities is attnplug_aiter.CAPABILITIES
-    cpu = HostInfo(platform="cpu", libraries={"torch": "2.13.0"})
-    avail = reg.availability("aiter", cpu)
-    assert not avail and any("'amd-aiter' is not installed" in r for r in avail.reasons)
-    assert any("gfx942/gfx950" in r for r in avail.reasons)
-    with pytest.raises(BackendUnavailableError, match="aiter"):
-        reg.build("aiter", BuildContext(AttentionConfig(), cpu))
+    H.check_registered_and_unavailable(DIST, "aiter", library="amd-aiter", floor="0.1.10",
+                                       capabilities=attnplug_aiter.CAPABILITIES,
+                                       reasons=("'amd-aiter' is not installed", "gfx942/gfx950"), build_match="aiter")
 
 
 @pytest.mark.parametrize("host_kw, available", [
@@ -335,7 +314,7 @@ def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
     (dict(platform="cpu", libraries=LIB), False),
 ])
 def test_available_exactly_on_mi300_mi350_with_the_library(host_kw, available):
-    assert bool(_registry(DIST).availability("aiter", HostInfo(**host_kw))) is available
+    assert bool(H.registry(DIST).availability("aiter", HostInfo(**host_kw))) is available
 
 
 def test_descriptor_imports_neither_torch_nor_aiter():
@@ -345,7 +324,7 @@ def test_descriptor_imports_neither_torch_nor_aiter():
 
 
 def test_priority_and_floor():
-    d = _registry(DIST).get("aiter")
+    d = H.registry(DIST).get("aiter")
     assert d.priority_on(HostInfo(platform="rocm", gfx_arch="gfx942")) == 50
     assert d.priority_on(HostInfo(platform="cuda")) is None
     old = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"amd-aiter": "0.1.5.post4"})
@@ -354,7 +333,7 @@ def test_priority_and_floor():
 
 def test_the_unrelated_pypi_aiter_distribution_never_counts():
     """PyPI's ``aiter`` is an async-iterator package: a host with only it has no kernel library."""
-    reg = _registry(DIST)
+    reg = H.registry(DIST)
     wrong = HostInfo(platform="rocm", gfx_arch="gfx942", libraries={"aiter": "0.1.10"})
     reasons = reg.availability("aiter", wrong).reasons
     assert any("'amd-aiter' is not installed" in r for r in reasons)
@@ -386,7 +365,7 @@ def test_build_refuses_a_module_aiter_from_the_wrong_distribution(monkeypatch):
 
 
 def test_gpt_oss_picks_aiter_exactly_on_rocm():
-    reg = _registry(DIST, "attnplug-torch-native")
+    reg = H.registry(DIST, "attnplug-torch-native")
     rocm = HostInfo(platform="rocm", gfx_arch="gfx942", libraries=LIB)
     res = trace(AttentionConfig(), arch="GptOssForCausalLM", host=rocm, registry=reg)
     assert res.ok, res.error

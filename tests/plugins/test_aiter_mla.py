@@ -20,10 +20,9 @@ import torch
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
-from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec, PagedKVCache
+import _problems as M
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode
 from attnplug.errors import NotSupportedError
-from attnplug.kvcache import PageAllocator
-from attnplug.layer import MLASpec
 from attnplug.testing.reference import reference_mla
 
 LIB = {"amd-aiter": "0.1.10"}
@@ -58,26 +57,10 @@ def emulate_mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv
 
 
 def mla_problem(seq, *, page_size=16, heads=16, dtype=torch.bfloat16, rank=R, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    b = len(seq)
-    pages = sum(-(-s // page_size) for s in seq) + 3
-    cache = PagedKVCache(1, pages, 1, rank + ROPE, v_head_dim=0, page_size=page_size, dtype=dtype,
-                         max_requests=2 * b + 6, max_context_len=max(seq) + page_size)
-    alloc = PageAllocator(pages, shuffle=True, seed=seed)
-    rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(-(-s // page_size)))
-    # garbage everywhere first: slots a request does not own must never reach an output
-    cache.set_latent(0, torch.arange(cache.num_slots), 1e3 * torch.randn(cache.num_slots, 1, rank + ROPE, generator=g))
-    for r, s in zip(rows, seq):
-        own = cache.req_to_token[r, :s]
-        cache.set_latent(0, own, torch.randn(s, 1, rank + ROPE, generator=g))
-    loc = torch.stack([cache.req_to_token[r, s - 1] for r, s in zip(rows, seq)])
-    batch = ForwardBatch.decode(rows, list(seq), loc)
-    layer = LayerSpec(0, heads, 1, rank + ROPE, mla=MLASpec(rank, 128, ROPE, 128))
-    q = torch.randn(b, heads, rank + ROPE, generator=g).to(dtype)
-    lat = torch.randn(b, 1, rank + ROPE, generator=g).to(dtype)
-    return cache, batch, layer, q, lat
+    """A DECODE batch of requests ``seq`` long (the new token counted); garbage in every slot not owned."""
+    p = M.latent_problem([s - 1 for s in seq], [1] * len(seq), mode=ForwardMode.DECODE, page_size=page_size,
+                         heads=heads, dtype=dtype, rank=rank, rope=ROPE, garbage=True, seed=seed)
+    return p.cache, p.batch, p.layers[0], p.q, p.latents[0]
 
 
 def install_fake_aiter(monkeypatch):
@@ -122,13 +105,7 @@ def test_emulated_mla_decode_matches_the_reference_mocked_no_gpu(fake_aiter, pag
 
 def test_save_kv_cache_false_leaves_the_latent_unchanged_mocked_no_gpu(fake_aiter):
     cache, batch, layer, q, lat = mla_problem([20, 3])
-    be = build(cache, layer)
-    before = cache.read_latent(0)
-    expect = reference_mla(q, lat, layer, batch, before, cache.req_to_token)
-    be.init_forward_metadata(batch)
-    out = be.forward(q, lat, None, layer, batch, save_kv_cache=False)
-    torch.testing.assert_close(out.double(), expect, atol=2e-2, rtol=2e-2)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_no_save(build(cache, layer), cache, batch, layer, q, lat)
 
 
 def test_the_claim_is_absorbed_decode_only():
@@ -152,11 +129,7 @@ def test_unclaimed_mla_forwards_are_refused_in_words_and_write_nothing_mocked_no
         fwd = ForwardBatch.extend(batch.req_pool_indices_cpu, [8, 19], [1, 1], batch.out_cache_loc, mode=mode, **kw)
     if form == "unabsorbed":  # per-head queries: qk_nope + qk_rope wide
         q = q[..., :128 + ROPE].contiguous()
-    before = cache.read_latent(0)
-    be.init_forward_metadata(fwd)
-    with pytest.raises(NotSupportedError, match=words):
-        be.forward(q, lat, None, layer, fwd)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_refused(be, cache, fwd, layer, q, lat, words)
 
 
 @pytest.mark.parametrize("heads,rank,dtype,words", [

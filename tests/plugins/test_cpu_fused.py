@@ -39,7 +39,6 @@ from attnplug import (
 from attnplug.errors import BackendUnavailableError, ResourceLimitError
 from attnplug.dtypes import dtype_name
 from attnplug.registry import default_registry
-from attnplug.testing.reference import expected_cache_after, reference_attention
 from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
 from attnplug_cpu_fused import CAPABILITIES, probe
@@ -47,6 +46,8 @@ from attnplug_cpu_fused import backend as cf_backend
 from attnplug_cpu_fused import kernel
 from attnplug_cpu_fused.backend import FUSED_MAX_QUERIES, FUSED_QUERY_CHUNK, CpuFusedBackend, FusedMeta
 from attnplug_torch_native.backend import TorchNativeBackend
+from tests.forward_check import forward_and_check
+from tests import paged_setup
 
 HOST = HostInfo(platform="cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -148,13 +149,7 @@ def extend_batch(s: Setup, mode: ForwardMode, prefix: Sequence[int], ext: Sequen
 
 
 def inputs(s: Setup, tokens: int, *, with_kv: bool = True, q_gain: float = 1.0) -> tuple[Any, Any, Any]:
-    L, g = s.layer, s.gen
-    q = (torch.randn(tokens, L.num_heads, L.head_dim, generator=g) * q_gain).to(s.dtype)
-    if not with_kv:
-        return q, None, None
-    k = torch.randn(tokens, L.num_kv_heads, L.head_dim, generator=g).to(s.dtype)
-    v = torch.randn(tokens, L.num_kv_heads, L.v_head_dim, generator=g).to(s.dtype)
-    return q, k, v
+    return paged_setup.qkv(s, s.layer, tokens, with_kv, q_gain)
 
 
 def tolerance(s: Setup) -> Any:
@@ -164,21 +159,8 @@ def tolerance(s: Setup) -> Any:
 def run_and_check(s: Setup, batch: ForwardBatch, *, with_kv: bool = True, save: bool = True, q_gain: float = 1.0,
                   qkv: tuple[Any, Any, Any] | None = None) -> torch.Tensor:
     """One forward: the output against the float64 reference, the cache against a write at out_cache_loc only."""
-    layer = s.layer
     q, k, v = qkv or inputs(s, batch.num_tokens, with_kv=with_kv, q_gain=q_gain)
-    kc0, vc0 = s.cache.read_kv(0)  # stored values, token-major, whatever the layout
-    s.backend.init_forward_metadata(batch)
-    out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=save)
-    assert out.shape == (batch.num_tokens, layer.num_heads, layer.v_head_dim) and out.dtype == s.dtype
-    ks, vs = s.cache.kv_scales(0)
-    ref = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token, ks, vs)
-    tol = tolerance(s)
-    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
-    kc1, vc1 = s.cache.read_kv(0)
-    writes = save and k is not None and not layer.is_cross_attention
-    exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc, ks, vs) if writes else (kc0, vc0)
-    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
-    return out
+    return forward_and_check(s.backend, s.cache, s.layer, batch, q, k, v, dtype=s.dtype, save=save)
 
 
 def assert_fused_ran(s: Setup) -> None:

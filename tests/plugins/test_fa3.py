@@ -78,18 +78,13 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
 
 
 def build(p, *, deterministic=False, provider="sgl-kernel", host=None):
-    ctx = BuildContext(config=AttentionConfig(deterministic=deterministic), host=host or H.cuda_host(90, **SGL),
-                       dtype=p.q.dtype, num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads,
-                       head_dim=p.layer.head_dim, page_size=p.page_size, kv_cache=p.cache,
-                       max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, host or H.cuda_host(90, **SGL), config=AttentionConfig(deterministic=deterministic))
     return FA3Backend(ctx, kernel=emulate_flash_attn_with_kvcache, provider=provider)
 
 
 def run(p, backend=None, save=True):
     backend = backend or build(p)
-    backend.init_forward_metadata(p.batch)
-    fwd = backend.forward_decode if p.batch.forward_mode is ForwardMode.DECODE else backend.forward_extend
-    return fwd(p.q, p.k, p.v, p.layer, p.batch, save_kv_cache=save)
+    return H.forward(backend, p, save)
 
 
 # -- (1) registration and availability -------------------------------------------
@@ -245,12 +240,7 @@ def test_kv_cache_write(save):
     p = H.make_problem(prefix=(3, 12), ext=(4, 9), page_size=16)
     out = run(p, save=save)
     H.assert_close(out, p.expected)
-    kb, vb = p.cache.get_kv(0)
-    loc = p.batch.out_cache_loc
-    if save:
-        assert torch.equal(kb[loc], p.k) and torch.equal(vb[loc], p.v)
-        kb[loc], vb[loc] = p.before[0][loc], p.before[1][loc]
-    assert torch.equal(kb, p.before[0]) and torch.equal(vb, p.before[1])
+    H.assert_written_at_loc_only(p, save)
 
 
 def test_metadata_is_built_once_and_shared_by_layers():

@@ -20,10 +20,9 @@ import torch
 
 import _fa3_family_helpers as H
 import _library_contracts as C
-from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec, PagedKVCache
+import _problems as M
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode
 from attnplug.errors import NotSupportedError
-from attnplug.kvcache import PageAllocator
-from attnplug.layer import MLASpec
 from attnplug.testing.reference import reference_mla
 from attnplug_fa3.backend import FA3Backend
 
@@ -60,37 +59,13 @@ def emulate_fa3_mla(q, k_cache, v_cache, *, qv, cache_seqlens, page_table, cu_se
 def mla_problem(prefix, ext, *, mode=ForwardMode.EXTEND, page_size=16, heads=8, dtype=torch.bfloat16,
                 rank=R, rope=ROPE, tree=False, seed=0):
     """Requests with ``prefix`` cached tokens extending by ``ext``; garbage in every slot not owned."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(prefix)
-    total = [p + e for p, e in zip(prefix, ext)]
-    pages = sum(-(-t // page_size) for t in total) + 3
-    cache = PagedKVCache(1, pages, 1, rank + rope, v_head_dim=0, page_size=page_size, dtype=dtype,
-                         max_requests=2 * b + 6, max_context_len=max(total) + page_size)
-    alloc = PageAllocator(pages, shuffle=True, seed=seed)
-    rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
-    for r, t in zip(rows, total):
-        cache.assign_pages(r, t, alloc.alloc(-(-t // page_size)))
-    cache.set_latent(0, torch.arange(cache.num_slots), 1e3 * torch.randn(cache.num_slots, 1, rank + rope, generator=g))
-    for r, p in zip(rows, prefix):
-        if p:
-            cache.set_latent(0, cache.req_to_token[r, :p], torch.randn(p, 1, rank + rope, generator=g))
-    loc = torch.cat([cache.req_to_token[r, p:p + e] for r, p, e in zip(rows, prefix, ext)])
-    if mode is ForwardMode.DECODE:
-        batch = ForwardBatch.decode(rows, total, loc)
-    else:
-        kw = {}
-        if mode is ForwardMode.TARGET_VERIFY:
-            d = ext[0]
-            kw["spec_num_draft_tokens"] = d
-            if tree:  # draft a sees itself and its parent chain in a two-branch tree
-                m = torch.eye(d, dtype=torch.bool).repeat(b, 1, 1)
-                m[:, 1:, 0] = True
-                kw["spec_custom_mask"] = m
-        batch = ForwardBatch.extend(rows, prefix, ext, loc, mode=mode, **kw)
-    layer = LayerSpec(0, heads, 1, rank + rope, mla=MLASpec(rank, 128, rope, 128))
-    q = torch.randn(loc.numel(), heads, rank + rope, generator=g).to(dtype)
-    lat = torch.randn(loc.numel(), 1, rank + rope, generator=g).to(dtype)
-    return cache, batch, layer, q, lat
+    mask = None
+    if tree:  # draft a sees itself and its parent chain in a two-branch tree
+        mask = torch.eye(ext[0], dtype=torch.bool).repeat(len(prefix), 1, 1)
+        mask[:, 1:, 0] = True
+    p = M.latent_problem(prefix, ext, mode=mode, page_size=page_size, heads=heads, dtype=dtype, rank=rank, rope=rope,
+                         garbage=True, custom_mask=mask, seed=seed)
+    return p.cache, p.batch, p.layers[0], p.q, p.latents[0]
 
 
 def build(cache, layer, *, sm=90, kernel=emulate_fa3_mla, deterministic=False, kv_cache_dtype=None):
@@ -138,13 +113,7 @@ def test_other_dtypes_and_latents_within_fa3s_limits_mocked_no_gpu(dtype, rank, 
 
 def test_save_kv_cache_false_leaves_the_latent_unchanged_mocked_no_gpu():
     cache, batch, layer, q, lat = mla_problem([4, 11], [3, 2])
-    be = build(cache, layer)
-    before = cache.read_latent(0)
-    expect = reference_mla(q, lat, layer, batch, before, cache.req_to_token)
-    be.init_forward_metadata(batch)
-    out = be.forward(q, lat, None, layer, batch, save_kv_cache=False)
-    torch.testing.assert_close(out.double(), expect, atol=2e-2, rtol=2e-2)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_no_save(build(cache, layer), cache, batch, layer, q, lat)
 
 
 def test_the_call_splits_the_latent_as_sglang_does_mocked_no_gpu():
@@ -180,12 +149,9 @@ def test_the_unabsorbed_form_is_refused_in_words_and_writes_nothing_mocked_no_gp
                        extend_prefix_lens=batch.extend_prefix_lens, extend_seq_lens=batch.extend_seq_lens,
                        positions=batch.positions, mla_form="unabsorbed")
     be = build(cache, layer)
-    before = cache.read_latent(0)
-    be.init_forward_metadata(fwd)
     kind = "decode" if mode is ForwardMode.DECODE else "extend"
-    with pytest.raises(NotSupportedError, match=rf"unabsorbed {kind}\) not supported by fa3"):
-        be.forward(q[..., :128 + ROPE].contiguous(), lat, None, layer, fwd)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_refused(be, cache, fwd, layer, q[..., :128 + ROPE].contiguous(), lat,
+                        rf"unabsorbed {kind}\) not supported by fa3")
 
 
 @pytest.mark.parametrize("sm,rank,rope,kv,words", [

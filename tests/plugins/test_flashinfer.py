@@ -23,10 +23,11 @@ import torch
 
 import attnplug_flashinfer
 from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec
-from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError, NotSupportedError, ShapeError
-from attnplug.registry import Registry
+from attnplug.errors import MetadataNotInitializedError, NotSupportedError, ShapeError
 from attnplug.resolution import resolve, trace
-from attnplug.testing.reference import expected_cache_after, reference_attention
+from attnplug.testing.tolerances import Tolerance
+from tests.forward_check import forward_and_check
+from attnplug.testing.reference import reference_attention
 from attnplug_flashinfer import metadata as M
 
 import _flashinfer_family_helpers as H
@@ -214,10 +215,14 @@ def _build(pb, fake, deterministic=False):
     return FlashInferBackend(ctx)
 
 
+#: float16 outputs: tighter than the suite's float16 tolerance
+TOL = Tolerance(atol=3e-3, rtol=3e-3)
+
+
 def _check(pb, out):
     ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
                               *pb.cache.kv_scales(0))
-    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(out.double(), ref, atol=TOL.atol, rtol=TOL.rtol)
 
 
 CASES = {
@@ -235,12 +240,8 @@ def test_emulated_backend_matches_reference(fake_flashinfer, case, page_size, va
     mode, prefix, ext = CASES[case]
     kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1)}.get(variant, {})
     pb = H.make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
-    be = _build(pb, fake_flashinfer)
-    be.init_forward_metadata(pb.batch)
-    out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
-    _check(pb, out)
-    kc, vc = expected_cache_after(pb.k_before, pb.v_before, pb.k, pb.v, pb.batch.out_cache_loc)
-    assert torch.equal(pb.cache.k_buffers[0], kc) and torch.equal(pb.cache.v_buffers[0], vc)
+    forward_and_check(_build(pb, fake_flashinfer), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.float16,
+                      tol=TOL)
 
 
 @pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
@@ -403,7 +404,7 @@ def test_version_and_page_size_guards():
     # the floor is Registry.build's (the support query), before the factory imports flashinfer
     for version, refused in (("0.5.0", False), ("0.4.1", True)):
         host = H.host("cuda", {"flashinfer-python": version}, **SM90)
-        problems = _registry(DIST).build_problems(_registry(DIST).get("flashinfer"),
+        problems = H.registry(DIST).build_problems(H.registry(DIST).get("flashinfer"),
                                                   BuildContext(config=AttentionConfig(), host=host, device="cuda",
                                                                dtype="bfloat16", head_dim=128))
         assert any("flashinfer-python >= 0.5.0, found 0.4.1" in p for p in problems) is refused, problems
@@ -418,23 +419,10 @@ def test_version_and_page_size_guards():
 # ---------------------------------------------------------------------------
 
 
-def _registry(*dists):
-    return Registry.discover(env={"ATTNPLUG_PLUGINS": ",".join(dists)})
-
-
 def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
-    reg = _registry(DIST)
-    (rec,) = [p for p in reg.plugins if p.distribution == DIST]
-    assert rec.status == "loaded", rec.error
-    d = reg.get("flashinfer")
-    assert d.distribution == DIST and d.library == "flashinfer-python" and d.min_library_version == "0.5.0"
-    assert d.capabilities is attnplug_flashinfer.CAPABILITIES
-    cpu = H.host("cpu", {"torch": "2.13.0"})
-    avail = reg.availability("flashinfer", cpu)
-    assert not avail and any("flashinfer-python" in r for r in avail.reasons)
-    assert any("cuda" in r for r in avail.reasons)
-    with pytest.raises(BackendUnavailableError, match="flashinfer-python"):
-        reg.build("flashinfer", BuildContext(AttentionConfig(), cpu))
+    H.check_registered_and_unavailable(DIST, "flashinfer", library="flashinfer-python", floor="0.5.0",
+                                       capabilities=attnplug_flashinfer.CAPABILITIES,
+                                       reasons=("flashinfer-python", "cuda"), build_match="flashinfer-python")
 
 
 @pytest.mark.parametrize("host_kw, available", [
@@ -450,14 +438,14 @@ def test_registers_through_entry_point_and_is_unavailable_on_this_cpu_host():
 def test_available_exactly_on_sm80_plus_with_the_library(host_kw, available):
     from attnplug import HostInfo
 
-    reg = _registry(DIST)
+    reg = H.registry(DIST)
     assert bool(reg.availability("flashinfer", HostInfo(**host_kw))) is available
 
 
 def test_priority_per_host():
     from attnplug import HostInfo
 
-    d = _registry(DIST).get("flashinfer")
+    d = H.registry(DIST).get("flashinfer")
     assert d.priority_on(HostInfo(platform="cuda", compute_capability=(9, 0))) == 50
     assert d.priority_on(HostInfo(platform="rocm")) is None and d.priority_on(HostInfo()) is None
 
@@ -471,7 +459,7 @@ def test_descriptor_imports_neither_torch_nor_flashinfer():
 def test_library_floor_problem_names_the_library():
     from attnplug import HostInfo
 
-    d = _registry(DIST).get("flashinfer")
+    d = H.registry(DIST).get("flashinfer")
     old = HostInfo(platform="cuda", compute_capability=(9, 0), libraries={"flashinfer-python": "0.4.1"})
     assert "flashinfer-python >= 0.5.0, found 0.4.1" in d.library_floor_problem(old)
     assert d.library_floor_problem(H.host("cuda", LIB, **SM90)) is None
@@ -483,7 +471,7 @@ def test_library_floor_problem_names_the_library():
 
 
 def test_gpt_oss_declares_no_flashinfer_override_and_default_fill_picks_it_on_cuda():
-    reg = _registry(DIST, "attnplug-torch-native")
+    reg = H.registry(DIST, "attnplug-torch-native")
     res = trace(AttentionConfig(), arch="GptOssForCausalLM", host=H.host("cuda", LIB, **SM90), registry=reg)
     assert res.ok, res.error
     assert not [r for r in res.records if r.source == DIST and "arch" in r.pass_name]
@@ -493,7 +481,7 @@ def test_gpt_oss_declares_no_flashinfer_override_and_default_fill_picks_it_on_cu
 
 
 def test_diffusion_lm_forces_flashinfer_with_cuda_graphs():
-    reg = _registry(DIST, "attnplug-torch-native")
+    reg = H.registry(DIST, "attnplug-torch-native")
     cfg = AttentionConfig(extra={"diffusion_lm": True})
     res = resolve(cfg, arch="LLaDAModelLM", host=H.host("cuda", LIB, **SM90), registry=reg)
     assert res.pair == ("flashinfer", "flashinfer") and res.config.cuda_graph is True

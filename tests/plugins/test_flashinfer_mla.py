@@ -19,9 +19,8 @@ import torch
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
-from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec, PagedKVCache
-from attnplug.errors import NotSupportedError
-from attnplug.kvcache import PageAllocator
+import _problems as M
+from attnplug import AttentionConfig, BuildContext, ForwardMode, LayerSpec
 from attnplug.layer import MLASpec
 from attnplug.testing.reference import reference_mla
 
@@ -88,32 +87,10 @@ def fake_flashinfer(monkeypatch):
 def mla_problem(mode, prefix, ext, *, page_size=16, heads=8, dtype=torch.float16, kv_dtype=None, layers=1,
                 rank=R, rope=ROPE, tree=False, seed=0):
     """An MLA batch on shuffled pages: rows 3, 0, 5, … (not batch order), prefixes ending mid-page."""
-    g = torch.Generator().manual_seed(seed)
-    seq = [p + e for p, e in zip(prefix, ext)]
-    b = len(seq)
-    pages = sum(-(-s // page_size) for s in seq) + 3
-    cache = PagedKVCache(layers, pages, 1, rank + rope, v_head_dim=0, page_size=page_size, dtype=kv_dtype or dtype,
-                         max_requests=2 * b + 6, max_context_len=max(seq) + page_size)
-    alloc = PageAllocator(pages, shuffle=True, seed=seed)
-    rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(-(-s // page_size)))
-    for lid in range(layers):
-        cache.set_latent(lid, torch.arange(cache.num_slots),
-                         torch.randn(cache.num_slots, 1, rank + rope, generator=g).to(cache.dtype))
-    loc = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)])
-    kw = {}
-    if mode is ForwardMode.TARGET_VERIFY:
-        kw["spec_num_draft_tokens"] = ext[0]
-        if tree:
-            kw["spec_custom_mask"] = torch.eye(ext[0], dtype=torch.bool).expand(b, -1, -1).clone()
-    batch = ForwardBatch.decode(rows, seq, loc) if mode is ForwardMode.DECODE else \
-        ForwardBatch.extend(rows, list(prefix), list(ext), loc, mode=mode, **kw)
-    spec = [LayerSpec(lid, heads, 1, rank + rope, mla=MLASpec(rank, 128, rope, 128)) for lid in range(layers)]
-    T = sum(ext)
-    q = torch.randn(T, heads, rank + rope, generator=g).to(dtype)
-    lat = [torch.randn(T, 1, rank + rope, generator=g).to(dtype) for _ in range(layers)]
-    return cache, batch, spec, q, lat
+    mask = torch.eye(ext[0], dtype=torch.bool).expand(len(prefix), -1, -1).clone() if tree else None
+    p = M.latent_problem(prefix, ext, mode=mode, page_size=page_size, heads=heads, dtype=dtype, kv_dtype=kv_dtype,
+                         layers=layers, rank=rank, rope=rope, custom_mask=mask, seed=seed)
+    return p.cache, p.batch, p.layers, p.q, p.latents
 
 
 def build(cache, spec, dtype="float16"):
@@ -190,11 +167,7 @@ def test_what_the_mla_wrapper_cannot_express_is_refused_in_words_mocked_no_gpu(f
                                                          torch.randn(8, R, 128, generator=g)))]
         batch.mla_form = "unabsorbed"
         q = q[..., :192].contiguous()
-    before = cache.read_latent(0)
-    be.init_forward_metadata(batch)
-    with pytest.raises(NotSupportedError, match=words):
-        be.forward(q, lat[0], None, spec[0], batch)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_refused(be, cache, batch, spec[0], q, lat[0], words)
 
 
 def test_other_latent_shapes_and_fp8_latents_are_reasons_mocked_no_gpu(fake_flashinfer):

@@ -25,7 +25,7 @@ import torch
 
 import attnplug_intel_amx
 import _fa3_family_helpers as H
-from attnplug import AttentionConfig, BuildContext, ForwardMode, LayerSpec
+from attnplug import AttentionConfig, ForwardMode, LayerSpec
 from attnplug.errors import BackendUnavailableError, NotSupportedError
 from attnplug.host import detect_host
 from attnplug.resolution import resolve
@@ -154,18 +154,12 @@ LEGACY = mock_ops("legacy")
 
 
 def build(p, ops=None):
-    ctx = BuildContext(config=AttentionConfig(), host=H.cpu_host(True, **SGL), dtype=p.q.dtype,
-                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
-                       v_head_dim=p.layer.v_head_dim, page_size=p.page_size, kv_cache=p.cache,
-                       max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, H.cpu_host(True, **SGL), v_head_dim=p.layer.v_head_dim)
     return IntelAmxBackend(ctx, ops=ops or EMULATED)
 
 
 def run(p, save=True, ops=None):
-    b = build(p, ops)
-    b.init_forward_metadata(p.batch)
-    fwd = b.forward_decode if p.batch.forward_mode is ForwardMode.DECODE else b.forward_extend
-    return fwd(p.q, p.k, p.v, p.layer, p.batch, save_kv_cache=save)
+    return H.forward(build(p, ops), p, save)
 
 
 def problem(**kw):
@@ -257,12 +251,7 @@ def test_kv_cache_write(mode, save):
     ext = (4, 9) if mode is ForwardMode.EXTEND else (1, 1)
     p = problem(mode=mode, prefix=(3, 12), ext=ext, page_size=16)
     H.assert_close(run(p, save=save), p.expected)
-    kb, vb = p.cache.get_kv(0)
-    loc = p.batch.out_cache_loc
-    if save:
-        assert torch.equal(kb[loc], p.k) and torch.equal(vb[loc], p.v)
-        kb[loc], vb[loc] = p.before[0][loc], p.before[1][loc]
-    assert torch.equal(kb, p.before[0]) and torch.equal(vb, p.before[1])
+    H.assert_written_at_loc_only(p, save)
 
 
 def test_legacy_ops_serve_plain_layers_and_refuse_window_and_sinks():

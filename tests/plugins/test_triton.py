@@ -28,7 +28,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -36,12 +36,10 @@ import torch  # noqa: E402
 import attnplug_triton  # noqa: E402
 from attnplug import (  # noqa: E402
     AttentionConfig,
-    BuildContext,
     ForwardBatch,
     ForwardMode,
     HostInfo,
     LayerSpec,
-    PageAllocator,
     PagedKVCache,
     ShapeError,
 )
@@ -51,9 +49,9 @@ from attnplug.errors import (  # noqa: E402
 )
 from attnplug.registry import Registry, in_process_source  # noqa: E402
 from attnplug.resolution import resolve  # noqa: E402
-from attnplug.testing.reference import expected_cache_after, reference_attention  # noqa: E402
 from attnplug.testing.suite.harness import same_bytes  # noqa: E402
-from attnplug.testing.tolerances import tolerance_for  # noqa: E402
+from tests import paged_setup  # noqa: E402
+from tests.paged_setup import Setup, make_batch, qkv  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
@@ -262,16 +260,6 @@ def test_mxfp4_gpt_oss_runs_in_bfloat16(extra, user_dtype, dtype):
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Setup:
-    cache: PagedKVCache
-    alloc: PageAllocator
-    backend: Any
-    layers: list[LayerSpec]
-    dtype: torch.dtype
-    gen: torch.Generator
-
-
 def make_setup(
     *, page_size: int = 16, heads: int = 8, kv_heads: int = 2, head_dim: int = 32, v_head_dim: int | None = None,
     dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None, num_layers: int = 1, seed: int = 0,
@@ -279,97 +267,22 @@ def make_setup(
     canary: float | None = None, max_workspace_bytes: int = 4 << 30, num_pages: int | None = None,
     **backend_kw: Any,
 ) -> Setup:
-    """A paged cache with noise in every slot and a backend over it.
-
-    ``unassigned``: what ``req_to_token`` holds at positions no page was assigned to (default
-    the cache's own ``UNASSIGNED``, -1). ``canary``: each K/V buffer becomes a view into a larger
-    tensor whose rows just before slot 0 and after the last slot hold this value, so a load
-    through a negative or too-large slot index (an unmasked ``-1``) shows in the output.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    kv_dtype = kv_dtype or dtype
-    num_pages = num_pages or max(8, 640 // page_size)
-    cache = PagedKVCache(num_layers, num_pages, kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
-                         dtype=kv_dtype, max_requests=8, max_context_len=320)
-    if canary is not None:
-        margin = 4 * page_size
-        for bufs in (cache.k_buffers, cache.v_buffers):
-            for i, buf in enumerate(bufs):
-                big = torch.full((buf.shape[0] + 2 * margin, *buf.shape[1:]), canary, dtype=kv_dtype)
-                bufs[i] = big[margin:margin + buf.shape[0]]
-    for buf in cache.k_buffers + cache.v_buffers:  # noise everywhere: reading a wrong slot shows
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(kv_dtype))
-    if unassigned is not None:
-        cache.req_to_token.fill_(unassigned)
-    ctx = BuildContext(
-        config=AttentionConfig(attention_backend="triton"), host=CPU, dtype=dtype_name(dtype),
-        kv_cache_dtype=dtype_name(kv_dtype), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        v_head_dim=v_head_dim, page_size=page_size, kv_cache=cache, max_batch_size=8, max_context_len=320,
+    """A paged cache with noise in every slot and a triton backend over it (``paged_setup.make_setup``:
+    ``unassigned`` and ``canary`` there)."""
+    return paged_setup.make_setup(
+        "triton", lambda ctx: TritonBackend(ctx, **backend_kw), host=CPU, page_size=page_size, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, kv_dtype=kv_dtype,
+        num_layers=num_layers, seed=seed, layer_kw=layer_kw, num_pages=num_pages or max(8, 640 // page_size),
+        max_context_len=320, via_registry=via_registry, unassigned=unassigned, canary=canary,
         max_workspace_bytes=max_workspace_bytes,
     )
-    if via_registry:
-        from attnplug.registry import default_registry
-
-        name, backend = default_registry().build("triton", ctx)
-        assert name == "triton"
-    else:
-        backend = TritonBackend(ctx, **backend_kw)
-    layers = [LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {}))
-              for i in range(num_layers)]
-    return Setup(cache, PageAllocator(num_pages, shuffle=True, seed=seed + 1), backend, layers, dtype, gen)
 
 
-def make_batch(s: Setup, mode: ForwardMode, prefix: Sequence[int], ext: Sequence[int],
-               req_ids: Sequence[int] | None = None, **kw: Any) -> ForwardBatch:
-    req_ids = list(req_ids if req_ids is not None else [7 - i for i in range(len(prefix))])  # not 0..B-1
-    ps = s.cache.page_size
-    enc = kw.get("encoder_lens", [0] * len(req_ids))
-    for r, p, e, n_enc in zip(req_ids, prefix, ext, enc):
-        n = max(p + e, n_enc)
-        s.cache.assign_pages(r, n, s.alloc.alloc((n + ps - 1) // ps))
-    parts = [s.cache.req_to_token[r, p:p + e] for r, p, e in zip(req_ids, prefix, ext)]
-    loc = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    if "encoder_lens" in kw:
-        kw["encoder_lens"] = torch.tensor(kw["encoder_lens"], dtype=torch.int64)
-    if mode is ForwardMode.DECODE:
-        return ForwardBatch.decode(req_ids, [p + 1 for p in prefix], loc, **kw)
-    return ForwardBatch.extend(req_ids, prefix, ext, loc, mode=mode, **kw)
-
-
-def qkv(s: Setup, layer: LayerSpec, tokens: int, with_kv: bool = True, q_scale: float = 1.0) -> tuple[Any, ...]:
-    g = s.gen
-    q = (torch.randn(tokens, layer.num_heads, layer.head_dim, generator=g) * q_scale).to(s.dtype)
-    if not with_kv:
-        return q, None, None
-    k = torch.randn(tokens, layer.num_kv_heads, layer.head_dim, generator=g).to(s.dtype)
-    v = torch.randn(tokens, layer.num_kv_heads, layer.v_head_dim, generator=g).to(s.dtype)
-    return q, k, v
-
-
-def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, *, save: bool = True,
-                  init: bool = True, q_scale: float = 1.0, edit: Any = None) -> torch.Tensor:
-    """One forward checked against the reference and the expected cache; ``edit(q, k, v)`` may change
-    the drawn inputs in place first."""
+def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None, **kw: Any) -> torch.Tensor:
+    """``paged_setup.run_and_check`` with new K/V drawn for every layer but a cross-attention one (``save``,
+    ``init``, ``q_scale`` and ``edit`` there)."""
     layer = layer or s.layers[0]
-    q, k, v = qkv(s, layer, batch.num_tokens, not layer.is_cross_attention, q_scale)
-    if edit is not None:
-        edit(q, k, v)
-    kc0, vc0 = (b.clone() for b in s.cache.get_kv(layer.layer_id))
-    r2t = s.cache.req_to_token.clone()
-    if init:
-        s.backend.init_forward_metadata(batch)
-    out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=save)
-    assert out.shape == (batch.num_tokens, layer.num_heads, layer.v_head_dim)
-    assert out.dtype == s.dtype
-    ref = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token)
-    tol = tolerance_for(dtype_name(s.dtype), dtype_name(s.cache.dtype))  # the suite's, stated in one place
-    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
-    kc1, vc1 = s.cache.get_kv(layer.layer_id)
-    writes = save and k is not None and not layer.is_cross_attention
-    exp_k, exp_v = expected_cache_after(kc0, vc0, k, v, batch.out_cache_loc) if writes else (kc0, vc0)
-    assert same_bytes(kc1, exp_k) and same_bytes(vc1, exp_v), "KV cache differs from a write at out_cache_loc only"
-    assert torch.equal(s.cache.req_to_token, r2t)
-    return out
+    return paged_setup.run_and_check(s, batch, layer, with_kv=not layer.is_cross_attention, **kw)
 
 
 def cache_bytes(cache: PagedKVCache) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 import attnplug_trtllm_mha
 import _fa3_family_helpers as H
 import _library_contracts as C
-from attnplug import AttentionConfig, BuildContext, ForwardMode
+from attnplug import AttentionConfig, ForwardMode
 from attnplug.errors import BackendUnavailableError, ConfigError, NotSupportedError
 from attnplug.resolution import resolve
 from attnplug_trtllm_mha import metadata as M
@@ -92,17 +92,13 @@ def emulate_context(*, query, kv_cache, workspace_buffer, block_tables, seq_lens
 
 
 def build(p, host=None):
-    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype=p.q.dtype,
-                       num_heads=p.layer.num_heads, num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim,
-                       page_size=p.page_size, kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, host or H.cuda_host(100, **FI))
     return TrtllmMHABackend(ctx, kernels=(emulate_decode, emulate_context), workspace_bytes=1024)
 
 
 def run(p, save=True, backend=None):
     backend = backend or build(p)
-    backend.init_forward_metadata(p.batch)
-    fwd = backend.forward_decode if p.batch.forward_mode is ForwardMode.DECODE else backend.forward_extend
-    return fwd(p.q, p.k, p.v, p.layer, p.batch, save_kv_cache=save)
+    return H.forward(backend, p, save)
 
 
 # -- (1) registration and availability ------------------------------------------------
@@ -205,12 +201,7 @@ def test_bfloat16_gqa():
 def test_kv_cache_write(save):
     p = _problem(prefix=(3, 12), ext=(4, 9), page_size=16)
     H.assert_close(run(p, save=save), p.expected)
-    kb, vb = p.cache.get_kv(0)
-    loc = p.batch.out_cache_loc
-    if save:
-        assert torch.equal(kb[loc], p.k) and torch.equal(vb[loc], p.v)
-        kb[loc], vb[loc] = p.before[0][loc], p.before[1][loc]
-    assert torch.equal(kb, p.before[0]) and torch.equal(vb, p.before[1])
+    H.assert_written_at_loc_only(p, save)
 
 
 def test_cuda_graph_buffers_feed_the_kernel():
@@ -283,10 +274,7 @@ FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale)
 
 
 def _fp8_build(p, kernels, host=None):
-    ctx = BuildContext(config=AttentionConfig(), host=host or H.cuda_host(100, **FI), dtype="bfloat16",
-                       kv_cache_dtype="float8_e4m3fn", num_heads=p.layer.num_heads,
-                       num_kv_heads=p.layer.num_kv_heads, head_dim=p.layer.head_dim, page_size=p.page_size,
-                       kv_cache=p.cache, max_context_len=p.cache.max_context_len)
+    ctx = H.context(p, host or H.cuda_host(100, **FI), dtype="bfloat16", kv_cache_dtype="float8_e4m3fn")
     return TrtllmMHABackend(ctx, kernels=kernels, workspace_bytes=1024)
 
 

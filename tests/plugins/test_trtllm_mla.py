@@ -16,9 +16,8 @@ import torch
 
 import _fa3_family_helpers as H
 import _library_contracts as C
-from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec, PagedKVCache
-from attnplug.errors import NotSupportedError
-from attnplug.kvcache import PageAllocator
+import _problems as M
+from attnplug import AttentionConfig, BuildContext, ForwardBatch, ForwardMode, LayerSpec
 from attnplug.layer import MLASpec
 from attnplug.testing.reference import reference_mla
 from attnplug_trtllm_mha.backend import TrtllmMHABackend
@@ -52,24 +51,10 @@ def emulate_mla_decode(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_l
 
 
 def mla_problem(seq, *, page_size=32, heads=8, dtype=torch.bfloat16, kv_dtype=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    b = len(seq)
-    pages = sum(-(-s // page_size) for s in seq) + 3
-    cache = PagedKVCache(1, pages, 1, R + ROPE, v_head_dim=0, page_size=page_size, dtype=kv_dtype or dtype,
-                         max_requests=2 * b + 6, max_context_len=max(seq) + page_size)
-    if cache.quantized:
-        cache.set_latent_scale(0, 0.5)
-    alloc = PageAllocator(pages, shuffle=True, seed=seed)
-    rows = [(3 + 5 * i) % (2 * b + 6) for i in range(b)]
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(-(-s // page_size)))
-    cache.set_latent(0, torch.arange(cache.num_slots), torch.randn(cache.num_slots, 1, R + ROPE, generator=g))
-    loc = torch.stack([cache.req_to_token[r, s - 1] for r, s in zip(rows, seq)])
-    batch = ForwardBatch.decode(rows, list(seq), loc)
-    layer = LayerSpec(0, heads, 1, R + ROPE, mla=MLASpec(R, 128, ROPE, 128))
-    q = torch.randn(b, heads, R + ROPE, generator=g).to(dtype)
-    lat = torch.randn(b, 1, R + ROPE, generator=g).to(dtype)
-    return cache, batch, layer, q, lat
+    """A DECODE batch of requests ``seq`` long (the new token counted); an fp8 latent has scale 0.5."""
+    p = M.latent_problem([s - 1 for s in seq], [1] * len(seq), mode=ForwardMode.DECODE, page_size=page_size,
+                         heads=heads, dtype=dtype, kv_dtype=kv_dtype, rank=R, rope=ROPE, fp8_scale=0.5, seed=seed)
+    return p.cache, p.batch, p.layers[0], p.q, p.latents[0]
 
 
 def build(cache, layer, dtype=torch.bfloat16, kernel=emulate_mla_decode):
@@ -125,11 +110,7 @@ def test_extend_shaped_mla_forwards_are_refused_in_words_mocked_no_gpu():
     be = build(cache, layer)
     ext = ForwardBatch.extend(batch.req_pool_indices_cpu, [8, 19], [1, 1], batch.out_cache_loc,
                               mode=ForwardMode.EXTEND)
-    before = cache.read_latent(0)
-    be.init_forward_metadata(ext)
-    with pytest.raises(NotSupportedError, match=r"absorbed extend\) not supported by trtllm_mha"):
-        be.forward(q, lat, None, layer, ext)
-    assert torch.equal(cache.read_latent(0), before)
+    M.check_mla_refused(be, cache, ext, layer, q, lat, r"absorbed extend\) not supported by trtllm_mha")
 
 
 @pytest.mark.parametrize("page_size,rank,words", [

@@ -24,6 +24,7 @@ from attnplug.layer import LayerSpec, MLASpec
 from attnplug.registry import default_registry
 from attnplug.testing.reference import reference_mla
 from attnplug.testing.tolerances import tolerance_for as tolerance
+from _problems import check_mla_refused
 
 REG = default_registry()
 HAVE_OPS = D.ops_library_path() is not None and not D.probe(REG.host)
@@ -166,16 +167,12 @@ def test_forms_and_modes_not_claimed_are_refused_naming_them(form, extend, words
     layer = _layer(4, weights=True)
     cache, batch, ctx, layer, q, lat = _problem([8, 20], layer=layer)
     _, backend = REG.build("vllm_cpu", ctx)
-    before = cache.read_latent(0)
     if extend:
         batch = ForwardBatch.extend(batch.req_pool_indices_cpu, [7, 19], [1, 1], batch.out_cache_loc)
     batch.mla_form = form
     if form == "unabsorbed":
         q = q[..., :layer.mla.qk_head_dim].contiguous()
-    backend.init_forward_metadata(batch)
-    with pytest.raises(NotSupportedError, match=words):
-        backend.forward(q, lat, None, layer, batch)
-    assert torch.equal(cache.read_latent(0), before)
+    check_mla_refused(backend, cache, batch, layer, q, lat, words)
 
 
 @pytest.mark.parametrize("rank,rope,words", [

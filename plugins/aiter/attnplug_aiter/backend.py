@@ -100,10 +100,7 @@ def load_mla_kernel() -> Any:
 
 def mla_reasons(layer: Any, ctx: Any) -> list[str]:
     """Why aiter's MLA decode cannot serve MLA ``layer`` (its kernels' latent, head counts and dtype)."""
-    m, out = layer.mla, []
-    if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
-        out.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (aiter's MLA decode "
-                   f"kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+    out = layer.mla.latent_reasons(MLA_DIMS, "aiter's MLA decode kernels")
     if layer.num_heads not in MLA_HEADS:
         out.append(f"MLA num_heads={layer.num_heads} (aiter's mla_decode_fwd writes o for "
                    f"{' or '.join(map(str, MLA_HEADS))} heads)")

@@ -208,9 +208,7 @@ class FlashInferBackend(PagedBackend):
         m = getattr(layer, "mla", None)
         if m is None:
             return reasons
-        if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
-            reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} "
-                           f"(BatchMLAPagedAttentionWrapper's kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+        reasons += m.latent_reasons(MLA_DIMS, "BatchMLAPagedAttentionWrapper's kernels")
         if ctx is not None and ctx.kv_cache_dtype != ctx.dtype:
             reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} with an MLA layer (the MLA wrapper reads a latent "
                            f"cache in the model dtype {ctx.dtype})")

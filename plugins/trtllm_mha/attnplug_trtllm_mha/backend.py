@@ -173,9 +173,7 @@ class TrtllmMHABackend(PagedBackend):
         m = getattr(layer, "mla", None)
         if m is None:
             return reasons
-        if (m.kv_lora_rank, m.qk_rope_head_dim) != MLA_DIMS:
-            reasons.append(f"MLA kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim} (trtllm-gen's "
-                           f"MLA kernels exist for {MLA_DIMS[0]} + {MLA_DIMS[1]})")
+        reasons += m.latent_reasons(MLA_DIMS, "trtllm-gen's MLA kernels")
         if ctx is not None and ctx.page_size not in MLA_PAGE_SIZES:
             reasons.append(f"page_size={ctx.page_size} with an MLA layer (trtllm_batch_decode_with_kv_cache_mla takes "
                            f"blocks of {' or '.join(map(str, MLA_PAGE_SIZES))})")
