@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from attnplug import NotSupportedError, PagedBackend
+from attnplug import ForwardMode, NotSupportedError, PagedBackend
 from attnplug.errors import ShapeError
 
 from . import CAPABILITIES, LAYOUT, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_PAGE_SIZE, NAME, isa_for
@@ -63,6 +63,9 @@ from .ops import ops
 _INT32 = torch.int32
 #: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
 _TAIL_PAGE_LOOP = 8
+#: the decode fold check gathers its pages into one tensor up to this many bytes (one sum, one sync); beyond it
+#: one sum per page (a view: no copy)
+_FOLD_GATHER_BYTES = 512 << 10
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
@@ -134,6 +137,10 @@ class ForwardMeta:
         #: out_cache_loc (an engine that maps after attention); see ``VllmCpuBackend.check_batch``
         self.remap: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads = torch.get_num_threads()
+        #: decode: the pages holding each request's new token, which is its last key, so the same pages hold its
+        #: unowned tail (``fold_pages``, made by the first layer that needs them)
+        self.decode = batch.forward_mode is ForwardMode.DECODE
+        self._fold: tuple[list[int], torch.Tensor] | None = None
         self.scheduler: dict[tuple[Any, ...], torch.Tensor] = {}
         #: how many scheduler metadata tensors were built (tests: once per key and forward)
         self.scheduler_builds = 0
@@ -154,6 +161,15 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
+
+    def fold_pages(self, loc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Decode: the distinct pages of this forward's write slots ``loc`` (a list and an int64 tensor). Each
+        request's one new token is its last key and (no remap) lies at its ``out_cache_loc``, so these pages
+        are exactly the requests' last pages: every new token and every unowned tail slot lies in them."""
+        if self._fold is None:
+            pages = torch.unique(loc.div(self.cache.page_size, rounding_mode="floor"))
+            self._fold = (pages.tolist(), pages)
+        return self._fold
 
     def mla_block_table(self, page_size: int) -> torch.Tensor:
         """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
@@ -220,6 +236,9 @@ class VllmCpuBackend(PagedBackend):
         super().__init__(ctx)
         #: handed from check_batch to build_metadata within one init_forward_metadata
         self._remap: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
+        #: the next ``compute_extend``, which then checks the pages they went to (``_fold_check``)
+        self._unchecked: tuple[Any, Any] | None = None
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
         if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
@@ -340,7 +359,9 @@ class VllmCpuBackend(PagedBackend):
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")
         la = self.layer_plan(layer).kernel
-        q = q.contiguous()
+        unchecked, self._unchecked = self._unchecked, None
+        if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
+            q = q.contiguous()
         out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
         if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
@@ -354,8 +375,20 @@ class VllmCpuBackend(PagedBackend):
             idx, slots = remap
             old = cache.layout.read(storage, cache.geometry, slots)
             cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
-        masked = self._mask_tails(storage, keys, meta)
-        hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
+        if unchecked is not None and unchecked[0] is k and unchecked[1] is v and not cross and remap is None \
+                and meta.decode:
+            # the skeleton wrote these k/v without the layout's sums: one sum over the pages they went to, which
+            # also hold every unowned tail (decode); finite: no garbage anywhere the op reads past a key
+            # or in a new token. Otherwise the precise paths, as if the write had summed (marks included)
+            if self._fold_check(storage, meta):
+                masked = hidden = None
+            else:
+                cache.layout.mark_nonfinite(storage, cache.geometry, self._fwd.loc, k, v)  # type: ignore[union-attr]
+                masked = self._mask_tails(storage, keys, meta, known_nonfinite=True)
+                hidden = self._select_new_garbage(storage, k, v, batch, meta)
+        else:
+            masked = self._mask_tails(storage, keys, meta)
+            hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
         try:
             ops().cpu_attention_with_kv_cache(
                 q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
@@ -503,10 +536,38 @@ class VllmCpuBackend(PagedBackend):
             return out
         return call
 
+    def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The skeleton's staged write of a decode forward: vllm-cpu's writer without the layout's two sums
+        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks the pages they went
+        to instead (``_fold_check``). Any other write keeps the layout's verdict."""
+        meta = self._fwd.meta if self._fwd is not None else None
+        if (isinstance(plan.kernel, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
+                and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
+            cache.layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
+            self._unchecked = (k, v)
+            return
+        self._unchecked = None
+        super().write_new_kv(cache, plan, loc, k, v)
+
+    def _fold_check(self, storage: tuple[torch.Tensor, ...], meta: ForwardMeta) -> bool:
+        """Whether every value of the pages holding this decode forward's new tokens (and so every unowned
+        tail) is finite: one float32 sum over them (a view per page, or one gather of small pages)."""
+        raw = storage[0]
+        pages, index = meta.fold_pages(self._fwd.loc)  # type: ignore[union-attr]
+        if len(pages) == 1:
+            return math.isfinite(raw[pages[0]].sum(dtype=torch.float32).item())
+        if len(pages) * raw[0].numel() * raw.element_size() <= _FOLD_GATHER_BYTES:
+            return math.isfinite(raw.index_select(0, index).sum(dtype=torch.float32).item())
+        total = 0.0
+        for page in pages:
+            total += raw[page].sum(dtype=torch.float32).item()
+        return math.isfinite(total)
+
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
-                    meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                    meta: ForwardMeta, known_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Zero the unowned tails holding a NaN/inf, whoever wrote it (the layout's page marks see only
-        writes through it); returns what to write back (or ``None``)."""
+        writes through it); returns what to write back (or ``None``). ``known_nonfinite``: a sum over the
+        pages holding the tails was already found non-finite (read the tails themselves)."""
         cache = self.cache
         tails = meta.tail_slots(keys)
         if not tails.numel():
@@ -515,7 +576,9 @@ class VllmCpuBackend(PagedBackend):
         # contiguous storage, no gather), so the tails are; only a non-finite sum (garbage in a tail, in a
         # key a request owns, or a finite overflow) reads the tails themselves
         raw, pages = storage[0], keys.tail_pages
-        if len(pages) <= _TAIL_PAGE_LOOP:
+        if known_nonfinite:
+            total = math.nan
+        elif len(pages) <= _TAIL_PAGE_LOOP:
             total = 0.0
             for page in pages:
                 total += raw[page].sum(dtype=torch.float32).item()
