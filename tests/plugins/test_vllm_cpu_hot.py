@@ -207,3 +207,80 @@ def test_the_fold_is_not_used_where_a_new_token_may_lie_outside_the_last_pages(m
     assert not calls
     assert torch.equal(~torch.isfinite(out).all(-1), ~torch.isfinite(ref).all(-1))
     assert cache.layer_storage(0)[1].any()  # marked by the layout's own verdict
+
+
+# -- one pass per forward -------------------------------------------------------------------------------
+def _mutate(kind, cache, batch, rows):
+    r2t = cache.req_to_token
+    if kind == "unassigned_prefix":
+        r2t[rows[1], 7] = -1
+    elif kind == "wild_prefix":
+        r2t[rows[3], 2] = cache.num_slots + 5
+    elif kind == "new_token_unassigned":
+        r2t[rows[0], DECODE_PREFIX[0]] = -1
+    elif kind == "new_token_wild":
+        r2t[rows[2], DECODE_PREFIX[2]] = 10 ** 9
+    elif kind == "loc_out_of_range":
+        batch.out_cache_loc[1] = cache.num_slots
+        batch.validate()
+    elif kind == "loc_negative":  # written after validate(): the checks re-validate and name it
+        batch.out_cache_loc[2] = -1
+    elif kind == "unaligned_prefix":  # two positions of one page swapped
+        a, b_ = int(r2t[rows[1], 3]), int(r2t[rows[1], 4])
+        r2t[rows[1], 3], r2t[rows[1], 4] = b_, a
+    elif kind == "page_not_at_a_page_start":
+        r2t[rows[3], 0:16] += 1
+    elif kind == "remapped_new_token":  # served, not refused: the token's position maps to a free slot
+        used = set(r2t[r2t >= 0].tolist())
+        free = next(s for s in range(cache.num_slots) if s not in used and s % cache.page_size == 0)
+        r2t[rows[0], DECODE_PREFIX[0]] = free  # request 0's last page starts... its position 5 is offset 5
+        r2t[rows[0], 0:DECODE_PREFIX[0] + 1] = torch.arange(free, free + DECODE_PREFIX[0] + 1)
+    elif kind == "stale_host_copy":
+        batch.req_pool_indices[0] = rows[1]
+
+
+ONE_PASS_KINDS = ["clean", "unassigned_prefix", "wild_prefix", "new_token_unassigned", "new_token_wild",
+                  "loc_out_of_range", "loc_negative", "unaligned_prefix", "page_not_at_a_page_start",
+                  "remapped_new_token", "stale_host_copy"]
+
+
+def _init(kind, one_pass, monkeypatch):
+    from attnplug_vllm_cpu.backend import VllmCpuBackend
+
+    with monkeypatch.context() as m:
+        used = []
+        real = VllmCpuBackend._one_pass
+        m.setattr(VllmCpuBackend, "_one_pass",
+                  (lambda self, b: used.append(real(self, b)) or used[-1]) if one_pass else (lambda self, b: False))
+        cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True)
+        _mutate(kind, cache, batch, rows)
+        try:
+            backend.init_forward_metadata(batch)
+        except Exception as exc:  # noqa: BLE001 - compared below, type and words
+            return ("error", type(exc), str(exc)), used
+        meta = backend.forward_metadata(batch)
+        out = backend.forward(*qkv[0], LayerSpec(0, 4, 2, 64), batch)
+        table = meta.self_keys.block_table
+        remap = None if meta.remap is None else tuple(t.tolist() for t in meta.remap)
+        return ("ok", table.dtype, table.tolist(), remap, out), used
+
+
+@pytest.mark.parametrize("kind", ONE_PASS_KINDS)
+def test_the_one_pass_refuses_or_serves_exactly_what_the_individual_checks_do(kind, monkeypatch):
+    fast, used = _init(kind, True, monkeypatch)
+    slow, _ = _init(kind, False, monkeypatch)
+    assert fast[:-1] == slow[:-1] if fast[0] == "ok" else fast == slow, (kind, fast, slow)
+    if fast[0] == "ok":
+        assert torch.equal(fast[-1], slow[-1])
+    # the one pass itself accepts only a batch every check passes (and then the base's passes are skipped)
+    assert used == [kind == "clean"], (kind, used)
+    if kind not in ("clean", "remapped_new_token"):
+        assert fast[0] == "error", (kind, fast)
+
+
+@pytest.mark.parametrize("prefix", [[5, 40, 15, 16], [0, 31, 32, 63], [1], [100, 2, 47]])
+def test_the_one_pass_page_table_is_the_caches(prefix):
+    cache, batch, backend, _, _ = _problem(prefix, [1] * len(prefix), decode=True)
+    backend.init_forward_metadata(batch)
+    table = backend.forward_metadata(batch).self_keys.block_table
+    assert table.dtype == torch.int32 and torch.equal(table, cache.page_table(batch))

@@ -115,7 +115,7 @@ class _Keys:
 class ForwardMeta:
     """What one forward's layers share: the index inputs and the scheduler metadata per key."""
 
-    def __init__(self, batch: Any, cache: Any) -> None:
+    def __init__(self, batch: Any, cache: Any, table: torch.Tensor | None = None) -> None:
         dev = cache.device
         self.batch = batch
         self.cache = cache
@@ -123,7 +123,9 @@ class ForwardMeta:
         qsl = batch.qo_indptr(dev)
         self.num_tokens = batch.num_tokens
         self.q_off = qsl.tolist()
-        self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), cache.page_table(batch).contiguous(),
+        if table is None:  # else the check's one pass made it from the same entries
+            table = cache.page_table(batch)
+        self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), table.contiguous(),
                                list(batch.seq_lens_cpu), [], causal=True)
         self.cross_keys: _Keys | None = None
         self._bidir: _Keys | None = None
@@ -236,6 +238,8 @@ class VllmCpuBackend(PagedBackend):
         super().__init__(ctx)
         #: handed from check_batch to build_metadata within one init_forward_metadata
         self._remap: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: (batch, page table) from ``check_batch``'s one pass, for ``check_page_aligned`` and ``build_metadata``
+        self._one_pass_table: tuple[Any, torch.Tensor] | None = None
         #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
         #: the next ``compute_extend``, which then checks the pages they went to (``_fold_check``)
         self._unchecked: tuple[Any, Any] | None = None
@@ -269,8 +273,10 @@ class VllmCpuBackend(PagedBackend):
         each kernel call (``build_metadata`` records it), so that slot must not be one another token of the
         batch reads or writes."""
         cache = self.cache
+        self._remap = self._one_pass_table = None
+        if self._one_pass(batch):
+            return
         cache.check_batch(batch, new_tokens_mapped=False)
-        self._remap = None
         if not batch.num_tokens:
             return
         rows, prefix, seq = batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu
@@ -316,6 +322,62 @@ class VllmCpuBackend(PagedBackend):
                 f"them to their out_cache_loc before the forward")
         self._remap = (differ, extra)
 
+    def _one_pass(self, batch: Any) -> bool:
+        """A decode forward's per-forward checks in one pass over its ``req_to_token`` entries: every position
+        ``0 .. seq_len-1`` of each request maps to a slot in range, the new token's position to its
+        ``out_cache_loc``, and each page of positions to one page of slots (``check_page_aligned``'s
+        condition); the page table comes from the same entries. ``True``: every check passed (the table is
+        kept for ``build_metadata``, and ``check_page_aligned`` skips its own pass for this batch). ``False``
+        (another mode, cross-attention, more than 64 requests, or any check failing): nothing is kept, and
+        the individual checks run as before, raising their precise errors (or serving a remapped new token)."""
+        b, cache = batch, self.cache
+        rows, seq = b.req_pool_indices_cpu, b.seq_lens_cpu
+        n = len(rows)
+        if b.forward_mode is not ForwardMode.DECODE or b.encoder_lens is not None or not 0 < n <= 64:
+            return False
+        req, loc = b.req_pool_indices, b.out_cache_loc
+        if req.dtype.is_floating_point or req.dtype == torch.bool or not isinstance(loc, torch.Tensor) or \
+                loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+            return False
+        if req.tolist() != rows or b.seq_lens.tolist() != seq or b.changed_since_validate() is not None:
+            return False  # stale host copies: the full checks re-validate the batch
+        L, R = cache.max_context_len, cache.max_requests
+        if any(not 0 <= r < R for r in rows) or any(not 0 < x <= L for x in seq):
+            return False
+        r2t, ps = cache.req_to_token, cache.page_size
+        mod = cache.__dict__.get("_position_mod")
+        if mod is None or mod.device != r2t.device:
+            mod = cache.__dict__["_position_mod"] = torch.arange(L, device=r2t.device) % ps
+        vals = torch.cat([r2t[r, :x] for r, x in zip(rows, seq)])
+        pm = torch.cat([mod[:x] for x in seq])
+        ends, starts, pages = [], [], (max(seq) + ps - 1) // ps
+        e = 0
+        for x in seq:
+            starts.append(e)
+            e += x
+            ends.append(e - 1)
+        y = vals - pm  # a page start (multiple of ps), the same for every position of one page
+        lo, hi = torch.aminmax(vals)
+        bad = (lo < 0) | (hi >= cache.num_slots) | (y.remainder(ps) != 0).any() | \
+            ((y[1:] != y[:-1]) & (pm[1:] != 0)).any() | \
+            (vals[ends] != loc.to(device=r2t.device, dtype=torch.int64)).any()
+        if bool(bad):
+            return False
+        sentinel = vals.numel()
+        index = [starts[i] + j * ps if j * ps < seq[i] else sentinel for i in range(n) for j in range(pages)]
+        first = torch.cat([y.div(ps, rounding_mode="floor"), y.new_zeros(1)])
+        table = first[torch.as_tensor(index, device=r2t.device)].view(n, pages).to(_INT32)
+        self._one_pass_table = (batch, table)
+        return True
+
+    def check_page_aligned(self, batch: Any) -> None:
+        """Skipped for the batch whose one pass (``_one_pass``) just checked the same condition over the same
+        positions; the base's pass otherwise."""
+        kept = self._one_pass_table
+        if kept is not None and kept[0] is batch:
+            return
+        super().check_page_aligned(batch)
+
     @staticmethod
     def _token_position(batch: Any, t: int) -> tuple[int, int]:
         """(request, position) of new token ``t``."""
@@ -327,7 +389,8 @@ class VllmCpuBackend(PagedBackend):
         raise IndexError(t)  # not reached: t < num_tokens
 
     def build_metadata(self, batch: Any) -> ForwardMeta:
-        meta = ForwardMeta(batch, self.cache)
+        kept, self._one_pass_table = self._one_pass_table, None
+        meta = ForwardMeta(batch, self.cache, kept[1] if kept is not None and kept[0] is batch else None)
         meta.remap, self._remap = self._remap, None
         return meta
 
