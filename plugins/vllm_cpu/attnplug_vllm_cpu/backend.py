@@ -348,25 +348,31 @@ class VllmCpuBackend(PagedBackend):
         mod = cache.__dict__.get("_position_mod")
         if mod is None or mod.device != r2t.device:
             mod = cache.__dict__["_position_mod"] = torch.arange(L, device=r2t.device) % ps
-        vals = torch.cat([r2t[r, :x] for r, x in zip(rows, seq)])
-        pm = torch.cat([mod[:x] for x in seq])
+        if n == 1:
+            vals, pm = r2t[rows[0], :seq[0]], mod[:seq[0]]
+        else:
+            vals = torch.cat([r2t[r, :x] for r, x in zip(rows, seq)])
+            pm = torch.cat([mod[:x] for x in seq])
         ends, starts, pages = [], [], (max(seq) + ps - 1) // ps
         e = 0
         for x in seq:
             starts.append(e)
             e += x
             ends.append(e - 1)
-        y = vals - pm  # a page start (multiple of ps), the same for every position of one page
+        # bounds first (so the products below cannot overflow), then y = slot - position % page_size: a page
+        # start (a multiple of ps) everywhere, and the same within a page (a change only where pm is 0)
         lo, hi = torch.aminmax(vals)
-        bad = (lo < 0) | (hi >= cache.num_slots) | (y.remainder(ps) != 0).any() | \
-            ((y[1:] != y[:-1]) & (pm[1:] != 0)).any() | \
-            (vals[ends] != loc.to(device=r2t.device, dtype=torch.int64)).any()
-        if bool(bad):
+        if int(lo) < 0 or int(hi) >= cache.num_slots:
+            return False
+        y = vals - pm
+        if bool(y.remainder(ps).any()) or bool((y.diff() * pm[1:]).any()):
+            return False
+        if not torch.equal(vals[ends], loc.to(device=r2t.device, dtype=torch.int64)):
             return False
         sentinel = vals.numel()
         index = [starts[i] + j * ps if j * ps < seq[i] else sentinel for i in range(n) for j in range(pages)]
-        first = torch.cat([y.div(ps, rounding_mode="floor"), y.new_zeros(1)])
-        table = first[torch.as_tensor(index, device=r2t.device)].view(n, pages).to(_INT32)
+        first = torch.cat([y, y.new_zeros(1)])[torch.as_tensor(index, device=r2t.device)]
+        table = first.div_(ps, rounding_mode="floor").view(n, pages).to(_INT32)
         self._one_pass_table = (batch, table)
         return True
 
