@@ -38,6 +38,15 @@ Two things the op does not guarantee are done here:
   call (restored after it), and the output rows of every query that sees such a token (same
   request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
   that read it, as in the reference.
+* **decode: both checks in one sum** (``write_new_kv``, ``_fold_check``): a decode request's new token
+  is its last key, so the pages the skeleton writes the new tokens into are exactly the pages holding
+  the unowned tails. The skeleton's write then skips the layout's k/v sums, and one float32 sum over
+  those pages after the write stands for both checks; only a non-finite sum runs the two precise
+  paths above (and marks the pages as the layout's write would have). Other modes keep them apart.
+
+Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
+``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
+table from the same entries); any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
