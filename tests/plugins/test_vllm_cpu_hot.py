@@ -68,7 +68,7 @@ SCENARIOS = ["clean", "nan_new_k", "inf_new_v", "ninf_both", "tail_raw", "tail_r
              "owned_raw_earlier_page"]
 
 
-def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True):
+def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geometry=(64, 16), prefix=DECODE_PREFIX):
     from attnplug_vllm_cpu.backend import VllmCpuBackend
 
     with monkeypatch.context() as m:
@@ -81,7 +81,9 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True):
             calls["fold"] += 1
             return real_fold(self, *a, **kw)
         m.setattr(VllmCpuBackend, "_fold_check", spy_fold)
-        cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True, layers=layers, dtype=dtype)
+        head_dim, page_size = geometry
+        cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
+                                                    dtype=dtype, head_dim=head_dim, page_size=page_size)
         real_write = type(cache.layout).write
 
         def spy_write(self, *a, verdict=True, **kw):
@@ -89,12 +91,12 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True):
             return real_write(self, *a, verdict=verdict, **kw)
         m.setattr(type(cache.layout), "write", spy_write)
         k0, v0 = qkv[0][1].clone(), qkv[0][2].clone()
-        _scenario(name, cache, rows, DECODE_PREFIX, k0, v0)
+        _scenario(name, cache, rows, prefix, k0, v0)
         qkv[0] = (qkv[0][0], k0, v0)
         backend.init_forward_metadata(batch)
         outs, refs = [], []
         for i in range(layers):
-            layer = LayerSpec(i, 4, 2, 64)
+            layer = LayerSpec(i, 4, 2, head_dim)
             outs.append(backend.forward(*qkv[i], layer, batch, save_kv_cache=save))
             refs.append(_expected(cache, batch, layer, *qkv[i]))
         marks = [cache.layer_storage(i)[1].clone() for i in range(layers)]
@@ -103,9 +105,16 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True):
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, monkeypatch):
-    fast = _run(name, True, monkeypatch)
-    slow = _run(name, False, monkeypatch)
+@pytest.mark.parametrize("geometry,prefix", [
+    ((64, 16), DECODE_PREFIX),  # 16 KiB pages: the fold gathers them into one sum
+    ((128, 64), DECODE_PREFIX),  # 128 KiB pages: one view sum per page
+    ((64, 16), DECODE_PREFIX[:1]),  # one request: one page
+], ids=["gather", "per_page", "one_page"])
+def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, monkeypatch):
+    if len(prefix) == 1 and name not in ("clean", "tail_raw", "tail_raw_v"):
+        pytest.skip("the scenario poisons another request")
+    fast = _run(name, True, monkeypatch, geometry=geometry, prefix=prefix)
+    slow = _run(name, False, monkeypatch, geometry=geometry, prefix=prefix)
     for a, b in zip(fast[0], slow[0]):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
     for a, b in zip(fast[2], slow[2]):  # page marks: the same pages marked (new garbage written through the layout)
