@@ -14,13 +14,11 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from attnplug import LayerSpec, PagedBackend
-from attnplug.errors import ShapeError
 
 from test_vllm_cpu import _expected, _problem, needs_ops
 
@@ -265,7 +263,7 @@ def _init(kind, one_pass, monkeypatch):
         _mutate(kind, cache, batch, rows)
         try:
             backend.init_forward_metadata(batch)
-        except Exception as exc:  # noqa: BLE001 - compared below, type and words
+        except Exception as exc:
             return ("error", type(exc), str(exc)), used
         meta = backend.forward_metadata(batch)
         out = backend.forward(*qkv[0], LayerSpec(0, 4, 2, 64), batch)
