@@ -403,7 +403,7 @@ class PagedBackend(AttentionBackend):
         lid, loc = plan.layer_id, fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
             old = cache.layout.read(plan.storage, cache.geometry, loc)  # cache.snapshot, the layer known
-            self._write(cache, plan, lid, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
+            self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             try:
                 out = compute(q, k, v, layer, batch, meta)
             except BaseException:
@@ -414,8 +414,17 @@ class PagedBackend(AttentionBackend):
             return out
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
-            self._write(cache, plan, lid, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
+            self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
+
+    def write_new_kv(self, cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """The skeleton's write of this forward's K/V for a planned layer (every per-call check passed).
+        Default: ``_write``. A backend may override it to write without the layout's own finite verdict
+        when it checks the written values itself right after (vllm_cpu: one sum over the pages the
+        forward's new tokens and unowned tails lie in); the override must then do that check on every
+        call it skips the verdict for."""
+        self._write(cache, plan, plan.layer_id, loc, k, v)
 
     @staticmethod
     def _write(cache: PagedKVCache, plan: LayerPlan, lid: int, loc: torch.Tensor, k: torch.Tensor,

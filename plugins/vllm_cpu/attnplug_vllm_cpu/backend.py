@@ -38,6 +38,15 @@ Two things the op does not guarantee are done here:
   call (restored after it), and the output rows of every query that sees such a token (same
   request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
   that read it, as in the reference.
+* **decode: both checks in one sum** (``write_new_kv``, ``_fold_check``): a decode request's new token
+  is its last key, so the pages the skeleton writes the new tokens into are exactly the pages holding
+  the unowned tails. The skeleton's write then skips the layout's k/v sums, and one float32 sum over
+  those pages after the write stands for both checks; only a non-finite sum runs the two precise
+  paths above (and marks the pages as the layout's write would have). Other modes keep them apart.
+
+Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
+``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
+table from the same entries); any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
@@ -53,7 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from attnplug import NotSupportedError, PagedBackend
+from attnplug import ForwardMode, NotSupportedError, PagedBackend
 from attnplug.errors import ShapeError
 
 from . import CAPABILITIES, LAYOUT, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_PAGE_SIZE, NAME, isa_for
@@ -63,6 +72,10 @@ from .ops import ops
 _INT32 = torch.int32
 #: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
 _TAIL_PAGE_LOOP = 8
+#: the decode fold check gathers its pages into one tensor (one sum, one sync) when a page is at most this many
+#: bytes; larger pages get one sum each (a view: no copy). Measured (one thread): 8 pages of 32 KiB, gather
+#: 13 µs against 25 for the loop; 4 pages of 256 KiB, gather 87 µs against 20 (docs/performance.md, round 3)
+_FOLD_GATHER_PAGE_BYTES = 64 << 10
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
@@ -112,7 +125,7 @@ class _Keys:
 class ForwardMeta:
     """What one forward's layers share: the index inputs and the scheduler metadata per key."""
 
-    def __init__(self, batch: Any, cache: Any) -> None:
+    def __init__(self, batch: Any, cache: Any, table: torch.Tensor | None = None) -> None:
         dev = cache.device
         self.batch = batch
         self.cache = cache
@@ -120,7 +133,9 @@ class ForwardMeta:
         qsl = batch.qo_indptr(dev)
         self.num_tokens = batch.num_tokens
         self.q_off = qsl.tolist()
-        self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), cache.page_table(batch).contiguous(),
+        if table is None:  # else the check's one pass made it from the same entries
+            table = cache.page_table(batch)
+        self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), table.contiguous(),
                                list(batch.seq_lens_cpu), [], causal=True)
         self.cross_keys: _Keys | None = None
         self._bidir: _Keys | None = None
@@ -134,6 +149,10 @@ class ForwardMeta:
         #: out_cache_loc (an engine that maps after attention); see ``VllmCpuBackend.check_batch``
         self.remap: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads = torch.get_num_threads()
+        #: decode: the pages holding each request's new token, which is its last key, so the same pages hold its
+        #: unowned tail (``fold_pages``, made by the first layer that needs them)
+        self.decode = batch.forward_mode is ForwardMode.DECODE
+        self._fold: tuple[list[int], torch.Tensor] | None = None
         self.scheduler: dict[tuple[Any, ...], torch.Tensor] = {}
         #: how many scheduler metadata tensors were built (tests: once per key and forward)
         self.scheduler_builds = 0
@@ -154,6 +173,15 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
+
+    def fold_pages(self, loc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Decode: the distinct pages of this forward's write slots ``loc`` (a list and an int64 tensor). Each
+        request's one new token is its last key and (no remap) lies at its ``out_cache_loc``, so these pages
+        are exactly the requests' last pages: every new token and every unowned tail slot lies in them."""
+        if self._fold is None:
+            pages = torch.unique(loc.div(self.cache.page_size, rounding_mode="floor"))
+            self._fold = (pages.tolist(), pages)
+        return self._fold
 
     def mla_block_table(self, page_size: int) -> torch.Tensor:
         """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
@@ -220,6 +248,11 @@ class VllmCpuBackend(PagedBackend):
         super().__init__(ctx)
         #: handed from check_batch to build_metadata within one init_forward_metadata
         self._remap: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: (batch, page table) from ``check_batch``'s one pass, for ``check_page_aligned`` and ``build_metadata``
+        self._one_pass_table: tuple[Any, torch.Tensor] | None = None
+        #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
+        #: the next ``compute_extend``, which then checks the pages they went to (``_fold_check``)
+        self._unchecked: tuple[Any, Any] | None = None
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
         if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
@@ -250,8 +283,10 @@ class VllmCpuBackend(PagedBackend):
         each kernel call (``build_metadata`` records it), so that slot must not be one another token of the
         batch reads or writes."""
         cache = self.cache
+        self._remap = self._one_pass_table = None
+        if self._one_pass(batch):
+            return
         cache.check_batch(batch, new_tokens_mapped=False)
-        self._remap = None
         if not batch.num_tokens:
             return
         rows, prefix, seq = batch.req_pool_indices_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu
@@ -297,6 +332,68 @@ class VllmCpuBackend(PagedBackend):
                 f"them to their out_cache_loc before the forward")
         self._remap = (differ, extra)
 
+    def _one_pass(self, batch: Any) -> bool:
+        """A decode forward's per-forward checks in one pass over its ``req_to_token`` entries: every position
+        ``0 .. seq_len-1`` of each request maps to a slot in range, the new token's position to its
+        ``out_cache_loc``, and each page of positions to one page of slots (``check_page_aligned``'s
+        condition); the page table comes from the same entries. ``True``: every check passed (the table is
+        kept for ``build_metadata``, and ``check_page_aligned`` skips its own pass for this batch). ``False``
+        (another mode, cross-attention, more than 64 requests, or any check failing): nothing is kept, and
+        the individual checks run as before, raising their precise errors (or serving a remapped new token)."""
+        b, cache = batch, self.cache
+        rows, seq = b.req_pool_indices_cpu, b.seq_lens_cpu
+        n = len(rows)
+        if b.forward_mode is not ForwardMode.DECODE or b.encoder_lens is not None or not 0 < n <= 64:
+            return False
+        req, loc = b.req_pool_indices, b.out_cache_loc
+        if req.dtype.is_floating_point or req.dtype == torch.bool or not isinstance(loc, torch.Tensor) or \
+                loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+            return False
+        if req.tolist() != rows or b.seq_lens.tolist() != seq or b.changed_since_validate() is not None:
+            return False  # stale host copies: the full checks re-validate the batch
+        L, R = cache.max_context_len, cache.max_requests
+        if any(not 0 <= r < R for r in rows) or any(not 0 < x <= L for x in seq):
+            return False
+        r2t, ps = cache.req_to_token, cache.page_size
+        mod = cache.__dict__.get("_position_mod")
+        if mod is None or mod.device != r2t.device:
+            mod = cache.__dict__["_position_mod"] = torch.arange(L, device=r2t.device) % ps
+        if n == 1:
+            vals, pm = r2t[rows[0], :seq[0]], mod[:seq[0]]
+        else:
+            vals = torch.cat([r2t[r, :x] for r, x in zip(rows, seq)])
+            pm = torch.cat([mod[:x] for x in seq])
+        ends, starts, pages = [], [], (max(seq) + ps - 1) // ps
+        e = 0
+        for x in seq:
+            starts.append(e)
+            e += x
+            ends.append(e - 1)
+        # bounds first (so the products below cannot overflow), then y = slot - position % page_size: a page
+        # start (a multiple of ps) everywhere, and the same within a page (a change only where pm is 0)
+        lo, hi = torch.aminmax(vals)
+        if int(lo) < 0 or int(hi) >= cache.num_slots:
+            return False
+        y = vals - pm
+        if bool(y.remainder(ps).any()) or bool((y.diff() * pm[1:]).any()):
+            return False
+        if not torch.equal(vals[ends], loc.to(device=r2t.device, dtype=torch.int64)):
+            return False
+        sentinel = vals.numel()
+        index = [starts[i] + j * ps if j * ps < seq[i] else sentinel for i in range(n) for j in range(pages)]
+        first = torch.cat([y, y.new_zeros(1)])[torch.as_tensor(index, device=r2t.device)]
+        table = first.div_(ps, rounding_mode="floor").view(n, pages).to(_INT32)
+        self._one_pass_table = (batch, table)
+        return True
+
+    def check_page_aligned(self, batch: Any) -> None:
+        """Skipped for the batch whose one pass (``_one_pass``) just checked the same condition over the same
+        positions; the base's pass otherwise."""
+        kept = self._one_pass_table
+        if kept is not None and kept[0] is batch:
+            return
+        super().check_page_aligned(batch)
+
     @staticmethod
     def _token_position(batch: Any, t: int) -> tuple[int, int]:
         """(request, position) of new token ``t``."""
@@ -308,7 +405,8 @@ class VllmCpuBackend(PagedBackend):
         raise IndexError(t)  # not reached: t < num_tokens
 
     def build_metadata(self, batch: Any) -> ForwardMeta:
-        meta = ForwardMeta(batch, self.cache)
+        kept, self._one_pass_table = self._one_pass_table, None
+        meta = ForwardMeta(batch, self.cache, kept[1] if kept is not None and kept[0] is batch else None)
         meta.remap, self._remap = self._remap, None
         return meta
 
@@ -340,7 +438,9 @@ class VllmCpuBackend(PagedBackend):
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")
         la = self.layer_plan(layer).kernel
-        q = q.contiguous()
+        unchecked, self._unchecked = self._unchecked, None
+        if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
+            q = q.contiguous()
         out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
         if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
@@ -354,8 +454,20 @@ class VllmCpuBackend(PagedBackend):
             idx, slots = remap
             old = cache.layout.read(storage, cache.geometry, slots)
             cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
-        masked = self._mask_tails(storage, keys, meta)
-        hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
+        if unchecked is not None and unchecked[0] is k and unchecked[1] is v and not cross and remap is None \
+                and meta.decode:
+            # the skeleton wrote these k/v without the layout's sums: one sum over the pages they went to, which
+            # also hold every unowned tail (decode); finite: no garbage anywhere the op reads past a key
+            # or in a new token. Otherwise the precise paths, as if the write had summed (marks included)
+            if self._fold_check(storage, meta):
+                masked = hidden = None
+            else:
+                cache.layout.mark_nonfinite(storage, cache.geometry, self._fwd.loc, k, v)  # type: ignore[union-attr]
+                masked = self._mask_tails(storage, keys, meta, known_nonfinite=True)
+                hidden = self._select_new_garbage(storage, k, v, batch, meta)
+        else:
+            masked = self._mask_tails(storage, keys, meta)
+            hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
         try:
             ops().cpu_attention_with_kv_cache(
                 q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
@@ -503,10 +615,38 @@ class VllmCpuBackend(PagedBackend):
             return out
         return call
 
+    def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The skeleton's staged write of a decode forward: vllm-cpu's writer without the layout's two sums
+        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks the pages they went
+        to instead (``_fold_check``). Any other write keeps the layout's verdict."""
+        meta = self._fwd.meta if self._fwd is not None else None
+        if (isinstance(plan.kernel, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
+                and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
+            cache.layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
+            self._unchecked = (k, v)
+            return
+        self._unchecked = None
+        super().write_new_kv(cache, plan, loc, k, v)
+
+    def _fold_check(self, storage: tuple[torch.Tensor, ...], meta: ForwardMeta) -> bool:
+        """Whether every value of the pages holding this decode forward's new tokens (and so every unowned
+        tail) is finite: one float32 sum over them (one gather of small pages, else a view sum per page)."""
+        raw = storage[0]
+        pages, index = meta.fold_pages(self._fwd.loc)  # type: ignore[union-attr]
+        if len(pages) == 1:
+            return math.isfinite(raw[pages[0]].sum(dtype=torch.float32).item())
+        if raw[0].numel() * raw.element_size() <= _FOLD_GATHER_PAGE_BYTES:
+            return math.isfinite(raw.index_select(0, index).sum(dtype=torch.float32).item())
+        total = 0.0
+        for page in pages:
+            total += raw[page].sum(dtype=torch.float32).item()
+        return math.isfinite(total)
+
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
-                    meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                    meta: ForwardMeta, known_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Zero the unowned tails holding a NaN/inf, whoever wrote it (the layout's page marks see only
-        writes through it); returns what to write back (or ``None``)."""
+        writes through it); returns what to write back (or ``None``). ``known_nonfinite``: a sum over the
+        pages holding the tails was already found non-finite (read the tails themselves)."""
         cache = self.cache
         tails = meta.tail_slots(keys)
         if not tails.numel():
@@ -515,7 +655,9 @@ class VllmCpuBackend(PagedBackend):
         # contiguous storage, no gather), so the tails are; only a non-finite sum (garbage in a tail, in a
         # key a request owns, or a finite overflow) reads the tails themselves
         raw, pages = storage[0], keys.tail_pages
-        if len(pages) <= _TAIL_PAGE_LOOP:
+        if known_nonfinite:
+            total = math.nan
+        elif len(pages) <= _TAIL_PAGE_LOOP:
             total = 0.0
             for page in pages:
                 total += raw[page].sum(dtype=torch.float32).item()

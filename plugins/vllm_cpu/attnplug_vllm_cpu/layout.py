@@ -149,7 +149,11 @@ class VllmCpuLayout(KVLayout):
         return k, v
 
     def write(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry, slots: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+              k: torch.Tensor, v: torch.Tensor, *, verdict: bool = True) -> None:
+        """Write ``k``/``v`` at ``slots``; then (``verdict``, the default) sum them once for the finite verdict
+        (``finite_write``) and mark the pages a NaN/inf went to. ``verdict=False`` (only the vllm_cpu
+        backend's staged write, which sums the pages holding these slots right after, and on a
+        non-finite sum calls ``mark_nonfinite`` itself) skips the sums and clears ``finite_write``."""
         raw, nonfinite = storage
         n = slots.shape[0]
         if n == 0:
@@ -168,10 +172,19 @@ class VllmCpuLayout(KVLayout):
             key_cache, value_cache = self.views(raw)
             if slots.dtype != torch.int64 or not slots.is_contiguous():
                 slots = slots.to(torch.int64).contiguous()
-            ops().cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots,
+            # the writer reads tokens at any stride (vLLM hands it views of its fused qkv): only the rows of one
+            # token must be dense
+            if k.stride(-1) != 1 or k.stride(-2) != geometry.head_dim:
+                k = k.contiguous()
+            if v.stride(-1) != 1 or v.stride(-2) != geometry.v_head_dim:
+                v = v.contiguous()
+            ops().cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots,
                                              isa_for(geometry.head_dim, geometry.page_size))
         else:  # a dtype the writer lacks (no backend reads it; hosts and tests may still store it): in torch
             self._torch_write(raw, geometry, slots, k, v)
+        if not verdict:
+            self.finite_write = None
+            return
         # two reductions on the hot path: a NaN/inf makes a sum non-finite (a finite sum that overflows
         # only costs a conservative per-row look)
         finite = math.isfinite(k.sum(dtype=torch.float32).item() + v.sum(dtype=torch.float32).item())
@@ -180,10 +193,17 @@ class VllmCpuLayout(KVLayout):
         #: verdict for the same objects instead of summing them again
         self.finite_write = (weakref.ref(k), weakref.ref(v)) if finite else None
         if not finite:
-            bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
-            if bool(bad.any()):
-                nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
-                self.mark(nonfinite)
+            self.mark_nonfinite(storage, geometry, slots, k, v)
+
+    def mark_nonfinite(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry, slots: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+        """Mark the pages of the slots whose ``k``/``v`` row holds a NaN/inf (what a write with its verdict does)."""
+        n = slots.shape[0]
+        bad = ~(torch.isfinite(k).reshape(n, -1).all(1) & torch.isfinite(v).reshape(n, -1).all(1))
+        if bool(bad.any()):
+            nonfinite = storage[1]
+            nonfinite[slots[bad].div(geometry.page_size, rounding_mode="floor")] = True
+            self.mark(nonfinite)
 
     @staticmethod
     def _torch_write(raw: torch.Tensor, geometry: KVGeometry, slots: torch.Tensor, k: torch.Tensor,

@@ -278,6 +278,7 @@ class Group:
         self.specs = {i.spec.layer_id: dataclasses.replace(i.spec, layer_id=j) for j, i in enumerate(impls)}
         self.backend: Any = None
         self.kv_cache: PagedKVCache | None = None
+        self._page_offsets: torch.Tensor | None = None  # arange(block size), for req_to_token from block tables
         #: scheduled batches this group's metadata was built for, and attention-layer calls served
         self.builds = 0
         self.layer_calls = 0
@@ -324,23 +325,28 @@ class Group:
         cache = self.kv_cache
         assert cache is not None
         n, t = cm.num_reqs, cm.num_actual_tokens
-        qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64)
-        qlens = qsl[1:] - qsl[:-1]
-        seq = cm.seq_lens[:n].to(device="cpu", dtype=torch.int64)
-        prefix = seq - qlens
+        # the per-request vectors are a few host integers: read them once as lists (one tensor op each
+        # would cost more than the list work)
+        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+        seq = cm.seq_lens[:n].tolist()
+        qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+        prefix = [s - q for s, q in zip(seq, qlens)]
         ps = cache.page_size
-        width = int(seq.max()) if n else 0
-        if width:
+        width = max(seq, default=0)
+        if width:  # rows 0..n-1: each position's slot from the block table, whole pages at a time
             pages = -(-width // ps)
-            blocks = cm.block_table_tensor[:n, :pages].to(torch.int64)
-            slots = (blocks[:, :, None] * ps + torch.arange(ps, dtype=torch.int64)).reshape(n, pages * ps)
-            cache.req_to_token[:n, :width] = slots[:, :width]
-        rows = torch.arange(n, dtype=torch.int64)
+            ar = self._page_offsets
+            if ar is None or ar.numel() != ps:
+                ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=cache.device)
+            dst = cache.req_to_token[:n, :pages * ps].view(n, pages, ps)
+            dst.copy_(cm.block_table_tensor[:n, :pages, None])
+            dst.mul_(ps).add_(ar)
+        rows = list(range(n))
         loc = cm.slot_mapping[:t].to(torch.int64)
-        decode = (qlens == 1) & (prefix > 0)
-        if n and bool(decode.all()):
+        decode = [q == 1 and p > 0 for q, p in zip(qlens, prefix)]
+        if n and all(decode):
             return ForwardBatch.decode(rows, seq, loc)
-        mode = ForwardMode.MIXED if bool(decode.any()) else ForwardMode.EXTEND
+        mode = ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
         return ForwardBatch.extend(rows, prefix, qlens, loc, mode=mode)
 
 
@@ -425,7 +431,9 @@ class AttnplugVllmImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         g = attn_metadata.group
         spec = g.specs[self.spec.layer_id]
-        out = g.backend.forward(query[:n], key[:n], value[:n], spec, attn_metadata.batch)
+        if query.shape[0] != n:  # padded (eager runs are not): the actual tokens only
+            query, key, value = query[:n], key[:n], value[:n]
+        out = g.backend.forward(query, key, value, spec, attn_metadata.batch)
         g.layer_calls += 1
-        output[:n].copy_(out.view(n, *output.shape[1:]))
+        (output if output.shape[0] == n else output[:n]).copy_(out.view(n, *output.shape[1:]))
         return output

@@ -1,0 +1,293 @@
+"""vllm_cpu's cheaper per-layer and per-forward checks (issue 30, round 3), each tested both ways.
+
+* **decode fold**: the skeleton's staged write of a decode forward skips the layout's two k/v sums;
+  one float32 sum over the pages the new tokens went to (which hold every unowned tail) replaces
+  them and the tail-page sums. Every scenario below runs with the fold and with it switched off (the
+  base's ``write_new_kv``: the layout's verdict, the old checks) and must give the same output bits,
+  the same cache bytes and the same page marks, and the reference's answer.
+* **strided q/k/v**: vLLM hands views of its fused qkv projection; the ops read tokens at any stride,
+  so no copy is made, with the same output and cache as contiguous inputs.
+* **one pass per forward**: bounds, the new-token mapping, page alignment and the page table from one
+  gather of the batch's ``req_to_token`` entries; any failure runs the individual checks, which raise
+  exactly as before (or serve a remap as before).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from attnplug import LayerSpec, PagedBackend
+
+from test_vllm_cpu import _expected, _problem, needs_ops
+
+pytestmark = needs_ops
+
+# prefixes: a tail in the last page, a page just filled (no tail), a fresh page, a longer context
+DECODE_PREFIX = [5, 40, 15, 16]
+
+
+def _storage_poison(cache, slot, value=float("nan"), head=0, dim=3, half="k"):
+    """Write ``value`` straight into layer 0's storage at ``slot`` (no layout write: no page mark)."""
+    raw = cache.layer_storage(0)[0]
+    raw = raw.view(raw.shape[0], raw.shape[1], -1)  # one (page, head) region: K dim-major, then V token-major
+    ps, d = cache.page_size, cache.head_dim
+    p, o = divmod(int(slot), ps)
+    if half == "k":
+        raw[p, head, dim * ps + o] = value
+    else:
+        raw[p, head, ps * d + o * d + dim] = value
+
+
+def _scenario(name, cache, rows, prefix, k, v):
+    r2t = cache.req_to_token
+    if name == "nan_new_k":
+        k[1, 0, 3] = float("nan")
+    elif name == "inf_new_v":
+        v[2, 1, 0] = float("inf")
+    elif name == "ninf_both":
+        k[0, 1, 7] = float("-inf")
+        v[3, 0, 1] = float("nan")
+    elif name == "tail_raw":  # an unowned slot past request 0's last key, in its last page
+        _storage_poison(cache, int(r2t[rows[0], prefix[0]]) + 3)
+    elif name == "tail_raw_v":
+        _storage_poison(cache, int(r2t[rows[0], prefix[0]]) + 7, float("inf"), head=1, half="v")
+    elif name == "owned_raw_last_page":  # a key request 1 owns, in its last page: its output reads it
+        _storage_poison(cache, int(r2t[rows[1], 33]))
+    elif name == "owned_raw_earlier_page":
+        _storage_poison(cache, int(r2t[rows[3], 2]), half="v")
+
+
+NEW_GARBAGE = {"nan_new_k": [1], "inf_new_v": [2], "ninf_both": [0, 3]}
+#: tokens whose request reads a garbage key (their values are compared with the old path only, above)
+READERS = {**NEW_GARBAGE, "owned_raw_last_page": [1], "owned_raw_earlier_page": [3]}
+SCENARIOS = ["clean", "nan_new_k", "inf_new_v", "ninf_both", "tail_raw", "tail_raw_v", "owned_raw_last_page",
+             "owned_raw_earlier_page"]
+
+
+def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geometry=(64, 16), prefix=DECODE_PREFIX):
+    from attnplug_vllm_cpu.backend import VllmCpuBackend
+
+    with monkeypatch.context() as m:
+        calls = {"fold": 0, "unchecked_writes": 0}
+        if not fold:  # the old path: the layout's verdict on every write, the old per-layer checks
+            m.setattr(VllmCpuBackend, "write_new_kv", PagedBackend.write_new_kv)
+        real_fold = VllmCpuBackend._fold_check
+
+        def spy_fold(self, *a, **kw):
+            calls["fold"] += 1
+            return real_fold(self, *a, **kw)
+        m.setattr(VllmCpuBackend, "_fold_check", spy_fold)
+        head_dim, page_size = geometry
+        cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
+                                                    dtype=dtype, head_dim=head_dim, page_size=page_size)
+        real_write = type(cache.layout).write
+
+        def spy_write(self, *a, verdict=True, **kw):
+            calls["unchecked_writes"] += not verdict
+            return real_write(self, *a, verdict=verdict, **kw)
+        m.setattr(type(cache.layout), "write", spy_write)
+        k0, v0 = qkv[0][1].clone(), qkv[0][2].clone()
+        _scenario(name, cache, rows, prefix, k0, v0)
+        qkv[0] = (qkv[0][0], k0, v0)
+        backend.init_forward_metadata(batch)
+        outs, refs = [], []
+        for i in range(layers):
+            layer = LayerSpec(i, 4, 2, head_dim)
+            outs.append(backend.forward(*qkv[i], layer, batch, save_kv_cache=save))
+            refs.append(_expected(cache, batch, layer, *qkv[i]))
+        marks = [cache.layer_storage(i)[1].clone() for i in range(layers)]
+        raws = [cache.layer_storage(i)[0].clone() for i in range(layers)]
+    return outs, refs, marks, raws, calls
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("geometry,prefix", [
+    ((64, 16), DECODE_PREFIX),  # 16 KiB pages: the fold gathers them into one sum
+    ((128, 64), DECODE_PREFIX),  # 128 KiB pages: one view sum per page
+    ((64, 16), DECODE_PREFIX[:1]),  # one request: one page
+], ids=["gather", "per_page", "one_page"])
+def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, monkeypatch):
+    if len(prefix) == 1 and name not in ("clean", "tail_raw", "tail_raw_v"):
+        pytest.skip("the scenario poisons another request")
+    fast = _run(name, True, monkeypatch, geometry=geometry, prefix=prefix)
+    slow = _run(name, False, monkeypatch, geometry=geometry, prefix=prefix)
+    for a, b in zip(fast[0], slow[0]):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
+    for a, b in zip(fast[2], slow[2]):  # page marks: the same pages marked (new garbage written through the layout)
+        assert torch.equal(a, b), name
+    for a, b in zip(fast[3], slow[3]):  # the cache: the same bytes (masked tails restored after the call)
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
+    # and the answer is the reference's: a (token, head) row non-finite exactly where the reference's is
+    # (as harness.compare asks), equal elsewhere
+    for out, ref in zip(fast[0], fast[1]):
+        bad_out, bad_ref = ~torch.isfinite(out).all(-1), ~torch.isfinite(ref).all(-1)
+        assert not (bad_ref & ~bad_out).any(), name  # garbage the reference sees is never hidden
+        if name not in NEW_GARBAGE:  # (a poisoned new token's rows are set NaN per KV head: conservative)
+            assert torch.equal(bad_out, bad_ref), name
+        # values: the rows of tokens that read no garbage (the float64 reference lets a non-finite value of
+        # one KV head change the other KV head's rows of the request; the old path and the fold agree above)
+        clean = torch.ones_like(bad_ref)
+        clean[READERS.get(name, [])] = False
+        keep = clean & ~bad_ref
+        torch.testing.assert_close(out.double()[keep], ref[keep], atol=2e-6, rtol=0)
+    # the fold ran on every layer (one page sum each) and no skeleton write summed k/v; the old path never
+    assert fast[4] == {"fold": 2, "unchecked_writes": 2}, fast[4]
+    assert slow[4] == {"fold": 0, "unchecked_writes": 0}, slow[4]
+    if name.startswith(("nan", "inf", "ninf")):
+        assert fast[2][0].any()  # the page holding the garbage is marked as the layout's verdict would
+    if name != "clean":
+        assert not all(torch.isfinite(o).all() for o in fast[0]) or name.startswith("tail")
+
+
+@pytest.mark.parametrize("name", ["clean", "nan_new_k", "tail_raw"])
+@pytest.mark.parametrize("how", ["raises", "no_save"])
+def test_the_decode_fold_leaves_the_cache_byte_identical_when_the_op_raises_or_nothing_is_saved(name, how,
+                                                                                                 monkeypatch):
+    from attnplug_vllm_cpu import backend as B
+
+    cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True)
+    q, k, v = (t.clone() for t in qkv[0])
+    _scenario(name, cache, rows, DECODE_PREFIX, k, v)
+    before = cache.layer_storage(0)[0].clone()
+    backend.init_forward_metadata(batch)
+    layer = LayerSpec(0, 4, 2, 64)
+    if how == "raises":
+        class Boom(RuntimeError):
+            pass
+
+        real = B.ops()
+
+        class Ops:
+            def __getattr__(self, n):
+                return getattr(real, n)
+
+            @staticmethod
+            def cpu_attention_with_kv_cache(*a, **kw):
+                raise Boom("the op failed")
+        monkeypatch.setattr(B, "ops", lambda: Ops())
+        with pytest.raises(Boom):
+            backend.forward(q, k, v, layer, batch)
+    else:
+        backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    after = cache.layer_storage(0)[0]
+    assert torch.equal(before.isnan(), after.isnan())
+    assert torch.equal(torch.nan_to_num(before), torch.nan_to_num(after))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [("decode", [5, 40, 15]), ("extend", [0, 17, 3])])
+def test_strided_qkv_views_are_read_in_place_with_the_same_result(dtype, shape):
+    """q/k/v as views of one fused qkv tensor (how vLLM hands them): no copy, the same output and cache."""
+    kind, prefix = shape
+    ext = [1] * 3 if kind == "decode" else [4, 9, 2]
+    res = []
+    for strided in (False, True):
+        cache, batch, backend, qkv, _ = _problem(prefix, ext, decode=kind == "decode", dtype=dtype, seed=4)
+        q, k, v = qkv[0]
+        if strided:
+            T = q.shape[0]
+            fused = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+            q, k, v = (x.view(T, -1, 64) for x in fused.split([256, 128, 128], dim=1))
+            assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k, v, LayerSpec(0, 4, 2, 64), batch)
+        res.append((out, cache.layer_storage(0)[0].clone()))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_the_fold_is_not_used_where_a_new_token_may_lie_outside_the_last_pages(monkeypatch):
+    """Extend (new tokens span pages) keeps the layout's verdict and the tail-page sums."""
+    from attnplug_vllm_cpu.backend import VllmCpuBackend
+
+    calls = []
+    real = VllmCpuBackend._fold_check
+    monkeypatch.setattr(VllmCpuBackend, "_fold_check", lambda self, *a: calls.append(1) or real(self, *a))
+    cache, batch, backend, qkv, _ = _problem([5, 40], [20, 3])
+    q, k, v = (t.clone() for t in qkv[0])
+    k[21, 1, 2] = float("nan")  # request 1's third new token
+    backend.init_forward_metadata(batch)
+    layer = LayerSpec(0, 4, 2, 64)
+    out = backend.forward(q, k, v, layer, batch)
+    ref = _expected(cache, batch, layer, q, k, v)
+    assert not calls
+    assert torch.equal(~torch.isfinite(out).all(-1), ~torch.isfinite(ref).all(-1))
+    assert cache.layer_storage(0)[1].any()  # marked by the layout's own verdict
+
+
+# -- one pass per forward -------------------------------------------------------------------------------
+def _mutate(kind, cache, batch, rows):
+    r2t = cache.req_to_token
+    if kind == "unassigned_prefix":
+        r2t[rows[1], 7] = -1
+    elif kind == "wild_prefix":
+        r2t[rows[3], 2] = cache.num_slots + 5
+    elif kind == "new_token_unassigned":
+        r2t[rows[0], DECODE_PREFIX[0]] = -1
+    elif kind == "new_token_wild":
+        r2t[rows[2], DECODE_PREFIX[2]] = 10 ** 9
+    elif kind == "loc_out_of_range":
+        batch.out_cache_loc[1] = cache.num_slots
+        batch.validate()
+    elif kind == "loc_negative":  # written after validate(): the checks re-validate and name it
+        batch.out_cache_loc[2] = -1
+    elif kind == "unaligned_prefix":  # two positions of one page swapped
+        a, b_ = int(r2t[rows[1], 3]), int(r2t[rows[1], 4])
+        r2t[rows[1], 3], r2t[rows[1], 4] = b_, a
+    elif kind == "page_not_at_a_page_start":
+        r2t[rows[3], 0:16] += 1
+    elif kind == "remapped_new_token":  # served, not refused: the token's position maps to a free slot
+        used = set(r2t[r2t >= 0].tolist())
+        free = next(s for s in range(cache.num_slots) if s not in used and s % cache.page_size == 0)
+        r2t[rows[0], DECODE_PREFIX[0]] = free  # request 0's last page starts... its position 5 is offset 5
+        r2t[rows[0], 0:DECODE_PREFIX[0] + 1] = torch.arange(free, free + DECODE_PREFIX[0] + 1)
+    elif kind == "stale_host_copy":
+        batch.req_pool_indices[0] = rows[1]
+
+
+ONE_PASS_KINDS = ["clean", "unassigned_prefix", "wild_prefix", "new_token_unassigned", "new_token_wild",
+                  "loc_out_of_range", "loc_negative", "unaligned_prefix", "page_not_at_a_page_start",
+                  "remapped_new_token", "stale_host_copy"]
+
+
+def _init(kind, one_pass, monkeypatch):
+    from attnplug_vllm_cpu.backend import VllmCpuBackend
+
+    with monkeypatch.context() as m:
+        used = []
+        real = VllmCpuBackend._one_pass
+        m.setattr(VllmCpuBackend, "_one_pass",
+                  (lambda self, b: used.append(real(self, b)) or used[-1]) if one_pass else (lambda self, b: False))
+        cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True)
+        _mutate(kind, cache, batch, rows)
+        try:
+            backend.init_forward_metadata(batch)
+        except Exception as exc:
+            return ("error", type(exc), str(exc)), used
+        meta = backend.forward_metadata(batch)
+        out = backend.forward(*qkv[0], LayerSpec(0, 4, 2, 64), batch)
+        table = meta.self_keys.block_table
+        remap = None if meta.remap is None else tuple(t.tolist() for t in meta.remap)
+        return ("ok", table.dtype, table.tolist(), remap, out), used
+
+
+@pytest.mark.parametrize("kind", ONE_PASS_KINDS)
+def test_the_one_pass_refuses_or_serves_exactly_what_the_individual_checks_do(kind, monkeypatch):
+    fast, used = _init(kind, True, monkeypatch)
+    slow, _ = _init(kind, False, monkeypatch)
+    assert fast[:-1] == slow[:-1] if fast[0] == "ok" else fast == slow, (kind, fast, slow)
+    if fast[0] == "ok":
+        assert torch.equal(fast[-1], slow[-1])
+    # the one pass itself accepts only a batch every check passes (and then the base's passes are skipped)
+    assert used == [kind == "clean"], (kind, used)
+    if kind not in ("clean", "remapped_new_token"):
+        assert fast[0] == "error", (kind, fast)
+
+
+@pytest.mark.parametrize("prefix", [[5, 40, 15, 16], [0, 31, 32, 63], [1], [100, 2, 47]])
+def test_the_one_pass_page_table_is_the_caches(prefix):
+    cache, batch, backend, _, _ = _problem(prefix, [1] * len(prefix), decode=True)
+    backend.init_forward_metadata(batch)
+    table = backend.forward_metadata(batch).self_keys.block_table
+    assert table.dtype == torch.int32 and torch.equal(table, cache.page_table(batch))
