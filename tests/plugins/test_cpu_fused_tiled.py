@@ -406,10 +406,12 @@ _REFUSED_SCRIPT = textwrap.dedent("""
 
 
 @needs_kernel
+@needs_amx
 def test_amx_refused_falls_back_to_the_avx512_bodies():
     # $ATTNPLUG_CPU_FUSED_AMX=0 makes the process behave as if Linux refused the tile data (or the CPU had
-    # no AMX): the best isa drops below amx, isa 0 runs the fallback bodies within the tolerance, and a
-    # pinned amx is refused naming it (a CPU without AMX takes the same path: cpu_isa())
+    # no AMX): the best isa drops from amx (this process's, needs_amx) below it, isa 0 runs the fallback
+    # bodies within the tolerance, and a pinned amx is refused naming it (a CPU without AMX takes the
+    # same path: cpu_isa(); there every other test here runs the fallback bodies)
     env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX="0")
     proc = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, os.path.dirname(__file__)], env=env,
                           capture_output=True, text=True, timeout=600)

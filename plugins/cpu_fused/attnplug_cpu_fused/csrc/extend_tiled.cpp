@@ -1,6 +1,6 @@
 // Tiled paged attention for long extends (prefill, chunked prefill) on CPU; entry in extend_tiled.h.
 //
-// Work items are (request, KV head, query tile): a tile holds QT = 64 / G consecutive queries of one
+// Work items are (request, KV head, query tile): a tile holds QT = 128 / G consecutive queries of one
 // request, and its rows are (query, head of the KV head's group), so the G query heads of a KV head
 // share every key tile (GQA: each K/V row is read once per tile, not once per query head). Per item:
 // the queries are packed once, transposed ([D][rows], rows padded to a multiple of 16), then key tiles
@@ -17,6 +17,10 @@
 //     (0 * NaN is NaN: garbage in a later new token never reaches an earlier query).
 // Output rows are divided once by the softmax sum (plus exp(sink - max) with sinks; a row that sees
 // no key is zeros) and rounded once to the model dtype.
+//
+// Where the CPU has AMX (and Linux grants this process the tile data) both dtypes run item_amx instead:
+// query tiles of 256 / G queries, key tiles of 64 keys, S = Q K^T and O += P V through tdpbf16ps tiles
+// (float32 as three bf16 parts an operand, six products), the softmax per row in float32.
 //
 // The instruction set is chosen at run time (cpuid through __builtin_cpu_supports): the body below is
 // compiled once per ISA into its own namespace (this file includes itself with ET_NS / ET_TARGET set),
