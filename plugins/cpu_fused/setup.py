@@ -35,7 +35,9 @@ def _isa_flags() -> dict[str, list[str]]:
 
 ISA_FLAGS = _isa_flags()
 #: compiled with -fopenmp (their libgomp.so.1 is torch's, already loaded: one runtime); extend_tiled.cpp
-#: (the tiled extend kernel) carries its own per-ISA bodies (target attributes, chosen by cpuid)
+#: (the tiled extend kernel) carries its own per-ISA bodies (target attributes, chosen by cpuid), its AMX
+#: body included: no -mamx-* flag, so a build machine without AMX builds it (a compiler older than GCC 11
+#: / clang 12 leaves that body out, and the best body is then avx512bf16)
 OPENMP_SOURCES = ("extend_tiled",)
 
 

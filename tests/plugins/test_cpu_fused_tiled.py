@@ -10,16 +10,28 @@ key tiles, in ragged batches, for GQA groups 1, 3, 4, 8, both dtypes and every i
 CPU runs (``CpuFusedBackend.tiled_isa`` pins one). Problems, the reference check and the cache
 check are ``test_cpu_fused``'s (noise in every slot; pages shuffled). A case that means the
 tiled kernel asserts it ran: the eager extend's workspace was never allocated.
+
+The AMX body (isa ``amx``, the default where the CPU has AMX and Linux grants the tile data) has its
+own tiles (query tiles of ``256 // G`` queries, key tiles of 64 keys) and its own tests below: against
+the reference and the FMA tiles at its tile edges, features and page sizes, NaN selection, float32's
+error next to the FMA tiles', the default isa choosing it, and the fallback when AMX is refused
+(``$ATTNPLUG_CPU_FUSED_AMX=0``); they skip, saying why, where AMX is not usable.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
 import torch
 
 from attnplug import ForwardMode, ShapeError
+from attnplug.testing.reference import reference_attention
+from attnplug.testing.tolerances import tolerance_for
 from attnplug_cpu_fused import backend as cf_backend
 from attnplug_cpu_fused import kernel as fused
 
@@ -184,7 +196,7 @@ def test_target_verify_with_many_drafts_goes_to_sdpa():
 def test_an_isa_this_cpu_lacks_is_refused_with_its_name():
     s = make(dtype=F32, head_dim=32, seed=180)
     s.backend.tiled_isa = max(fused.TILED_ISAS.values()) + 1
-    with pytest.raises(ValueError, match="tiled_isa=5 is not available on this CPU"):
+    with pytest.raises(ValueError, match=f"tiled_isa={s.backend.tiled_isa} is not available on this CPU"):
         run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [0], [30]))
 
 
@@ -219,3 +231,191 @@ def test_opcheck_passes_for_the_tiled_op(dtype):
     args = (q, k, v, fl.k_cache, fl.v_cache, s.cache.req_to_token, meta.tiled_plan(30), fl.sinks, out, fl.err,
             s.layer.gqa_group_size, 30, 0, fl.scale, fl.cap)
     torch.library.opcheck(torch.ops.attnplug_cpu_fused.extend_tiled.default, args)
+
+
+
+# ---------------------------------------------------------------------------
+# the AMX body (isa ``amx``): bf16 through tdpbf16ps tiles, float32 as bf16 hi + lo parts
+# ---------------------------------------------------------------------------
+
+AMX = fused.TILED_ISAS["amx"]
+#: the AMX tiles' rows per query tile (extend_tiled.cpp: AMROWS)
+AMX_ROWS = 256
+
+
+def _best_isa() -> int:
+    op, why = fused.load()
+    return 0 if op is None else int(torch.ops.attnplug_cpu_fused.tiled_isa())
+
+
+needs_amx = pytest.mark.skipif(_best_isa() < AMX, reason="cpu_fused: no AMX tiles here (the CPU lacks AMX-BF16, "
+                               "Linux refused the tile data, or $ATTNPLUG_CPU_FUSED_AMX=0)")
+
+
+def amx_and_fma(dtype: torch.dtype, batch_of: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same forward (same cache, pages, inputs) through the AMX body and the avx512 FMA tiles, each
+    checked against the float64 reference."""
+    outs = []
+    for isa in (AMX, fused.TILED_ISAS["avx512"]):
+        s = make(dtype=dtype, **kw)
+        s.backend.tiled_isa = isa
+        outs.append(run_and_check(s, batch_of(s), q_gain=4.0 if "logit_cap" in kw.get("layer_kw", {}) else 1.0))
+        assert_tiled_ran(s, dtype)
+    return outs[0], outs[1]
+
+
+@needs_kernel
+@needs_amx
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("dims", [(16, 16), (48, 80), (128, 128), (64, 32)], ids=lambda d: f"D{d[0]}_Dv{d[1]}")
+def test_amx_matches_the_reference_and_the_fma_tiles(dims, group, dtype, all_tiled):
+    # AMX query tiles are AMX_ROWS // group queries, key tiles 64 keys, rows padded to 32, D padded to 32
+    # (16, 48: a half step of zeros), V column blocks of 16 in pairs (Dv 80: an odd one); new tokens 1, a
+    # query tile -1, a tile, a tile +1 (capped by the cache) over prefixes ending before / at / after a key
+    # tile, ragged
+    qt = AMX_ROWS // group
+    for prefix, news in (([0, 63], [1, min(qt - 1, 90)]), ([64, 65], [min(qt, 91), min(qt + 1, 92)])):
+        def batch_of(s: Any) -> Any:
+            return extend_batch(s, ForwardMode.EXTEND, prefix, news)  # noqa: B023  # called in this iteration
+
+        amx, fma = amx_and_fma(dtype, batch_of, kv_heads=2, group=group, head_dim=dims[0], v_head_dim=dims[1],
+                               seed=300 + group + dims[0] + prefix[0])
+        # both bodies within the tolerance of the reference (run_and_check), and of each other
+        torch.testing.assert_close(amx.double(), fma.double(), atol=1e-4 if dtype == F32 else 3e-2, rtol=0)
+
+
+@needs_kernel
+@needs_amx
+@pytest.mark.parametrize("layer_kind", sorted(TILED_LAYERS))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("page_size", [1, 16, 32])
+def test_amx_layer_features_and_page_sizes(page_size, dtype, layer_kind, threads):  # noqa: F811  # the fixture
+    s = make(dtype=dtype, head_dim=64, page_size=page_size, seed=320 + page_size,
+             layer_kw=TILED_LAYERS[layer_kind])
+    s.backend.tiled_isa = AMX
+    batch = extend_batch(s, ForwardMode.EXTEND, [0, 37, 90, 3], [17, 40, 33, 100])
+    run_and_check(s, batch, q_gain=4.0 if "softcap" in layer_kind else 1.0)
+    assert_tiled_ran(s, dtype)
+
+
+@needs_kernel
+@needs_amx
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_amx_nan_in_a_later_new_token_reaches_only_the_queries_that_see_it(dtype, all_tiled):
+    # the AMX tiles multiply P by V: a tile holding a non-finite value row hidden from some rows goes
+    # through the select path instead (0 * NaN is NaN)
+    s = make(dtype=dtype, head_dim=32, seed=330)
+    s.backend.tiled_isa = AMX
+    batch = extend_batch(s, ForwardMode.EXTEND, [20, 0], [60, 35])
+    q, k, v = inputs(s, batch.num_tokens)
+    t = 41
+    k[t, 0, 3] = float("nan")
+    v[t, 1, 5] = float("inf")
+    s.backend.init_forward_metadata(batch)
+    out = s.backend.forward(q, k, v, s.layer, batch)
+    G = s.layer.gqa_group_size
+    assert torch.isfinite(out[:t]).all() and torch.isfinite(out[60:]).all()
+    assert torch.isnan(out[t:60, :G]).all()
+    assert (~torch.isfinite(out[t:60, G:])).any()
+
+
+#: float32 through AMX (three bf16 parts an operand, six products) must stay this far inside the float32
+#: tolerance on inputs of the suite's magnitudes (q gain up to 4)
+AMX_F32_MARGIN = 4.0
+
+
+def _worst_error_over_bound(s: Any, batch: Any, q_gain: float = 1.0) -> float:
+    """max |out - ref| / (atol + rtol |ref|) of one forward (1.0: at the float32 tolerance)."""
+    q, k, v = inputs(s, batch.num_tokens, q_gain=q_gain)
+    kc0, vc0 = s.cache.read_kv(0)
+    s.backend.init_forward_metadata(batch)
+    out = s.backend.forward(q, k, v, s.layer, batch)
+    ks, vs = s.cache.kv_scales(0)
+    ref = reference_attention(q, k, v, s.layer, batch, kc0, vc0, s.cache.req_to_token, ks, vs)
+    tol = tolerance_for("float32")
+    return float(((out.double() - ref).abs() / (tol.atol + tol.rtol * ref.abs())).max())
+
+
+F32_CASES: dict[str, tuple[dict[str, Any], float]] = {
+    "d128_g4": (dict(head_dim=128, group=4), 1.0),
+    "d64_g8_window": (dict(head_dim=64, group=8, layer_kw=dict(sliding_window=50)), 1.0),
+    "d256_g1": (dict(head_dim=256, group=1), 1.0),
+    "d32_softcap_sinks": (dict(head_dim=32, layer_kw=dict(scaling=1.0, logit_cap=3.0,
+                                                          sinks=torch.linspace(-1.0, 2.0, 8))), 4.0),
+    "d128_gain4": (dict(head_dim=128, group=4), 4.0),
+    "d128_gain12": (dict(head_dim=128, group=4), 12.0),  # scores in the tens: the FMA tiles' error grows too
+}
+
+
+@needs_kernel
+@needs_amx
+@pytest.mark.parametrize("case", sorted(F32_CASES))
+def test_amx_float32_is_as_accurate_as_the_fma_tiles(case):
+    # the measured reason float32 runs through AMX by default: against the float64 reference its error is
+    # no larger than the avx512 FMA tiles' on the same problem, and AMX_F32_MARGIN times inside the float32
+    # tolerance at the suite's magnitudes (docs/performance.md has the figures; with two bf16 parts
+    # an operand, three products, it was 10x the FMA tiles' at |v| ~ 30)
+    kw, gain = F32_CASES[case]
+    worst = {}
+    for isa in (AMX, fused.TILED_ISAS["avx512"]):
+        s = make(dtype=F32, seed=340, **kw)
+        s.backend.tiled_isa = isa
+        worst[isa] = _worst_error_over_bound(s, extend_batch(s, ForwardMode.EXTEND, [0, 60, 17], [150, 100, 40]),
+                                             gain)
+        assert_tiled_ran(s, F32)
+    amx, fma = worst[AMX], worst[fused.TILED_ISAS["avx512"]]
+    assert amx <= max(1.5 * fma, 0.02), f"float32 through AMX: {amx:.4f} of the tolerance, FMA tiles {fma:.4f}"
+    if gain <= 4.0:
+        assert amx <= 1.0 / AMX_F32_MARGIN, f"float32 through AMX: {amx:.3f} of the tolerance"
+
+
+@needs_kernel
+@needs_amx
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_the_default_isa_runs_the_amx_body_where_amx_is_usable(dtype):
+    # isa 0 on an AMX CPU is the AMX body for both dtypes: bit for bit the pinned one's output
+    outs = []
+    for isa in (0, AMX):
+        s = make(dtype=dtype, head_dim=64, seed=350)
+        s.backend.tiled_isa = isa
+        outs.append(run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [30, 0], [70, 40])))
+    assert torch.equal(outs[0], outs[1])
+
+
+_REFUSED_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from attnplug import ForwardMode
+    from attnplug_cpu_fused import kernel as fused
+    from test_cpu_fused import BF16, F32, extend_batch, make, run_and_check
+    best = int(torch.ops.attnplug_cpu_fused.tiled_isa())
+    print(best)
+    for dtype in (F32, BF16):
+        s = make(dtype=dtype, head_dim=64, seed=360)
+        run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [30, 0], [70, 40]))  # isa 0: the fallback
+        assert s.backend.workspace.grows == 0, "the tiled kernel did not run"
+    s = make(dtype=F32, head_dim=64, seed=360)
+    s.backend.tiled_isa = fused.TILED_ISAS["amx"]
+    try:
+        run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [30, 0], [70, 40]))
+    except ValueError as exc:
+        print("refused:", exc)
+""")
+
+
+@needs_kernel
+@needs_amx
+def test_amx_refused_falls_back_to_the_avx512_bodies():
+    # $ATTNPLUG_CPU_FUSED_AMX=0 makes the process behave as if Linux refused the tile data (or the CPU had
+    # no AMX): the best isa drops from amx (this process's, needs_amx) below it, isa 0 runs the fallback
+    # bodies within the tolerance, and a pinned amx is refused naming it (a CPU without AMX takes the
+    # same path: cpu_isa(); there every other test here runs the fallback bodies)
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX="0")
+    proc = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert int(lines[0]) < AMX
+    assert any(f"tiled_isa={AMX} is not available on this CPU" in line for line in lines), proc.stdout

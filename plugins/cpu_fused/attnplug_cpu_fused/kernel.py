@@ -43,8 +43,11 @@ ISA_FLAGS = {
 
 #: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
-#: the tiled extend kernel's instruction sets (``extend_tiled``'s ``isa``; 0: the best this CPU runs)
-TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
+#: the tiled extend kernel's instruction sets (``extend_tiled``'s ``isa``; 0: the best this CPU runs).
+#: ``amx``: AVX-512 BF16 + AMX-TILE + AMX-BF16 with the tile data granted by Linux (bf16 through
+#: ``tdpbf16ps`` tiles, float32 as three bf16 parts, six products); ``$ATTNPLUG_CPU_FUSED_AMX=0``
+#: makes a process behave as if AMX were refused (its best is then ``avx512bf16``)
+TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4, "amx": 5}
 #: ``extend_tiled``'s code for an instruction set this CPU lacks
 RC_ISA = 6
 
@@ -67,10 +70,15 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
 
 def tiled_scratch_bytes(threads: int, d: int, dv: int) -> int:
     """Bytes of per-thread scratch ``extend_tiled.cpp`` allocates (all threads; its ``scratch_floats``:
-    128-row query tiles, 48-key tiles)."""
+    the larger of the FMA tiles' (128-row query tiles, 48-key tiles) and the AMX tiles' (256-row query
+    tiles, 64-key tiles, D padded to 32, every operand in three bf16 parts for float32) layouts)."""
     rows, keys = 128, 48
-    return 4 * threads * (d * rows + keys * rows + keys // 2 * rows + keys // 2 * dv + rows * dv + 5 * rows
-                          + max(d, dv) + keys * (d + dv) + 64)
+    fma = (d * rows + keys * rows + keys // 2 * rows + keys // 2 * dv + rows * dv + 5 * rows
+           + max(d, dv) + keys * (d + dv) + 64)
+    dp, akt, am = -(-d // 32) * 32, 64, 256
+    amx = (am * dv + am * akt + 3 * am * akt // 2 + 3 * am * dp // 2 + 3 * dp * akt // 2 + 3 * akt * dv // 2
+           + 4 * am + max(dp, dv) + 16)
+    return 4 * threads * max(fma, amx)
 
 
 @functools.cache

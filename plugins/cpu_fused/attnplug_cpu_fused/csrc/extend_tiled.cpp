@@ -1,6 +1,6 @@
 // Tiled paged attention for long extends (prefill, chunked prefill) on CPU; entry in extend_tiled.h.
 //
-// Work items are (request, KV head, query tile): a tile holds QT = 64 / G consecutive queries of one
+// Work items are (request, KV head, query tile): a tile holds QT = 128 / G consecutive queries of one
 // request, and its rows are (query, head of the KV head's group), so the G query heads of a KV head
 // share every key tile (GQA: each K/V row is read once per tile, not once per query head). Per item:
 // the queries are packed once, transposed ([D][rows], rows padded to a multiple of 16), then key tiles
@@ -18,6 +18,10 @@
 // Output rows are divided once by the softmax sum (plus exp(sink - max) with sinks; a row that sees
 // no key is zeros) and rounded once to the model dtype.
 //
+// Where the CPU has AMX (and Linux grants this process the tile data) both dtypes run item_amx instead:
+// query tiles of 256 / G queries, key tiles of 64 keys, S = Q K^T and O += P V through tdpbf16ps tiles
+// (float32 as three bf16 parts an operand, six products), the softmax per row in float32.
+//
 // The instruction set is chosen at run time (cpuid through __builtin_cpu_supports): the body below is
 // compiled once per ISA into its own namespace (this file includes itself with ET_NS / ET_TARGET set),
 // every function of it carrying that ISA's target attribute, so the file builds the same whether the
@@ -34,8 +38,18 @@
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define ATTNPLUG_ET_X86 1
+// the AMX body needs a compiler with the amx-tile / amx-bf16 targets (GCC 11, clang 12); an older one
+// builds the other bodies and the CPU's best is then avx512bf16
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define ATTNPLUG_ET_AMX 1
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -44,6 +58,8 @@ namespace {
 
 constexpr int KT = 48;     // keys per tile (a multiple of every register tile's key count: 24, 12, 8, 6)
 constexpr int MROWS = 128;  // rows per query tile at most (queries x G): each K/V row read serves them all
+constexpr int AMROWS = 256;  // the same for the AMX tiles (measured 11% faster than 128: each key tile's
+                             // K / V split, transposes and pairing serve twice the rows)
 constexpr int PLAN = 8;    // int64 fields per plan row
 
 typedef float vf __attribute__((vector_size(64)));
@@ -71,11 +87,15 @@ struct Scratch {  // one thread's scratch, grown on demand and kept
 };
 thread_local Scratch tl_tiled;
 
-// floats of scratch one item needs (see item(): its layout)
+// floats of scratch one item needs (see item() and item_amx(): their layouts; the larger of the two)
 size_t scratch_floats(int D, int Dv) {
   const size_t mp = MROWS;
-  return size_t(D) * mp + KT * mp + KT / 2 * mp + KT / 2 * size_t(Dv) + mp * Dv + 5 * mp +
-         size_t(D > Dv ? D : Dv) + size_t(KT) * (D + Dv) + 64;
+  const size_t fma = size_t(D) * mp + KT * mp + KT / 2 * mp + KT / 2 * size_t(Dv) + mp * Dv + 5 * mp +
+                     size_t(D > Dv ? D : Dv) + size_t(KT) * (D + Dv) + 64;
+  const size_t dp = (size_t(D) + 31) / 32 * 32, akt = 64, am = AMROWS;  // item_amx: D padded to 32, key tiles of 64
+  const size_t amx = am * Dv + am * akt + 3 * am * akt / 2 + 3 * am * dp / 2 + 3 * dp * akt / 2 + 3 * akt * Dv / 2 +
+                     4 * am + (dp > size_t(Dv) ? dp : size_t(Dv)) + 16;  // float32: three bf16 parts an operand
+  return fma > amx ? fma : amx;
 }
 
 }  // namespace
@@ -114,16 +134,56 @@ size_t scratch_floats(int D, int Dv) {
 #undef ET_NS
 #undef ET_TARGET
 #undef ET_DP
+
+#ifdef ATTNPLUG_ET_AMX
+// AMX (Sapphire Rapids and later): bf16 and float32 (as three bf16 parts) through tdpbf16ps tiles (item_amx)
+#define ET_NS et_amx
+#define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")))
+#define ET_DP 1
+#define ET_AMX 1
+#include "extend_tiled.cpp"
+#undef ET_NS
+#undef ET_TARGET
+#undef ET_DP
+#undef ET_AMX
+#endif  // ATTNPLUG_ET_AMX
 #endif
 
 namespace {
+
+#ifdef ATTNPLUG_ET_X86
+// AMX usable in this process: the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7: EDX bits 24, 22), the OS
+// enabled the tile state in XCR0 (bits 17, 18), Linux granted this process the tile data
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); refused: no AMX), and
+// $ATTNPLUG_CPU_FUSED_AMX is not "0" (the knob that makes the process behave as if it were refused)
+bool amx_usable() {
+#ifndef ATTNPLUG_ET_AMX
+  return false;
+#endif
+  const char* knob = std::getenv("ATTNPLUG_CPU_FUSED_AMX");
+  if (knob != nullptr && std::strcmp(knob, "0") == 0) return false;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+  unsigned xlo, xhi;
+  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  if ((xlo & (3u << 17)) != (3u << 17)) return false;
+#ifdef __linux__
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
+#endif
+  return true;
+}
+#endif
 
 int cpu_isa() {
 #ifdef ATTNPLUG_ET_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512bf16") ? 4 : 3;
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (!__builtin_cpu_supports("avx512bf16")) return 3;
+    return amx_usable() ? 5 : 4;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;
 #endif
   return 1;
@@ -132,6 +192,9 @@ int cpu_isa() {
 ItemFn item_fn(int isa, int dtype) {
   switch (isa) {
 #ifdef ATTNPLUG_ET_X86
+#ifdef ATTNPLUG_ET_AMX
+    case 5: return dtype == 0 ? et_amx::item_f32amx : et_amx::item_bf16;
+#endif
     case 4: return dtype == 0 ? et_avx512bf16::item_f32 : et_avx512bf16::item_bf16;
     case 3: return dtype == 0 ? et_avx512::item_f32 : et_avx512::item_bf16;
     case 2: return dtype == 0 ? et_avx2::item_f32 : et_avx2::item_bf16;
@@ -205,9 +268,15 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
   // exists: measured on a Xeon with AVX-512 BF16 and AMX (one thread, 512 new over 1024 cached, 32/8
   // heads, d128) 85 ms widened against 117 ms through vdpbf16ps, which issues at half the rate of a
   // float32 FMA there (same flops) and needs P rounded and V pairs interleaved; isa = 4 pins it
+  // Per CPU, with isa = 0 (the table in docs/performance.md, "The tiled extend kernel"):
+  //   AMX usable (5)       float32: tdpbf16ps tiles, 3 bf16 parts an operand, 6 products; bf16: tdpbf16ps tiles
+  //   AVX-512 BF16, no AMX float32: the avx512 FMA tiles;     bf16: widened to float32, FMA tiles (as above)
+  //   AVX-512 (3), AVX2 (2), portable (1): that ISA's FMA tiles, bf16 widened
+  // (an AMD Zen 4/5 has AVX-512 BF16 and no AMX: the widened path is the default there; isa = 4 pins
+  // vdpbf16ps, not measured on such a CPU yet)
   if (a.isa == 0 && isa == 4 && a.dtype == 1) isa = 3;
   const ItemFn fn = item_fn(isa, a.dtype);
-  const int QT = MROWS / a.G;
+  const int QT = (isa == 5 ? AMROWS : MROWS) / a.G;
   std::vector<int32_t> items;  // (request, KV head, first query) triples
   for (int b = 0; b < a.B; ++b) {
     const int64_t* pl = a.plan + PLAN * b;
@@ -632,8 +701,381 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
   return 0;
 }
 
+#if ET_AMX
+// 16 x 16 uint32 transpose: row p of the result (16 lanes) is lane p of the rows r[0..15]
+ET_TARGET inline void tr16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g+3: u[4g + e] holds element 4L + e of each 128-bit lane L
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[0 + e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+struct alignas(64) TileCfg {
+  uint8_t palette, start_row, rsv[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// bf16 pairs of 16 lanes <-> float32: lanes 16k .. 16k+15 of 32 bf16 widened
+ET_TARGET inline __m512 widen_half(__m512i v, int k) {
+  const __m256i h = k ? _mm512_extracti64x4_epi64(v, 1) : _mm512_extracti64x4_epi64(v, 0);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 32 float32 (x0: the first 16) -> NP parts of 32 bf16 each, rounded to nearest even: part 0 = bf16(x),
+// part i = bf16 of what parts 0 .. i-1 leave (each remainder exact in float32): x = sum of the parts
+// + O(2^-(9 NP) |x|)
+template <int NP>
+ET_TARGET inline void split32(__m512 x0, __m512 x1, __m512i* part) {
+  for (int i = 0; i < NP; ++i) {
+    part[i] = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    if (i + 1 < NP) {
+      x0 = _mm512_sub_ps(x0, widen_half(part[i], 0));
+      x1 = _mm512_sub_ps(x1, widen_half(part[i], 1));
+    }
+  }
+}
+// 16 float32 -> NP parts, each bf16 widened to a uint32 lane (the low half)
+template <int NP>
+ET_TARGET inline void split16(__m512 x, __m512i* part) {
+  for (int i = 0; i < NP; ++i) {
+    part[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+    if (i + 1 < NP) x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(part[i], 16)));
+  }
+}
+
+// one work item of up to AMROWS rows through AMX tiles (tdpbf16ps: 16 x 16 float32 += 16 x 32 bf16 .
+// 32 x 16 bf16, the right operand in pairs). bf16 (X3 false): the operands as stored, P rounded to bf16. float32 (X3 true): every
+// operand split into three bf16 parts (a = a0 + a1 + a2 + O(2^-27 |a|)) and each product taken as the six
+// terms i + j < 3 (a0 b0, a0 b1, a1 b0, a0 b2, a1 b1, a2 b0; the rest below 2^-25 of |a b|): errors
+// against the float64 reference at or below the FMA tiles' (docs/performance.md has them measured); with
+// two parts (three products) they reached 2^-17 of |q k| and of |v|, 10x the FMA tiles' at |v| ~ 30.
+// Layout (rows = queries x group, padded to 32; D padded to 32 with zeros):
+//   S[row][key] = Q[row][.] . K^T   A: the item's queries packed once, row-major bf16 [MP][Dp];
+//                                   B: each key tile's K transposed as bf16 pairs [Dp/2][AKT] (read in
+//                                      place from the paged cache, 16 x 16 transposes of uint32 pairs)
+//   softmax per row (float32, scaled, capped, masked as the FMA tiles do), P in bf16 [MP][AKT]
+//   O[row][.] += P . V             A: P; B: V rows interleaved in pairs [AKT/2][Dv]; O in float32 in
+//                                  scratch, loaded / stored as tiles around each key tile's products
+// Tiles: 0-3 accumulators (2 x 2 blocks of 16 x 16), 4-5 left operands, 6-7 right operands.
+constexpr int AKT = 64;  // keys per tile (P rows are 2 x 32 keys: two tdpbf16ps per accumulator tile)
+
+// C0..C3 (+)= A(rows r, r + 16) . B(cols c, c + 16) over nks steps of 32, the operands in NP bf16 parts
+// (part i of A times part j of B for i + j < NP: 1 part as stored; 3: the six products down to 2^-25 of
+// |a b|). a_part / b_part: the distance between parts (elements).
+template <int NP, bool TWO_COLS>
+ET_TARGET inline void mm_2x2(const uint16_t* a, int a_stride, int64_t a_row16, int64_t a_part, const uint32_t* bb,
+                             int b_stride, int64_t b_part, int nks, int64_t a_ks, int64_t b_ks) {
+  for (int ks = 0; ks < nks; ++ks) {
+    for (int i = 0; i < NP; ++i) {
+      const uint16_t* ap = a + ks * a_ks + i * a_part;
+      _tile_loadd(4, ap, a_stride);
+      _tile_loadd(5, ap + a_row16, a_stride);
+      for (int j = 0; i + j < NP; ++j) {
+        const uint32_t* bp = bb + ks * b_ks + j * b_part;
+        _tile_loadd(6, bp, b_stride);
+        if (TWO_COLS) _tile_loadd(7, bp + 16, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (TWO_COLS) _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        if (TWO_COLS) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+}
+
+// 32 elements d0 .. d0 + 31 of a K or Q row (zeros past D, a multiple of 16) as bf16 hi (and lo)
+template <int NP, class T>
+ET_TARGET inline void row32(const T* p, int d0, int D, __mmask16 dtail, __m512i* part) {
+  if constexpr (std::is_same<T, float>::value) {
+    const __m512 x0 = _mm512_loadu_ps(p + d0);
+    const __m512 x1 = d0 + 32 > D ? _mm512_setzero_ps() : _mm512_loadu_ps(p + d0 + 16);
+    split32<NP>(x0, x1, part);
+  } else {
+    part[0] = _mm512_maskz_loadu_epi32(d0 + 32 > D ? dtail : __mmask16(0xffff), p + d0);
+  }
+}
+
+template <bool X3>
+ET_TARGET int item_amx(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
+  typedef typename std::conditional<X3, F32, BF16>::type S;
+  typedef typename S::T T;
+  // bf16 parts of Q and K, and of P and V: float32 in three parts each (six products; a score's and a
+  // value sum's dropped terms below 2^-24 of |q k| and |p v|), bf16 as stored
+  constexpr int NQ = X3 ? 3 : 1, NV = X3 ? 3 : 1;
+  const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
+  const int MP = (M + 31) / 32 * 32, Dp = (D + 31) / 32 * 32;
+  const int64_t* pl = a.plan + PLAN * b;
+  const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], kn_t0 = pl[6];
+  const T* Q = static_cast<const T*>(a.q);
+  const T* K = static_cast<const T*>(a.k);
+  const T* V = static_cast<const T*>(a.v);
+  const T* KN = static_cast<const T*>(a.kn) + kn_t0 * a.kn_st + int64_t(h) * a.kn_sh;
+  const T* VN = static_cast<const T*>(a.vn) + kn_t0 * a.vn_st + int64_t(h) * a.vn_sh;
+  const int64_t* slots = a.r2t + row * a.r2t_s + start;
+  const int64_t jend = nc + i1;
+  const int64_t jbeg = a.window >= 0 ? (nc + i0 - a.window > 0 ? nc + i0 - a.window : 0) : 0;
+  // scratch (64-byte aligned pieces; scratch_floats() sizes it for float32); each bf16 operand's parts
+  // follow one another
+  const int64_t QA = int64_t(AMROWS) * Dp, KTS = int64_t(Dp / 2) * AKT, PB = int64_t(AMROWS) * AKT,
+                VV = int64_t(AKT / 2) * Dv;
+  float* acc = scr;                                                       // [MP][Dv] float32
+  float* st = acc + size_t(AMROWS) * Dv;                                   // [MP][AKT] scores
+  uint16_t* pb = reinterpret_cast<uint16_t*>(st + AMROWS * AKT);           // NV x [MP][AKT] P, bf16
+  uint16_t* qa = pb + NV * PB;                                            // NQ x [MP][Dp] queries, bf16
+  uint32_t* kt = reinterpret_cast<uint32_t*>(qa + NQ * QA);               // NQ x [Dp/2][AKT] K^T pairs
+  uint32_t* vv = kt + NQ * KTS;                                           // NV x [AKT/2][Dv] V pairs
+  float* mx = reinterpret_cast<float*>(vv + NV * VV);
+  float* ls = mx + AMROWS;
+  int32_t* hi = reinterpret_cast<int32_t*>(ls + AMROWS);
+  int32_t* lo = hi + AMROWS;
+  T* zeros = reinterpret_cast<T*>(lo + AMROWS);                            // [max(Dp, Dv)]
+  std::memset(zeros, 0, sizeof(T) * (Dp > Dv ? Dp : Dv));
+  const __mmask16 dtail = D % 32 ? __mmask16(0x00ff) : __mmask16(0xffff);  // pairs in the last 32-wide step
+  for (int r = 0; r < MP; ++r) {
+    uint16_t* qr = qa + size_t(r) * Dp;
+    if (r < M) {
+      const int qi = i0 + r / G, g = r % G;
+      const T* src = Q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
+      for (int d0 = 0; d0 < Dp; d0 += 32) {
+        __m512i part[NQ];
+        row32<NQ>(src, d0, D, dtail, part);
+        for (int i = 0; i < NQ; ++i) _mm512_storeu_si512(qr + i * QA + d0, part[i]);
+      }
+      hi[r] = int32_t(nc + qi);
+      lo[r] = a.window >= 0 ? int32_t(nc + qi - a.window) : INT32_MIN;
+    } else {
+      for (int i = 0; i < NQ; ++i) std::memset(qr + i * QA, 0, sizeof(uint16_t) * Dp);
+      for (int i = 0; i < NV; ++i) std::memset(pb + i * PB + size_t(r) * AKT, 0, sizeof(uint16_t) * AKT);  // P stays 0
+      hi[r] = -1;
+      lo[r] = 0;
+    }
+    mx[r] = -INFINITY;
+    ls[r] = 0.0f;
+  }
+  std::memset(acc, 0, sizeof(float) * MP * Dv);
+  TileCfg cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const T* kr[AKT];
+  const T* vr[AKT];
+  for (int64_t j0 = jbeg; j0 < jend; j0 += AKT) {
+    const int kt_n = int(jend - j0 < AKT ? jend - j0 : AKT);
+    const int ktp = (kt_n + 31) / 32 * 32, nkb = ktp / 16;
+    for (int j = 0; j < ktp; ++j) {
+      const int64_t key = j0 + j;
+      if (key >= jend) {
+        kr[j] = vr[j] = zeros;
+      } else if (key < nc) {
+        kr[j] = K + slots[key] * a.k_ss + int64_t(h) * a.k_sh;
+        vr[j] = V + slots[key] * a.v_ss + int64_t(h) * a.v_sh;
+      } else {
+        kr[j] = KN + (key - nc) * a.kn_st;
+        vr[j] = VN + (key - nc) * a.vn_st;
+      }
+    }
+    // the next key tile's K and V rows on their way to the cache while this one computes (rows of
+    // a page are a head's stride apart: no hardware prefetcher follows them)
+    for (int64_t key = j0 + AKT; key < jend && key < j0 + 2 * AKT; ++key) {
+      const char* kp = reinterpret_cast<const char*>(key < nc ? K + slots[key] * a.k_ss + int64_t(h) * a.k_sh
+                                                              : KN + (key - nc) * a.kn_st);
+      const char* vp = reinterpret_cast<const char*>(key < nc ? V + slots[key] * a.v_ss + int64_t(h) * a.v_sh
+                                                              : VN + (key - nc) * a.vn_st);
+      for (int c = 0; c < int(sizeof(T)) * D; c += 64) __builtin_prefetch(kp + c);
+      for (int c = 0; c < int(sizeof(T)) * Dv; c += 64) __builtin_prefetch(vp + c);
+    }
+    // K^T as bf16 pairs: kt[d2][key] (and its lo part)
+    for (int kb = 0; kb < nkb; ++kb)
+      for (int ks = 0; ks < Dp / 32; ++ks) {
+        __m512i rows[NQ][16];
+        for (int i = 0; i < 16; ++i) {
+          __m512i part[NQ];
+          row32<NQ>(kr[16 * kb + i], 32 * ks, D, dtail, part);
+          for (int q = 0; q < NQ; ++q) rows[q][i] = part[q];
+        }
+        for (int q = 0; q < NQ; ++q) {
+          tr16(rows[q]);
+          for (int p = 0; p < 16; ++p)
+            _mm512_storeu_si512(kt + q * KTS + size_t(16 * ks + p) * AKT + 16 * kb, rows[q][p]);
+        }
+      }
+    // S = Q . K^T
+    for (int rb = 0; rb < MP / 16; rb += 2) {
+      for (int kb = 0; kb < nkb; kb += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        mm_2x2<NQ, true>(qa + size_t(16 * rb) * Dp, Dp * 2, 16 * Dp, QA, kt + 16 * kb, AKT * 4, KTS, Dp / 32, 32,
+                         16 * AKT);
+        _tile_stored(0, st + (16 * rb) * AKT + 16 * kb, AKT * 4);
+        _tile_stored(1, st + (16 * rb) * AKT + 16 * kb + 16, AKT * 4);
+        _tile_stored(2, st + (16 * rb + 16) * AKT + 16 * kb, AKT * 4);
+        _tile_stored(3, st + (16 * rb + 16) * AKT + 16 * kb + 16, AKT * 4);
+      }
+    }
+    const bool full = kt_n == ktp && j0 + kt_n - 1 <= nc + i0 && (a.window < 0 || j0 >= nc + i1 - 1 - a.window);
+    // online softmax per row: scale, cap, mask, running maximum (NaN does not move it), P in bf16
+    const __m512 vscale = _mm512_set1_ps(a.scale);
+    for (int r = 0; r < M; ++r) {
+      float* sr = st + r * AKT;
+      __m512 x[AKT / 16];
+      __m512 vm = _mm512_set1_ps(-INFINITY);
+      for (int v = 0; v < nkb; ++v) {
+        x[v] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * v), vscale);
+        if (a.cap > 0.0f) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, x[v]);
+          for (int l = 0; l < 16; ++l) tmp[l] = a.cap * std::tanh(tmp[l] / a.cap);
+          x[v] = _mm512_load_ps(tmp);
+        }
+        if (!full) {
+          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(int32_t(j0 + 16 * v)), iota);
+          const __mmask16 seen = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(hi[r])) &
+                                 _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(lo[r]));
+          x[v] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x[v]);
+        }
+        vm = _mm512_max_ps(x[v], vm);  // a NaN lane of x keeps vm's
+      }
+      // the running maximum moves only when a score passes it by more than 8 (or the row saw nothing
+      // yet): probabilities stay below e^8 and most tiles leave the accumulators unscaled (alpha 1;
+      // the output divides by the sum over the same shift, so any shift gives the same result)
+      const float m_old = mx[r], mt = _mm512_reduce_max_ps(vm);
+      const float m = mt > m_old && (m_old == -INFINITY || mt - m_old > 8.0f) ? mt : m_old;
+      const float mu = m == -INFINITY ? 0.0f : m;
+      const float alpha = m == m_old ? 1.0f : m_old == -INFINITY ? 0.0f : std::exp(m_old - mu);
+      const vf vmu = splat(mu);
+      vf sum = vf{};
+      __m512 p[AKT / 16];
+      for (int v = 0; v < nkb; ++v) {
+        vf xv;
+        std::memcpy(&xv, &x[v], sizeof xv);
+        const vf e = vexp(xv - vmu);
+        sum += e;
+        std::memcpy(&p[v], &e, sizeof e);
+      }
+      for (int v = 0; v < nkb; v += 2) {
+        __m512i part[NV];
+        split32<NV>(p[v], p[v + 1], part);
+        for (int i = 0; i < NV; ++i) _mm512_storeu_si512(pb + i * PB + r * AKT + 16 * v, part[i]);
+      }
+      __m512 s512;
+      std::memcpy(&s512, &sum, sizeof s512);
+      ls[r] = ls[r] * alpha + _mm512_reduce_add_ps(s512);
+      mx[r] = m;
+      if (alpha != 1.0f) {
+        const __m512 f = _mm512_set1_ps(alpha);
+        for (int c = 0; c < Dv; c += 16)
+          _mm512_storeu_ps(acc + r * Dv + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dv + c), f));
+      }
+    }
+    if (!full) {
+      // a hidden key's probability is exactly 0, which the tiles may multiply only by a finite value row:
+      // a tile with a non-finite value row adds each row's visible values one by one (select, as the FMA
+      // tiles do)
+      bool finite = true;
+      for (int j = 0; j < ktp && finite; ++j)
+        for (int c = 0; c < Dv && finite; c += 16) {
+          const vu u = ubits(S::load(vr[j] + c));
+          vi bad = (vi)((u & 0x7f800000u) == 0x7f800000u);
+          for (int l = 0; l < 16; ++l) finite = finite && bad[l] == 0;
+        }
+      if (!finite) {
+        for (int r = 0; r < M; ++r)
+          for (int j = 0; j < ktp; ++j) {
+            float pj = 0.0f;
+            for (int i = 0; i < NV; ++i) pj += BF16::one(pb + i * PB + r * AKT + j);
+            if (pj == 0.0f) continue;
+            const vf pv = splat(pj);
+            for (int c = 0; c < Dv; c += 16) storef(acc + r * Dv + c, loadf(acc + r * Dv + c) + pv * S::load(vr[j] + c));
+          }
+        continue;
+      }
+    }
+    // V rows interleaved in pairs: vv[k2][c] = (V[2 k2][c], V[2 k2 + 1][c]) (and the lo parts)
+    for (int k2 = 0; k2 < ktp / 2; ++k2)
+      for (int c = 0; c < Dv; c += 16) {
+        if constexpr (X3) {
+          __m512i pa[NV], pb2[NV];
+          split16<NV>(_mm512_loadu_ps(vr[2 * k2] + c), pa);
+          split16<NV>(_mm512_loadu_ps(vr[2 * k2 + 1] + c), pb2);
+          for (int i = 0; i < NV; ++i)
+            _mm512_storeu_si512(vv + i * VV + size_t(k2) * Dv + c, _mm512_or_si512(pa[i], _mm512_slli_epi32(pb2[i], 16)));
+        } else {
+          const __m512i va = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * k2] + c)));
+          const __m512i vb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * k2 + 1] + c)));
+          _mm512_storeu_si512(vv + size_t(k2) * Dv + c, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+        }
+      }
+    // O += P . V
+    const int nrb = (M + 15) / 16;  // row blocks holding a real row (a pair may hold one padding block)
+    for (int rb = 0; rb < nrb; rb += 2) {
+      int cb = 0;
+      for (; cb + 2 <= Dv / 16; cb += 2) {
+        float* c00 = acc + size_t(16 * rb) * Dv + 16 * cb;
+        _tile_loadd(0, c00, Dv * 4);
+        _tile_loadd(1, c00 + 16, Dv * 4);
+        _tile_loadd(2, c00 + 16 * Dv, Dv * 4);
+        _tile_loadd(3, c00 + 16 * Dv + 16, Dv * 4);
+        mm_2x2<NV, true>(pb + (16 * rb) * AKT, AKT * 2, 16 * AKT, PB, vv + 16 * cb, Dv * 4, VV, ktp / 32, 32,
+                         16 * Dv);
+        _tile_stored(0, c00, Dv * 4);
+        _tile_stored(1, c00 + 16, Dv * 4);
+        _tile_stored(2, c00 + 16 * Dv, Dv * 4);
+        _tile_stored(3, c00 + 16 * Dv + 16, Dv * 4);
+      }
+      if (cb < Dv / 16) {  // an odd last column block
+        float* c00 = acc + size_t(16 * rb) * Dv + 16 * cb;
+        _tile_loadd(0, c00, Dv * 4);
+        _tile_loadd(2, c00 + 16 * Dv, Dv * 4);
+        mm_2x2<NV, false>(pb + (16 * rb) * AKT, AKT * 2, 16 * AKT, PB, vv + 16 * cb, Dv * 4, VV, ktp / 32, 32,
+                          16 * Dv);
+        _tile_stored(0, c00, Dv * 4);
+        _tile_stored(2, c00 + 16 * Dv, Dv * 4);
+      }
+    }
+  }
+  _tile_release();
+  T* O = static_cast<T*>(a.o);
+  for (int r = 0; r < M; ++r) {
+    const int qi = i0 + r / G, g = r % G, head = h * G + g;
+    float den = ls[r];
+    if (a.sinks != nullptr && mx[r] != -INFINITY) den += std::exp(a.sinks[head] - mx[r]);
+    const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
+    const float inv = none ? 0.0f : 1.0f / den;
+    T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
+    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
+  }
+  return 0;
+}
+#endif
+
 ET_TARGET int item_f32(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item<F32>(a, b, h, i0, i1, scr); }
+#if ET_AMX
+ET_TARGET int item_bf16(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item_amx<false>(a, b, h, i0, i1, scr); }
+ET_TARGET int item_f32amx(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item_amx<true>(a, b, h, i0, i1, scr); }
+#else
 ET_TARGET int item_bf16(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) { return item<BF16>(a, b, h, i0, i1, scr); }
+#endif
 
 }  // namespace ET_NS
 

@@ -2,8 +2,8 @@
 //
 // No torch header: the caller passes pointers, strides in elements and a per-request plan. Query
 // tiles x key tiles with an online softmax, causal tiles skipped, the G query heads of one KV head
-// sharing each key tile; float32 and bfloat16 (bf16 products through vdpbf16ps where the CPU has
-// AVX-512 BF16, float32 accumulation). The instruction set is chosen at run time (cpuid), whatever
+// sharing each key tile; float32 and bfloat16 (bf16 products through AMX tiles where the CPU has AMX
+// and Linux grants the tile data, else widened to float32 or pinned to vdpbf16ps; float32 accumulation). The instruction set is chosen at run time (cpuid), whatever
 // flags the file was compiled with: every ISA-specific function carries its own target attribute.
 #pragma once
 #include <cstdint>
@@ -33,7 +33,9 @@ struct TiledArgs {
   const float* sinks;                       // [Hkv*G] or null
   int32_t dtype;                            // 0 float32, 1 bfloat16: queries, cache, new K/V and output alike
   int32_t isa;                              // 0 best this CPU runs; 1 portable, 2 avx2+fma, 3 avx512f,
-                                            // 4 avx512f + avx512bf16 (tests pin one; refused if the CPU lacks it)
+                                            // 4 avx512f + avx512bf16, 5 AMX (avx512bf16 + amx-tile + amx-bf16,
+                                            // tile data granted by Linux; bf16 through tdpbf16ps, float32 as 3)
+                                            // (tests pin one; refused if the CPU lacks it)
   int32_t B, Hkv, G, D, Dv;
   int32_t window;                           // sliding window (-1: none): a query at position P sees keys >= P - window
   int32_t nthreads;
