@@ -130,6 +130,20 @@ class KVLayout:
         """Store ``k``/``v`` (token-major, cache dtype) at ``slots`` (int64 ``[n]``)."""
         raise NotImplementedError
 
+    def page_snapshot(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
+                      slots: torch.Tensor) -> Any | None:
+        """Optional: a copy of the whole pages holding ``slots``, for a staged write to undo itself with
+        ``restore_pages`` (a write changes nothing outside the slots it writes, so putting whole pages back
+        restores exactly the rows it replaced). A layout whose pages are contiguous blocks can copy them far
+        faster than it gathers a long prefill's scattered rows. ``None`` (the default, and a layout's
+        answer where per-row ``read`` is cheaper): the skeleton snapshots the rows with ``read``."""
+        return None
+
+    def restore_pages(self, storage: tuple[torch.Tensor, ...], snapshot: Any) -> None:
+        """Put back what ``page_snapshot`` copied (only called with a snapshot it returned)."""
+        raise NotImplementedError(f"layout {self.name!r}: page_snapshot returned a snapshot but restore_pages "
+                                  f"is not defined")
+
     def __repr__(self) -> str:
         return f"<KVLayout {self.name!r}>"
 

@@ -402,20 +402,30 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         lid, loc = plan.layer_id, fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
-            old = cache.layout.read(plan.storage, cache.geometry, loc)  # cache.snapshot, the layer known
+            layout = cache.layout
+            pages = layout.page_snapshot(plan.storage, cache.geometry, loc)  # whole pages, where cheaper
+            old = layout.read(plan.storage, cache.geometry, loc) if pages is None else None  # cache.snapshot
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             try:
                 out = compute(q, k, v, layer, batch, meta)
             except BaseException:
-                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+                self._undo(cache, plan, loc, old, pages)
                 raise
             if not save_kv_cache:
-                cache.set_kv(lid, loc, *old, checked=False, stored=True)
+                self._undo(cache, plan, loc, old, pages)
             return out
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
+
+    @staticmethod
+    def _undo(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, old: Any, pages: Any) -> None:
+        """Put back what a staged write replaced: the rows ``read`` returned, or the layout's page snapshot."""
+        if pages is None:
+            cache.set_kv(plan.layer_id, loc, *old, checked=False, stored=True)
+        else:
+            cache.layout.restore_pages(plan.storage, pages)
 
     def write_new_kv(self, cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from attnplug import LayerSpec, PagedBackend
+from attnplug.dtypes import dtype_name
+from attnplug.testing.tolerances import tolerance_for
 
 from test_vllm_cpu import _expected, _problem, needs_ops
 
@@ -291,3 +293,98 @@ def test_the_one_pass_page_table_is_the_caches(prefix):
     backend.init_forward_metadata(batch)
     table = backend.forward_metadata(batch).self_keys.block_table
     assert table.dtype == torch.int32 and torch.equal(table, cache.page_table(batch))
+
+
+# ---- page snapshot: a long write's undo copy as whole pages (issue 23/30, round 3) ----------------------
+
+
+def _force_pages(monkeypatch, on):
+    """Switch the layout's page snapshot on for every write (``on``) or off for every write."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+
+    monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on else 1 << 30)
+    monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on else 4)
+
+
+def _boom_ops(monkeypatch):
+    from attnplug_vllm_cpu import backend as B
+
+    class Boom(RuntimeError):
+        pass
+
+    real = B.ops()
+
+    class Ops:
+        def __getattr__(self, n):
+            return getattr(real, n)
+
+        @staticmethod
+        def cpu_attention_with_kv_cache(*a, **kw):
+            raise Boom("the op failed")
+    monkeypatch.setattr(B, "ops", lambda: Ops())
+    return Boom
+
+
+@pytest.mark.parametrize("pages_on", [True, False], ids=["pages", "rows"])
+@pytest.mark.parametrize("how", ["raises", "no_save", "saved"])
+@pytest.mark.parametrize("shape", [([0, 17, 3], [40, 9, 30]), ([0, 0], [33, 64]), ([5, 40, 15, 16], [1] * 4)],
+                         ids=["prefill_ragged", "prefill_full_pages", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(pages_on, how, shape, dtype,
+                                                                               monkeypatch):
+    """Whether the undo copy is whole pages or the written rows, a raising op and ``save_kv_cache=False``
+    leave every byte of the layer as it was (pages shared with other requests included: the untouched rows
+    of a page are put back as they were), and a saved forward writes exactly the new rows."""
+    _force_pages(monkeypatch, pages_on)
+    prefix, ext = shape
+    cache, batch, backend, qkv, rows = _problem(prefix, ext, decode=ext == [1] * len(ext), dtype=dtype, seed=7)
+    q, k, v = qkv[0]
+    layer = LayerSpec(0, 4, 2, 64)
+    storage = cache.layer_storage(0)
+    before = storage[0].clone()
+    kb0, vb0 = cache.read_kv(0)
+    tol = tolerance_for(dtype_name(dtype), dtype_name(dtype))
+    called = []
+    real_snapshot = type(cache.layout).page_snapshot
+
+    def spy(self, st, g, slots):
+        snap = real_snapshot(self, st, g, slots)
+        called.append(snap is not None)
+        return snap
+    monkeypatch.setattr(type(cache.layout), "page_snapshot", spy)
+    backend.init_forward_metadata(batch)
+    if how == "raises":
+        boom = _boom_ops(monkeypatch)
+        with pytest.raises(boom):
+            backend.forward(q, k, v, layer, batch)
+    else:
+        ref = _expected(cache, batch, layer, q, k, v)
+        out = backend.forward(q, k, v, layer, batch, save_kv_cache=how == "saved")
+    assert called == [pages_on]  # the path under test was the one taken
+    after = storage[0]
+    if how == "saved":
+        kb, vb = cache.read_kv(0)
+        loc = batch.out_cache_loc
+        assert torch.equal(kb[loc], k.to(dtype)) and torch.equal(vb[loc], v.to(dtype))
+        untouched = torch.ones(cache.num_slots, dtype=torch.bool)
+        untouched[loc] = False
+        assert torch.equal(kb[untouched], kb0[untouched]) and torch.equal(vb[untouched], vb0[untouched])
+        torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
+    else:
+        assert torch.equal(before, after)
+
+
+def test_the_page_snapshot_is_taken_for_a_long_prefill_and_not_for_a_decode_step():
+    """The default rule: whole pages for a write of at least ``page_snapshot_min_slots`` dense slots; rows for
+    a decode step's few slots and for writes spread one slot a page."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+
+    cache, batch, backend, qkv, rows = _problem([0, 0], [130, 200], dtype=torch.float32)
+    lay, st, g = cache.layout, cache.layer_storage(0), cache.geometry
+    assert isinstance(lay, VllmCpuLayout)
+    snap = lay.page_snapshot(st, g, batch.out_cache_loc)
+    assert snap is not None and snap[0].numel() == 9 + 13  # ceil(130/16) + ceil(200/16) pages
+    assert lay.page_snapshot(st, g, batch.out_cache_loc[:5]) is None  # short: rows
+    spread = torch.arange(0, cache.num_slots, g.page_size)[:lay.page_snapshot_min_slots]
+    if spread.numel() >= lay.page_snapshot_min_slots:
+        assert lay.page_snapshot(st, g, spread) is None  # one slot a page: rows are cheaper
