@@ -777,9 +777,15 @@ def test_op_errors_name_the_argument_at_fault():
     with pytest.raises(RuntimeError, match="out is BFloat16, q is Float"):
         torch.ops.attnplug_cpu_fused.attend(*bad)
     bad = list(args)
-    bad[11] = 3  # group disagreeing with the heads
+    bad[11] = args[11].clone()
+    bad[11][0] = 3  # params: a group disagreeing with the heads
     with pytest.raises(RuntimeError, match="shapes disagree"):
         torch.ops.attnplug_cpu_fused.attend(*bad)
+    for params in (args[11].float(), args[11][:5], torch.zeros(2, 6, dtype=torch.float64)[:, 0]):
+        bad = list(args)
+        bad[11] = params  # the layer's scalars in another dtype, too few, not contiguous
+        with pytest.raises(RuntimeError, match=r"params must be a contiguous float64 CPU tensor of 6"):
+            torch.ops.attnplug_cpu_fused.attend(*bad)
 
 
 # ---------------------------------------------------------------------------
