@@ -27,6 +27,7 @@ What each layer's call needs is prepared in three named pieces:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -105,12 +106,7 @@ class FusedLayer:
     #: the op's ``params`` (float64 [6]: group, window, scale, cap, k_scale 1, v_scale 1), made once: one
     #: tensor argument instead of six scalars (each costs the op's dispatch ~0.2 us per call); an fp8
     #: cache's scales are read per call instead (``_args``)
-    params: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.params is None:
-            self.params = torch.tensor([self.geometry[3], self.window, self.scale, self.cap, 1.0, 1.0],
-                                       dtype=torch.float64)
+    params: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(6, dtype=torch.float64))
 
 
 class FusedMeta(ForwardMeta):
@@ -154,9 +150,7 @@ class FusedMeta(ForwardMeta):
 
     def tiled_requests(self) -> tuple[int, ...]:
         """The requests the tiled extend kernel may take in this forward: in the extend modes those
-        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode)."""
-        if self.mode is ForwardMode.DECODE:
-            return ()
+        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode: one new token each)."""
         return tuple(i for i, e in enumerate(self.ext) if e > FUSED_MAX_QUERIES)
 
     def tiled_plan(self, window: int | None) -> torch.Tensor:
@@ -241,9 +235,10 @@ class CpuFusedBackend(TorchNativeBackend):
                 layer.num_heads).contiguous()
         kc, vc = cache.get_kv(lid)
         geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
-        return FusedLayer(kc, vc, sinks, -1 if window is None else int(window), cross, float(layer.scaling),
-                          float(layer.logit_cap or 0.0), torch.zeros(4, dtype=torch.int64), geometry,
-                          bool(layer.uses_bidirectional))
+        win, scale, cap = -1 if window is None else int(window), float(layer.scaling), float(layer.logit_cap or 0.0)
+        params = torch.tensor([layer.gqa_group_size, win, scale, cap, 1.0, 1.0], dtype=torch.float64)
+        return FusedLayer(kc, vc, sinks, win, cross, scale, cap, torch.zeros(4, dtype=torch.int64), geometry,
+                          bool(layer.uses_bidirectional), params)
 
     # -- per forward ------------------------------------------------------------
     def _work(self, q: torch.Tensor, layer: Any, meta: FusedMeta, fl: FusedLayer) -> Work:
