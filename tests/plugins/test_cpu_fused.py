@@ -759,9 +759,15 @@ def test_op_errors_name_the_argument_at_fault():
     with pytest.raises(RuntimeError, match="out is BFloat16, q is Float"):
         torch.ops.attnplug_cpu_fused.attend(*bad)
     bad = list(args)
-    bad[11] = 3  # group disagreeing with the heads
+    bad[11] = args[11].clone()
+    bad[11][0] = 3  # params: a group disagreeing with the heads
     with pytest.raises(RuntimeError, match="shapes disagree"):
         torch.ops.attnplug_cpu_fused.attend(*bad)
+    for params in (args[11].float(), args[11][:5], torch.zeros(2, 6, dtype=torch.float64)[:, 0]):
+        bad = list(args)
+        bad[11] = params  # the layer's scalars in another dtype, too few, not contiguous
+        with pytest.raises(RuntimeError, match=r"params must be a contiguous float64 CPU tensor of 6"):
+            torch.ops.attnplug_cpu_fused.attend(*bad)
 
 
 # ---------------------------------------------------------------------------
@@ -820,6 +826,38 @@ def test_every_isa_variant_matches_the_reference(isa):
     assert proc.stdout.split()[0] == isa
 
 
+#: bf16 layers whose scores go through AMX tiles where the CPU has AMX (up to 16 query rows per KV
+#: head: decode at groups 1-8, verify of 3 drafts at group 4) and past it (verify at group 8: 24 rows);
+#: page size 1 makes every 16-key block a copy into the tile buffer, 16 loads it from the cache in place
+_AMX_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import test_cpu_fused as t
+    for page_size in (1, 16):
+        for group in (1, 4, 8):
+            s = t.make(dtype=t.BF16, group=group, head_dim=64, page_size=page_size, seed=7 + group,
+                       layer_kw=dict(sinks=torch.linspace(-1.0, 1.0, 2 * group), sliding_window=40, logit_cap=20.0))
+            t.run_and_check(s, t.decode_batch(s, t.LENS))
+            mask = (torch.rand(2, 3, 3, generator=s.gen) > 0.5) | torch.eye(3, dtype=torch.bool)
+            t.run_and_check(s, t.extend_batch(s, t.ForwardMode.TARGET_VERIFY, [4, 70], [3, 3], mask=mask))
+            t.assert_fused_ran(s)
+    print("ok")
+""")
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx_where_usable", "amx_off"])
+def test_bf16_scores_with_and_without_amx_match_the_reference(amx):
+    # $ATTNPLUG_CPU_FUSED_AMX=0 makes the process behave as if Linux refused the tile data (asked once
+    # per process, hence a subprocess): the vdpbf16ps / widening paths run instead
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
+    proc = subprocess.run([sys.executable, "-c", _AMX_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "ok"
+
+
 @needs_kernel
 def test_an_isa_this_cpu_cannot_run_is_refused_naming_the_variable():
     env = dict(os.environ, ATTNPLUG_CPU_FUSED_ISA="sse9")
@@ -873,3 +911,95 @@ def test_a_build_without_a_compiler_stops_naming_the_compiler(cxx, tmp_path):
     assert proc.returncode != 0
     named = cxx or "c++"
     assert f"attnplug-cpu-fused: no C++ compiler found: {named!r} is not on PATH" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# per-forward plans shared by layers, the tiled kernel's refusals, the constructor's refusals, errors
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_layers_of_one_forward_share_its_plans(mode):
+    # two layers over the same cache with different query heads per KV head (two geometries, one
+    # window): the work rows are planned once per forward and shared (the long extend's tiled plan
+    # too); each layer's own work split is its own; both outputs match the reference
+    s = make(dtype=F32, head_dim=32, seed=97)
+    other = LayerSpec(0, 2 * 2, 2, 32)  # 2 query heads per KV head instead of 4
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [4, 30], [40, 3])
+    s.backend.init_forward_metadata(batch)
+    meta = s.backend.forward_metadata(batch)
+    kc0, vc0 = s.cache.read_kv(0)
+    tol = tolerance(s)
+    for layer in (s.layer, other, s.layer):
+        q = torch.randn(batch.num_tokens, layer.num_heads, 32, generator=s.gen)
+        k = torch.randn(batch.num_tokens, 2, 32, generator=s.gen)
+        v = torch.randn(batch.num_tokens, 2, 32, generator=s.gen)
+        out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+        want = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token)
+        torch.testing.assert_close(out.double(), want, atol=tol.atol, rtol=tol.rtol)
+    assert len(meta._plan) == 1, meta._plan.keys()  # planned once, used by both geometries
+    assert len(meta.work) == 2  # one work split per geometry
+    if mode is ForwardMode.EXTEND:
+        assert list(meta._tiled) == [None] and len(meta.tiled_why) == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["bidirectional", "cross", "group_over_64", "scratch_limit", "tiled_off"])
+def test_tiled_fits_names_why_it_refuses(case):
+    kw: dict[str, Any] = {}
+    layer_kw: dict[str, Any] = {}
+    if case == "bidirectional":
+        layer_kw = dict(causality="bidirectional")
+    elif case == "cross":
+        layer_kw = dict(is_cross_attention=True)
+    elif case == "group_over_64":
+        kw = dict(kv_heads=1, group=65)
+    elif case == "scratch_limit":
+        kw = dict(max_workspace_bytes=1 << 16)
+    s = make(dtype=F32, head_dim=32, seed=98, layer_kw=layer_kw, **kw)
+    if case == "tiled_off":
+        s.backend.tiled = False
+    batch = extend_batch(s, ForwardMode.EXTEND, [4], [40])
+    s.backend.init_forward_metadata(batch)
+    q = torch.randn(batch.num_tokens, s.layer.num_heads, 32, generator=s.gen)
+    why = s.backend.tiled_fits(q, s.layer, s.backend.forward_metadata(batch))
+    expected = {"bidirectional": "a bidirectional layer", "cross": "cross-attention",
+                "group_over_64": "65 query heads per KV head (the tiled kernel takes up to 64)",
+                "scratch_limit": "is over the workspace limit", "tiled_off": "tiled=False"}[case]
+    assert why is not None and expected in why, why
+
+
+@needs_kernel
+def test_a_backend_off_the_cpu_is_unavailable_naming_the_device():
+    ctx = BuildContext(config=AttentionConfig(attention_backend="cpu_fused"), host=HOST, dtype="float32",
+                       kv_cache_dtype="float32", num_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
+                       device="meta", max_batch_size=2, max_context_len=64)
+    with pytest.raises(BackendUnavailableError, match=r"runs on CPU only \(this backend is on meta\)"):
+        CpuFusedBackend(ctx)
+
+
+@needs_kernel
+def test_runtime_notes_name_the_variant_and_the_split():
+    s = make(seed=99)
+    (note,) = s.backend.runtime_notes()
+    assert f"kernel variant {kernel.isa()}" in note and f"<= {FUSED_MAX_QUERIES} new tokens" in note
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
+def test_a_slot_changed_after_the_check_is_an_error_naming_the_request(mode):
+    # req_to_token changed after init_forward_metadata checked it: the kernel's own per-slot check
+    # stops the call and the backend raises naming the request, its row and the slot
+    from attnplug.errors import ShapeError
+    s = make(dtype=F32, head_dim=32, seed=100)
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [4, 20], [3, 3])
+    s.backend.init_forward_metadata(batch)
+    row = int(batch.req_pool_indices[1])
+    # written through .data: the table's version counter does not move, so the core's per-forward check
+    # cannot see it (as for a write by native code sharing the memory); the kernel's check must
+    s.cache.req_to_token.data[row, 2] = s.cache.num_slots + 7
+    q, k, v = inputs(s, batch.num_tokens)
+    with pytest.raises(ShapeError, match=rf"request 1 \(req_to_token row {row}\): position 2 maps to slot "
+                                         rf"{s.cache.num_slots + 7}, which is out of range"):
+        s.backend.forward(q, k, v, s.layer, batch, save_kv_cache=False)

@@ -27,6 +27,7 @@ What each layer's call needs is prepared in three named pieces:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -102,6 +103,10 @@ class FusedLayer:
     err: torch.Tensor  # int64 [4]: the kernel's first failure (code, work row, position, slot)
     geometry: tuple[Any, ...]
     bidirectional: bool = False  # the kernel masks causally: such a layer runs torch_native's paths
+    #: the op's ``params`` (float64 [6]: group, window, scale, cap, k_scale 1, v_scale 1), made once: one
+    #: tensor argument instead of six scalars (each costs the op's dispatch ~0.2 us per call); an fp8
+    #: cache's scales are read per call instead (``_args``)
+    params: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(6, dtype=torch.float64))
 
 
 class FusedMeta(ForwardMeta):
@@ -145,9 +150,7 @@ class FusedMeta(ForwardMeta):
 
     def tiled_requests(self) -> tuple[int, ...]:
         """The requests the tiled extend kernel may take in this forward: in the extend modes those
-        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode)."""
-        if self.mode is ForwardMode.DECODE:
-            return ()
+        with more than ``FUSED_MAX_QUERIES`` new tokens (none in decode: one new token each)."""
         return tuple(i for i, e in enumerate(self.ext) if e > FUSED_MAX_QUERIES)
 
     def tiled_plan(self, window: int | None) -> torch.Tensor:
@@ -232,9 +235,10 @@ class CpuFusedBackend(TorchNativeBackend):
                 layer.num_heads).contiguous()
         kc, vc = cache.get_kv(lid)
         geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
-        return FusedLayer(kc, vc, sinks, -1 if window is None else int(window), cross, float(layer.scaling),
-                          float(layer.logit_cap or 0.0), torch.zeros(4, dtype=torch.int64), geometry,
-                          bool(layer.uses_bidirectional))
+        win, scale, cap = -1 if window is None else int(window), float(layer.scaling), float(layer.logit_cap or 0.0)
+        params = torch.tensor([layer.gqa_group_size, win, scale, cap, 1.0, 1.0], dtype=torch.float64)
+        return FusedLayer(kc, vc, sinks, win, cross, scale, cap, torch.zeros(4, dtype=torch.int64), geometry,
+                          bool(layer.uses_bidirectional), params)
 
     # -- per forward ------------------------------------------------------------
     def _work(self, q: torch.Tensor, layer: Any, meta: FusedMeta, fl: FusedLayer) -> Work:
@@ -287,9 +291,13 @@ class CpuFusedBackend(TorchNativeBackend):
             kn = k if k.stride(-1) == 1 else k.contiguous()
             vn = v if v.stride(-1) == 1 else v.contiguous()
         q3 = q if q.stride(-1) == 1 else q.contiguous()
-        ks, vs = self.cache.kv_scales(layer.layer_id) if self.cache.quantized else (1.0, 1.0)
+        params = fl.params
+        if self.cache.quantized:  # the cache's current scales
+            ks, vs = self.cache.kv_scales(layer.layer_id)
+            params = torch.tensor([layer.gqa_group_size, fl.window, fl.scale, fl.cap, float(ks), float(vs)],
+                                  dtype=torch.float64)
         return (q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, fw.plan, fw.mask, fl.sinks, out, fl.err,
-                layer.gqa_group_size, fl.window, fw.per_item, fl.scale, fl.cap, float(ks), float(vs))
+                params, fw.per_item)
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
                       out: torch.Tensor) -> Work:

@@ -12,7 +12,8 @@ Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of
 reads) before the matmuls read it again, which costs about as much as the attention itself
 (issue 12). ``attention.cpp`` reads every visible row once, in place, widens bf16/fp16/fp8 rows to
 float32 in registers a block of 16 keys at a time (or, for bf16 on AVX-512 BF16, dots them as
-stored with ``vdpbf16ps``), and computes scores, softmax and the value sum in float32.
+stored with ``vdpbf16ps``; where AMX is usable, ``tdpbf16ps`` tiles: ``csrc/amx.h``,
+``$ATTNPLUG_CPU_FUSED_AMX=0`` turns it off), and computes scores, softmax and the value sum in float32.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
     """Bytes of per-thread scratch ``attention.cpp`` allocates (all threads) for work items of
     ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
     for every key of every row, the rows' queries, accumulators and sums, one block of widened
-    rows."""
+    rows. (A bf16 layer on AMX also keeps its queries as tiles, one block of key rows and a score
+    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, not counted here.)"""
     rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
     return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
 
@@ -118,11 +120,13 @@ def _register_fake() -> None:
 
     @torch.library.register_fake(f"{LIBRARY}::attend")
     def _attend_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, mask, sinks, out, err,  # type: ignore[no-untyped-def]
-                     group, window, heads_per_item, scale, cap, k_scale, v_scale):
+                     params, heads_per_item):
         """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
         torch._check(q.dim() == 3 and out.dim() == 3, lambda: "attnplug_cpu_fused::attend: q and out must be 3-d")
         torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::attend: out is {out.dtype}, q is {q.dtype}")
         torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
+        torch._check(params.dtype == torch.float64 and params.numel() == 6,
+                     lambda: "attnplug_cpu_fused::attend: params must be float64 [6]")
         return None
 
     @torch.library.register_fake(f"{LIBRARY}::extend_tiled")
@@ -167,7 +171,7 @@ def build_inplace(cxx: str | None = None) -> str:
     if not os.path.exists(ops_obj):
         jobs.insert(0, ("ops.cpp", torch_flags, ops_obj))
     def stale(src: str, obj: str) -> bool:  # an object older than its source or a shared header
-        deps = [src, "attention.cpp", "kernel.h", "extend_tiled.h"] if src.startswith("isa_") else [src, "extend_tiled.h"]
+        deps = [src, "attention.cpp", "kernel.h", "amx.h", "extend_tiled.h"] if src.startswith("isa_") else [src, "extend_tiled.h"]
         return not os.path.exists(obj) or any(os.path.getmtime(os.path.join(csrc, d)) > os.path.getmtime(obj)
                                               for d in deps)
 

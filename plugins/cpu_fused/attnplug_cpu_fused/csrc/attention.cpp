@@ -38,6 +38,9 @@
 #endif
 
 #include "kernel.h"
+#if defined(__AVX512BF16__) && defined(__x86_64__)
+#include "amx.h"
+#endif
 
 namespace attnplug_cpu_fused {
 namespace ATTNPLUG_ISA {
@@ -196,7 +199,7 @@ struct Scratch {
     return p;
   }
 };
-thread_local Scratch tl_scores, tl_misc;
+thread_local Scratch tl_scores, tl_misc, tl_amx;
 
 }  // namespace
 
@@ -244,6 +247,59 @@ constexpr bool kNativeBF16 = true;
 #else
 inline vf scores_bf16(const uint16_t*, const uint16_t* const*, int) { return vf{}; }
 constexpr bool kNativeBF16 = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__x86_64__)
+// Unscaled scores of a head's RH (<= 16) bf16 query rows against KB bf16 rows through AMX: C[key][row]
+// += K[key][32 dims] . Q^T, one tdpbf16ps per 32 dims (pairs of bf16 products, exact in float32,
+// accumulated in float32, like vdpbf16ps), so the FMA unit is left to the value pass. The K tile is
+// loaded from the cache in place when the KB rows are KB consecutive slots (one page), else copied
+// into kbuf first; qv holds the queries in the VNNI layout ([D/32][16 pairs][16 rows][2], see
+// vnni_queries); tiles 0 (C), 1 (K), 2 (Q) are configured by the caller. sv[n] lane j = q_n . row j.
+inline void scores_amx(vf* sv, int RH, const uint16_t* const* rp, int64_t row_stride, const uint16_t* qv, int D,
+                       uint16_t* kbuf, float* cbuf) {
+  bool contiguous = true;
+  for (int j = 1; j < KB; ++j) contiguous &= rp[j] == rp[0] + j * row_stride;
+  const uint16_t* base = rp[0];
+  int64_t stride = row_stride * 2;
+  if (!contiguous) {
+    for (int j = 0; j < KB; ++j) std::memcpy(kbuf + j * D, rp[j], size_t(D) * 2);
+    base = kbuf;
+    stride = int64_t(D) * 2;
+  }
+  __asm__ volatile("" ::: "memory");  // the tile loads below read kbuf and qv (inline asm without memory operands)
+  _tile_zero(0);
+  for (int c = 0; c < D / 32; ++c) {
+    _tile_loadd(1, base + c * 32, stride);
+    _tile_loadd(2, qv + c * 512, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, cbuf, 64);
+  __asm__ volatile("" ::: "memory");
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16));
+  for (int r = 0; r < RH; ++r) sv[r] = (vf)_mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(r)), cbuf, 4);
+}
+// qv[c][p][r][e] = row r's dim 32c + 2p + e (the Q tile of scores_amx: 16 pairs x up to 16 rows)
+inline void vnni_queries(uint16_t* qv, const uint16_t* const* qrows, int RH, int D) {
+  for (int r = 0; r < RH; ++r)
+    for (int d = 0; d < D; ++d) qv[(d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + (d % 2)] = qrows[r][d];
+}
+inline bool amx_scores_usable() { return amx_usable(); }
+inline void amx_configure(int RH) {
+  TileConfig cfg;
+  cfg.set(0, KB, RH * 4);
+  cfg.set(1, KB, 64);
+  cfg.set(2, 16, RH * 4);
+  cfg.load();
+}
+inline void amx_done() { tile_release(); }
+#else
+inline void scores_amx(vf*, int, const uint16_t* const*, int64_t, const uint16_t*, int, uint16_t*, float*) {}
+inline void vnni_queries(uint16_t*, const uint16_t* const*, int, int) {}
+inline bool amx_scores_usable() { return false; }
+inline void amx_configure(int) {}
+inline void amx_done() {}
 #endif
 
 // Pointers to KB keys' bf16 rows of head h as stored (cache rows through slots, then new token
@@ -443,17 +499,43 @@ int run(const DecodeArgs& a) {
     // Measured (one thread, bf16 decode 32 x 1024): 3-10% faster at 1-4 query heads per KV head,
     // 13% slower at 8 (widening a row once serves 8 queries), so only up to 4.
     constexpr bool bf16_pair = std::is_same<Q, BF16>::value && std::is_same<KV, BF16>::value;
-    const bool dp = bf16_pair && kNativeBF16 && D % 32 == 0 && G <= 4 && !a.new_f32;
+    // With AMX (tdpbf16ps) the scores leave the FMA unit entirely: a head's RH <= 16 query rows x KB keys
+    // per 32 dims in one tile multiply (measured below in docs/performance.md, issue 25).
+    const bool amx = bf16_pair && D % 32 == 0 && RH <= 16 && !a.new_f32 && amx_scores_usable();
+    const bool dp = !amx && bf16_pair && kNativeBF16 && D % 32 == 0 && G <= 4 && !a.new_f32;
     const uint16_t* rp16[KB];
+    uint16_t* qv = nullptr;  // AMX: the queries of each head in the VNNI layout, then a block's K rows, C
+    uint16_t* kbuf = nullptr;
+    float* cbuf = nullptr;
+    vf sv[16];
+    if (amx) {
+      float* ab = tl_amx.get(size_t(nh) * D * 8 + size_t(KB) * D / 2 + KB * 16);
+      if (ab == nullptr) {
+        fail(a, 4, b, -1, int64_t(size_t(nh) * D * 32));
+        __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        return;
+      }
+      qv = reinterpret_cast<uint16_t*>(ab);
+      kbuf = qv + size_t(nh) * D * 16;
+      cbuf = reinterpret_cast<float*>(kbuf + size_t(KB) * D);
+      for (int hh = 0; hh < nh; ++hh) {
+        const uint16_t* qrows[16];
+        for (int r = 0; r < RH; ++r)
+          qrows[r] = reinterpret_cast<const uint16_t*>(q + (t0 + r / G) * a.q_st + int64_t((h0 + hh) * G + r % G) * a.q_sh);
+        vnni_queries(qv + size_t(hh) * D * 16, qrows, RH, D);
+      }
+      amx_configure(RH);
+    }
     // pass 1: scores, a block of KB keys and one head at a time
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
       for (int h = h0; h < h1; ++h) {
-        if (dp)
+        if (dp || amx)
           bf16_rows(rp16, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(K), a.k_ss,
                     a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc, n, h, D);
         else
           block_rows<Q, KV>(rp, rows, zeros, K, a.k_ss, a.k_sh, kn, a.kn_st, a.kn_sh, a.new_f32 != 0, slots, j0,
                             nc, n, h, D, a.k_scale);
+        if (amx) scores_amx(sv, RH, rp16, a.k_ss, qv + size_t(h - h0) * D * 16, D, kbuf, cbuf);
         for (int qi = 0; qi < nq; ++qi) {
           // keys a query cannot see in this block: past the end, a new token after it (causal) or
           // hidden by the target-verify mask, a cached key before its window
@@ -462,7 +544,9 @@ int run(const DecodeArgs& a) {
           for (int g = 0; g < G; ++g) {
             const int r = (h - h0) * RH + qi * G + g;
             vf s;
-            if (dp) {
+            if (amx) {
+              s = sv[qi * G + g] * a.scale;
+            } else if (dp) {
               const QT* qp = q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
               s = scores_bf16(reinterpret_cast<const uint16_t*>(qp), rp16, D / 32) * a.scale;
             } else {
@@ -487,6 +571,7 @@ int run(const DecodeArgs& a) {
         }
       }
     }
+    if (amx) amx_done();
     // softmax numerators and denominators (a sink adds exp(sink - m) to the denominator only); a
     // row that sees no key at all outputs zeros, sinks or not
     for (int r = 0; r < R; ++r) {

@@ -82,13 +82,21 @@ void check_cpu(const at::Tensor& t, const char* name) {
 // q [T, H, D]; k_new/v_new [T, Hkv, D/Dv] or None (cross-attention); k_cache/v_cache [slots, Hkv, D/Dv]
 // (last dim contiguous); req_to_token [R, L] int64; plan [B, 8] int64 (contiguous); mask [B, E, E]
 // bool/uint8 or None; sinks [H] float32 or None; out [T, H, Dv] written for the work rows' queries;
-// err [4] int64: the first failure (code, work row, position, slot), also raised as an error
+// err [4] int64: the first failure (code, work row, position, slot), also raised as an error;
+// params [6] float64: group, window (-1: none), scale, cap (0: none), k_scale, v_scale (the layer's
+// scalars in one tensor: each argument of the schema costs ~0.2 us of parsing per call from Python)
 void attend(const at::Tensor& q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
             const at::Tensor& plan, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& sinks,
-            at::Tensor& out, at::Tensor& err, int64_t group, int64_t window, int64_t heads_per_item, double scale,
-            double cap, double k_scale, double v_scale) {
+            at::Tensor& out, at::Tensor& err, const at::Tensor& params, int64_t heads_per_item) {
   check_cpu(q, "q");
+  TORCH_CHECK(params.scalar_type() == at::kDouble && params.numel() == 6 && params.is_contiguous() &&
+                  params.device().is_cpu(),
+              "attnplug_cpu_fused::attend: params must be a contiguous float64 CPU tensor of 6 (group, window, "
+              "scale, cap, k_scale, v_scale)");
+  const double* pr = params.data_ptr<double>();
+  const int64_t group = int64_t(pr[0]), window = int64_t(pr[1]);
+  const double scale = pr[2], cap = pr[3], k_scale = pr[4], v_scale = pr[5];
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "attnplug_cpu_fused::attend: q, out, k_cache and v_cache must be 3-d");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
@@ -241,8 +249,8 @@ int64_t tiled_isa() { return attnplug_extend_tiled_isa(); }
 TORCH_LIBRARY(attnplug_cpu_fused, m) {
   m.def(
       "attend(Tensor q, Tensor? k_new, Tensor? v_new, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-      "Tensor plan, Tensor? mask, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, int group, int window, "
-      "int heads_per_item, float scale, float cap, float k_scale, float v_scale) -> ()");
+      "Tensor plan, Tensor? mask, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, Tensor params, "
+      "int heads_per_item) -> ()");
   m.def("isa() -> str", &attnplug_cpu_fused::isa);
   m.def(
       "extend_tiled(Tensor q, Tensor k_new, Tensor v_new, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
