@@ -46,10 +46,7 @@
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define ATTNPLUG_ET_AMX 1
 #endif
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"  // amx_usable() and the tile configuration record, shared with attention.cpp
 #endif
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -152,27 +149,14 @@ size_t scratch_floats(int D, int Dv) {
 namespace {
 
 #ifdef ATTNPLUG_ET_X86
-// AMX usable in this process: the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7: EDX bits 24, 22), the OS
-// enabled the tile state in XCR0 (bits 17, 18), Linux granted this process the tile data
-// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); refused: no AMX), and
-// $ATTNPLUG_CPU_FUSED_AMX is not "0" (the knob that makes the process behave as if it were refused)
+// AMX usable in this process (amx.h: CPU, OS tile state, Linux's grant of the tile data, the
+// $ATTNPLUG_CPU_FUSED_AMX knob); never where this compiler built no AMX body
 bool amx_usable() {
-#ifndef ATTNPLUG_ET_AMX
+#if !defined(ATTNPLUG_ET_AMX) || !defined(__x86_64__)
   return false;
+#else
+  return attnplug_cpu_fused::amx_usable();
 #endif
-  const char* knob = std::getenv("ATTNPLUG_CPU_FUSED_AMX");
-  if (knob != nullptr && std::strcmp(knob, "0") == 0) return false;
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
-  unsigned xlo, xhi;
-  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  if ((xlo & (3u << 17)) != (3u << 17)) return false;
-#ifdef __linux__
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
-#endif
-  return true;
 }
 #endif
 
@@ -725,11 +709,6 @@ ET_TARGET inline void tr16(__m512i* r) {
   }
 }
 
-struct alignas(64) TileCfg {
-  uint8_t palette, start_row, rsv[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // bf16 pairs of 16 lanes <-> float32: lanes 16k .. 16k+15 of 32 bf16 widened
 ET_TARGET inline __m512 widen_half(__m512i v, int k) {
@@ -868,13 +847,9 @@ ET_TARGET int item_amx(const TiledArgs& a, int b, int h, int i0, int i1, float* 
     ls[r] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * MP * Dv);
-  TileCfg cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  attnplug_cpu_fused::TileConfig cfg;  // ldtilecfg of the whole record (amx.h: why not _tile_loadconfig)
+  for (int t = 0; t < 8; ++t) cfg.set(t, 16, 64);
+  cfg.load();
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const T* kr[AKT];
   const T* vr[AKT];
