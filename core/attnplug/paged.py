@@ -400,7 +400,7 @@ class PagedBackend(AttentionBackend):
         if k is None or plan.cross:  # nothing of this forward to write
             return compute(q, k, v, layer, batch, meta)
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
-        lid, loc = plan.layer_id, fwd.loc
+        loc = fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
             layout = cache.layout
             pages = layout.page_snapshot(plan.storage, cache.geometry, loc)  # whole pages, where cheaper

@@ -38,6 +38,7 @@ from attnplug import (
 )
 from attnplug.errors import BackendUnavailableError, ResourceLimitError
 from attnplug.dtypes import dtype_name
+from attnplug.testing.reference import reference_attention
 from attnplug.registry import default_registry
 from attnplug.testing.suite.harness import same_bytes
 from attnplug.testing.tolerances import tolerance_for
