@@ -7,8 +7,9 @@ torch nor any plugin; torch is imported only by the modules that need it
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 __version__ = "0.4.0"
 
@@ -85,15 +86,4 @@ PUBLIC_NAMESPACES: tuple[str, ...] = (
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'attnplug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), __all__)

@@ -207,8 +207,17 @@ class PagedBackend(AttentionBackend):
         Called with ``ctx=None`` for the per-layer verdict taken at forward (reasons that depend
         only on the layer and this built backend), and with a ``BuildContext`` from
         ``not_supported_reasons`` (add the context's reasons then). Word them as the generic
-        reasons are: ``"<field>=<value> (<what is supported>)"``.
+        reasons are: ``"<field>=<value> (<what is supported>)"``. Default: an MLA layer's
+        ``mla_reasons``, none for other layers.
         """
+        if getattr(layer, "mla", None) is not None:
+            return self.mla_reasons(layer, ctx)  # type: ignore[arg-type]  # an MLA layer is a LayerSpec
+        return []
+
+    def mla_reasons(self, layer: LayerSpec, ctx: BuildContext | None) -> list[str]:
+        """Why this backend's MLA kernels cannot serve MLA ``layer`` beyond what ``Capabilities.mla_forms``
+        declares (the latent they exist for, page sizes, dtypes); asked by the default ``backend_reasons``
+        (override; default: none)."""
         return []
 
     # -- to implement ----------------------------------------------------------
@@ -402,30 +411,43 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         loc = fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
-            layout = cache.layout
-            pages = layout.page_snapshot(plan.storage, cache.geometry, loc)  # whole pages, where cheaper
-            old = layout.read(plan.storage, cache.geometry, loc) if pages is None else None  # cache.snapshot
+            undo = self._snapshot(cache, plan, loc)
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
-            try:
-                out = compute(q, k, v, layer, batch, meta)
-            except BaseException:
-                self._undo(cache, plan, loc, old, pages)
-                raise
-            if not save_kv_cache:
-                self._undo(cache, plan, loc, old, pages)
-            return out
+            return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, compute, q, k, v, layer, batch, meta)
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
 
     @staticmethod
-    def _undo(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, old: Any, pages: Any) -> None:
-        """Put back what a staged write replaced: the rows ``read`` returned, or the layout's page snapshot."""
+    def _snapshot(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor) -> tuple[Any, Any]:
+        """What a staged write of ``loc`` will replace, taken before it: the layout's copy of the whole pages
+        (``KVLayout.page_snapshot``, where that is cheaper) or the rows themselves (``cache.snapshot``)."""
+        layout = cache.layout
+        pages = layout.page_snapshot(plan.storage, cache.geometry, loc)
+        return pages, (layout.read(plan.storage, cache.geometry, loc) if pages is None else None)
+
+    @staticmethod
+    def _undo(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, undo: tuple[Any, Any]) -> None:
+        """Put back what a staged write replaced (``_snapshot``'s pages or rows)."""
+        pages, old = undo
         if pages is None:
             cache.set_kv(plan.layer_id, loc, *old, checked=False, stored=True)
         else:
             cache.layout.restore_pages(plan.storage, pages)
+
+    def _compute_or_undo(self, cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, undo: tuple[Any, Any],
+                         save_kv_cache: bool, compute: Callable[..., Any], *args: Any) -> torch.Tensor:
+        """``compute(*args)`` after a staged write: the write undone if it raises (anything: the cache is left
+        as it was before the forward) or when ``save_kv_cache`` is off."""
+        try:
+            out: torch.Tensor = compute(*args)
+        except BaseException:
+            self._undo(cache, plan, loc, undo)
+            raise
+        if not save_kv_cache:
+            self._undo(cache, plan, loc, undo)
+        return out
 
     def write_new_kv(self, cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
@@ -467,16 +489,10 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         lid, loc = plan.layer_id, fwd.loc
         if plan.staged:
-            old = cache.snapshot(lid, loc)
+            undo = self._snapshot(cache, plan, loc)
             cache.set_kv(lid, loc, k, None, checked=False)
-            try:
-                out = self.compute_mla(q, k, layer, batch, meta)
-            except BaseException:
-                cache.set_kv(lid, loc, *old, checked=False, stored=True)
-                raise
-            if not save_kv_cache:
-                cache.set_kv(lid, loc, *old, checked=False, stored=True)
-            return out
+            return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, self.compute_mla, q, k, layer,
+                                         batch, meta)
         out = self.compute_mla(q, k, layer, batch, meta)
         if save_kv_cache:
             cache.set_kv(lid, loc, k, None, checked=False)

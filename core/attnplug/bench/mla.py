@@ -185,8 +185,8 @@ def measure_mla(p: Any, prep: Any, bandwidth: float, flush: Callable[[], None]) 
     """One problem's rows: each MLA backend, ``vllm-raw`` and the floor, side by side."""
     import torch
 
-    from ..errors import AttnplugError
     from ..registry import default_registry
+    from .spec import prepared_or_noted
     from .timing import CLOCKS, interleaved_median_ms
 
     spec = prep.spec
@@ -200,18 +200,15 @@ def measure_mla(p: Any, prep: Any, bandwidth: float, flush: Callable[[], None]) 
             notes.append(f"{name}: does not claim absorbed MLA decode (mla_forms: "
                          f"{dict(caps.mla_forms) or 'none'})")
             continue
-        try:
-            ctx = prob.context(name, reg.host, reg)
-            _, backend = reg.build(name, ctx)
-            call = prob.backend_call(backend)
+        def prepare(name: str = name) -> Callable[[], Any]:
+            _, backend = reg.build(name, prob.context(name, reg.host, reg))
+            call: Callable[[], Any] = prob.backend_call(backend)
             call()
-        except AttnplugError as exc:
-            notes.append(f"{name}: skipped ({exc})")
-            continue
-        except Exception as exc:  # a backend that breaks is reported; the other rows still run
-            notes.append(f"{name}: failed ({type(exc).__name__}: {exc})")
-            continue
-        calls[name] = call
+            return call
+
+        ready = prepared_or_noted(notes, name, prepare)
+        if ready is not None:
+            calls[name] = ready
     raw, why = prob.raw_call()
     if raw is not None:
         calls[RAW] = raw

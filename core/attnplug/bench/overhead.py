@@ -41,15 +41,17 @@ def measure_overhead(p: Any, prep: Any, flush_cold: Any) -> dict[str, Any]:
     from ..errors import AttnplugError
     from ..registry import default_registry
     from .problem import PagedProblem
+    from .spec import prepared_or_noted
     from .timing import CLOCKS, interleaved_median_ms
 
     spec = prep.spec
     prob = PagedProblem(p, str(prep.device), spec.seed)
     reg = default_registry()
     clock = CLOCKS[spec.clock]
-    rows, notes = [], []
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
     for name in prep.backends:
-        try:
+        def prepare(name: str = name) -> tuple[Any, Any, Any]:
             ctx = prob.context(name, reg.host, reg)
             _, backend = reg.build(name, ctx)
             reasons = backend.not_supported_reasons(prob.layer, ctx)
@@ -61,12 +63,12 @@ def measure_overhead(p: Any, prep: Any, flush_cold: Any) -> dict[str, Any]:
                 raise AttnplugError(f"{type(backend).__name__} is not a PagedBackend: no kernel_call to compare with")
             kernel = backend.kernel_call(prob.q, prob.k, prob.v, prob.layer, prob.batch)
             kernel()
-        except AttnplugError as exc:
-            notes.append(f"{name}: skipped ({exc})")
+            return backend, forward, kernel
+
+        ready = prepared_or_noted(notes, name, prepare)
+        if ready is None:
             continue
-        except Exception as exc:  # a backend that breaks is reported; the other rows still run
-            notes.append(f"{name}: failed ({type(exc).__name__}: {exc})")
-            continue
+        backend, forward, kernel = ready
         batch = prob.batch
 
         def init(backend: Any = backend, batch: Any = batch) -> None:

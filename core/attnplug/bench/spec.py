@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 MODES: tuple[str, ...] = ("decode", "extend", "verify", "mixed")
 
@@ -201,3 +203,18 @@ def dtype_list(text: str) -> tuple[str, ...]:
                                   f"(expected float32, float16 or bfloat16)")
         out.append(name)
     return tuple(dict.fromkeys(out))
+
+
+def prepared_or_noted(notes: list[str], name: str, prepare: Callable[[], T]) -> T | None:
+    """``prepare()`` for one backend's rows; a refusal (any ``AttnplugError``) becomes the note ``"<name>:
+    skipped (why)"`` and anything else it raises ``"<name>: failed (Type: message)"``, so one backend that
+    cannot run, or breaks, leaves the other rows running. ``None`` when a note was written."""
+    from ..errors import AttnplugError
+
+    try:
+        return prepare()
+    except AttnplugError as exc:
+        notes.append(f"{name}: skipped ({exc})")
+    except Exception as exc:  # a backend that breaks is reported; the other rows still run
+        notes.append(f"{name}: failed ({type(exc).__name__}: {exc})")
+    return None

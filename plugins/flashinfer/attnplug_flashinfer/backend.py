@@ -202,13 +202,9 @@ class FlashInferBackend(PagedBackend):
         return {"decode": "decode", "verify": "verify"}.get(layout_kind, "prefill")
 
     # -- MLA (docs/mla.md): absorbed form through BatchMLAPagedAttentionWrapper ------------------------
-    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
-        """An MLA layer: the 512 + 64 latent the MLA kernels exist for, a latent cache in the model dtype."""
-        reasons = super().backend_reasons(layer, ctx)
-        m = getattr(layer, "mla", None)
-        if m is None:
-            return reasons
-        reasons += m.latent_reasons(MLA_DIMS, "BatchMLAPagedAttentionWrapper's kernels")
+    def mla_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """The 512 + 64 latent the MLA kernels exist for, a latent cache in the model dtype."""
+        reasons = layer.mla.latent_reasons(MLA_DIMS, "BatchMLAPagedAttentionWrapper's kernels")
         if ctx is not None and ctx.kv_cache_dtype != ctx.dtype:
             reasons.append(f"kv_cache_dtype={ctx.kv_cache_dtype} with an MLA layer (the MLA wrapper reads a latent "
                            f"cache in the model dtype {ctx.dtype})")

@@ -167,13 +167,9 @@ class TrtllmMHABackend(PagedBackend):
         return out.view(q.shape[0], layer.num_heads, layer.v_head_dim).to(q.dtype)
 
     # -- MLA (docs/mla.md): absorbed decode through trtllm_batch_decode_with_kv_cache_mla ------------------------
-    def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
-        """An MLA layer: the 512 + 64 latent and pages of 32 or 64 (trtllm-gen's MLA kernels)."""
-        reasons = super().backend_reasons(layer, ctx)
-        m = getattr(layer, "mla", None)
-        if m is None:
-            return reasons
-        reasons += m.latent_reasons(MLA_DIMS, "trtllm-gen's MLA kernels")
+    def mla_reasons(self, layer: Any, ctx: Any) -> list[str]:
+        """The 512 + 64 latent and pages of 32 or 64 (trtllm-gen's MLA kernels)."""
+        reasons = layer.mla.latent_reasons(MLA_DIMS, "trtllm-gen's MLA kernels")
         if ctx is not None and ctx.page_size not in MLA_PAGE_SIZES:
             reasons.append(f"page_size={ctx.page_size} with an MLA layer (trtllm_batch_decode_with_kv_cache_mla takes "
                            f"blocks of {' or '.join(map(str, MLA_PAGE_SIZES))})")

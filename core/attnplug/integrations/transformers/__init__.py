@@ -21,8 +21,8 @@ transformers nor torch; the first use of a name does.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+
+from ..._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "ATTENTION_NAME": "attention",
@@ -44,15 +44,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), __all__)
