@@ -334,25 +334,9 @@ ET_TARGET inline vu to_bf16(vf x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r;
 }
 
-// exp(x) for x <= 0 (and NaN), as attention.cpp's: 0 below -87, -inf included
-ET_TARGET inline vf vexp(vf x) {
-  vf xc = x < splat(-87.0f) ? splat(-87.0f) : x;
-  vf t = xc * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-  n = n > t ? n - 1.0f : n;
-  vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  vu e = __builtin_convertvector(__builtin_convertvector(n, vi) + 127, vu) << 23;
-  vf res = p * bits(e);
-  res = x < splat(-87.0f) ? splat(0.0f) : res;
-  return x == x ? res : x;
-}
+#define ATTNPLUG_VEXP_ATTR ET_TARGET
+#include "vexp.h"
+#undef ATTNPLUG_VEXP_ATTR
 
 // st[j][row] = sum over d of K_j[d] * qt[d][row], RB keys x NVR row vectors in registers; each key's
 // element broadcast from its row (qt already holds q * scale)
@@ -460,6 +444,24 @@ ET_TARGET void pv_select(float* acc, int Dv, const float* st, int MP, const type
 }
 
 // one work item: request b, KV head h, queries i0 .. i1-1 of the request
+// a query tile's output rows (both bodies): the value sums over the softmax sum plus the sink's share; a
+// row that saw no key (every score -inf; a NaN score makes the sum NaN) is zeros, sinks or not
+template <class S>
+ET_TARGET inline void store_rows(const TiledArgs& a, int h, int i0, int G, int M, int Dv, int64_t t0,
+                                 const float* mx, const float* ls, const float* acc) {
+  typedef typename S::T T;
+  T* O = static_cast<T*>(a.o);
+  for (int r = 0; r < M; ++r) {
+    const int qi = i0 + r / G, g = r % G, head = h * G + g;
+    float den = ls[r];
+    if (a.sinks != nullptr && mx[r] != -INFINITY) den += std::exp(a.sinks[head] - mx[r]);
+    const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
+    const float inv = none ? 0.0f : 1.0f / den;
+    T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
+    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
+  }
+}
+
 template <class S>
 ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
   typedef typename S::T T;
@@ -671,17 +673,7 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
       for (; c0 < Dv; c0 += 16) pv_block<SC, 4, 1>(acc, Dv, st, MP, vc, ktp, r0, c0);
     }
   }
-  T* O = static_cast<T*>(a.o);
-  for (int r = 0; r < M; ++r) {
-    const int qi = i0 + r / G, g = r % G, head = h * G + g;
-    float den = ls[r];
-    if (a.sinks != nullptr && mx[r] != -INFINITY) den += std::exp(a.sinks[head] - mx[r]);
-    // a row that saw no key (every score -inf; a NaN score makes the sum NaN) is zeros, sinks or not
-    const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
-    const float inv = none ? 0.0f : 1.0f / den;
-    T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
-    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
-  }
+  store_rows<S>(a, h, i0, G, M, Dv, t0, mx, ls, acc);
   return 0;
 }
 
@@ -1030,16 +1022,7 @@ ET_TARGET int item_amx(const TiledArgs& a, int b, int h, int i0, int i1, float* 
     }
   }
   _tile_release();
-  T* O = static_cast<T*>(a.o);
-  for (int r = 0; r < M; ++r) {
-    const int qi = i0 + r / G, g = r % G, head = h * G + g;
-    float den = ls[r];
-    if (a.sinks != nullptr && mx[r] != -INFINITY) den += std::exp(a.sinks[head] - mx[r]);
-    const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
-    const float inv = none ? 0.0f : 1.0f / den;
-    T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
-    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
-  }
+  store_rows<S>(a, h, i0, G, M, Dv, t0, mx, ls, acc);
   return 0;
 }
 #endif
