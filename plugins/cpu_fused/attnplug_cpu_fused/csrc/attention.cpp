@@ -40,6 +40,7 @@
 #include "kernel.h"
 #if defined(__AVX512BF16__) && defined(__x86_64__)
 #include "amx.h"
+#include "scratch.h"
 #endif
 
 namespace attnplug_cpu_fused {
@@ -163,25 +164,7 @@ inline vf reduce16(const vf* a) {
 #include "vexp.h"
 #undef ATTNPLUG_VEXP_ATTR
 
-// one thread's scratch, grown on demand and kept (torch's pool threads persist between calls); null
-// when a grow fails, and then nothing is kept (a later smaller call allocates again)
-struct Scratch {
-  float* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  float* get(size_t want) {
-    if (want > n) {
-      std::free(p);
-      p = nullptr;
-      n = 0;
-      const size_t grow = want + want / 2;
-      if (grow > (SIZE_MAX - 63) / 4) return nullptr;
-      p = static_cast<float*>(std::aligned_alloc(64, ((grow * 4 + 63) / 64) * 64));
-      if (p != nullptr) n = grow;
-    }
-    return p;
-  }
-};
+using Scratch = attnplug_cpu_fused::ScratchBuffer<true>;  // scratch.h
 thread_local Scratch tl_scores, tl_misc, tl_amx;
 
 }  // namespace

@@ -30,6 +30,7 @@
 #ifndef ATTNPLUG_ET_BODY
 
 #include "extend_tiled.h"
+#include "scratch.h"
 
 #include <cmath>
 #include <cstdint>
@@ -66,22 +67,7 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 
 typedef int (*ItemFn)(const TiledArgs&, int b, int h, int i0, int i1, float* scratch);
 
-struct Scratch {  // one thread's scratch, grown on demand and kept
-  float* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  float* get(size_t want) {
-    if (want > n) {
-      std::free(p);
-      p = nullptr;
-      n = 0;
-      if (want > (SIZE_MAX - 63) / 4) return nullptr;
-      p = static_cast<float*>(std::aligned_alloc(64, ((want * 4 + 63) / 64) * 64));
-      if (p != nullptr) n = want;
-    }
-    return p;
-  }
-};
+using Scratch = attnplug_cpu_fused::ScratchBuffer<false>;  // one thread's scratch (scratch.h)
 thread_local Scratch tl_tiled;
 
 // floats of scratch one item needs (see item() and item_amx(): their layouts; the larger of the two)
@@ -444,6 +430,26 @@ ET_TARGET void pv_select(float* acc, int Dv, const float* st, int MP, const type
 }
 
 // one work item: request b, KV head h, queries i0 .. i1-1 of the request
+// the K and V rows of keys j0 .. j0 + ktp - 1 of one request and KV head (both bodies): a cached key's
+// through its slot, a key of this forward's in place, past the causal end the zero row
+template <class T>
+ET_TARGET inline void key_rows(const TiledArgs& a, int h, const int64_t* slots, int64_t nc, int64_t jend,
+                               const T* K, const T* V, const T* KN, const T* VN, const T* zeros, int64_t j0,
+                               int ktp, const T** kr, const T** vr) {
+  for (int j = 0; j < ktp; ++j) {
+    const int64_t key = j0 + j;
+    if (key >= jend) {
+      kr[j] = vr[j] = zeros;
+    } else if (key < nc) {
+      kr[j] = K + slots[key] * a.k_ss + int64_t(h) * a.k_sh;
+      vr[j] = V + slots[key] * a.v_ss + int64_t(h) * a.v_sh;
+    } else {
+      kr[j] = KN + (key - nc) * a.kn_st;
+      vr[j] = VN + (key - nc) * a.vn_st;
+    }
+  }
+}
+
 // a query tile's output rows (both bodies): the value sums over the softmax sum plus the sink's share; a
 // row that saw no key (every score -inf; a NaN score makes the sum NaN) is zeros, sinks or not
 template <class S>
@@ -532,18 +538,7 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
   for (int64_t j0 = jbeg; j0 < jend; j0 += KT) {
     const int kt = int(jend - j0 < KT ? jend - j0 : KT);
     const int ktp = (kt + KSTEP - 1) / KSTEP * KSTEP;  // whole register tiles, an even count (key pairs)
-    for (int j = 0; j < ktp; ++j) {
-      const int64_t key = j0 + j;
-      if (key >= jend) {
-        kr[j] = vr[j] = zeros;
-      } else if (key < nc) {
-        kr[j] = K + slots[key] * a.k_ss + int64_t(h) * a.k_sh;
-        vr[j] = V + slots[key] * a.v_ss + int64_t(h) * a.v_sh;
-      } else {
-        kr[j] = KN + (key - nc) * a.kn_st;
-        vr[j] = VN + (key - nc) * a.vn_st;
-      }
-    }
+    key_rows(a, h, slots, nc, jend, K, V, KN, VN, zeros, j0, ktp, kr, vr);
     const typename SC::T* kc[KT];
     const typename SC::T* vc[KT];
     if constexpr (widen) {
@@ -848,18 +843,7 @@ ET_TARGET int item_amx(const TiledArgs& a, int b, int h, int i0, int i1, float* 
   for (int64_t j0 = jbeg; j0 < jend; j0 += AKT) {
     const int kt_n = int(jend - j0 < AKT ? jend - j0 : AKT);
     const int ktp = (kt_n + 31) / 32 * 32, nkb = ktp / 16;
-    for (int j = 0; j < ktp; ++j) {
-      const int64_t key = j0 + j;
-      if (key >= jend) {
-        kr[j] = vr[j] = zeros;
-      } else if (key < nc) {
-        kr[j] = K + slots[key] * a.k_ss + int64_t(h) * a.k_sh;
-        vr[j] = V + slots[key] * a.v_ss + int64_t(h) * a.v_sh;
-      } else {
-        kr[j] = KN + (key - nc) * a.kn_st;
-        vr[j] = VN + (key - nc) * a.vn_st;
-      }
-    }
+    key_rows(a, h, slots, nc, jend, K, V, KN, VN, zeros, j0, ktp, kr, vr);
     // the next key tile's K and V rows on their way to the cache while this one computes (rows of
     // a page are a head's stride apart: no hardware prefetcher follows them)
     for (int64_t key = j0 + AKT; key < jend && key < j0 + 2 * AKT; ++key) {
