@@ -40,8 +40,8 @@
 #include "kernel.h"
 #if defined(__AVX512BF16__) && defined(__x86_64__)
 #include "amx.h"
-#include "scratch.h"
 #endif
+#include "scratch.h"
 
 namespace attnplug_cpu_fused {
 namespace ATTNPLUG_ISA {
