@@ -1,8 +1,10 @@
 """Shared test helpers of the fa3, trtllm_mha and intel_amx plugin tests (private; not a conftest).
 
-* ``make_problem``: a paged KV cache full of noise with pages scattered at
-  random, requests in scattered ``req_to_token`` rows, one ``ForwardBatch``
-  and one layer's q/k/v; the expected output comes from
+* ``make_problem``: one layer's problem asked of the conformance suite's
+  harness (``harness.make_problem``: a paged KV cache full of noise with pages
+  scattered at random, requests in scattered ``req_to_token`` rows, one
+  ``ForwardBatch`` and the layer's q/k/v; fp8 queries exact in e4m3 and sinks
+  exact in bfloat16 through ``Case.exact_in``); the expected output comes from
   ``attnplug.testing.reference.reference_attention`` only.
 * ``attend64``: the float64 attention arithmetic the kernel emulators share
   (scores, bottom-right-aligned causal/window masks, soft-cap, sinks). Each
@@ -22,9 +24,9 @@ from typing import Any, Sequence
 
 import torch
 
-from attnplug import ForwardBatch, ForwardMode, LayerSpec, PageAllocator, PagedKVCache
+from attnplug import ForwardMode, LayerSpec, PagedKVCache
 from attnplug.host import HostInfo
-from _problems import fill_kv_noise, visible
+from _problems import visible
 from attnplug.registry import Registry
 from attnplug.testing.reference import reference_attention
 
@@ -81,60 +83,47 @@ def make_problem(
     kv_dtype: torch.dtype | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> types.SimpleNamespace:
-    """One layer's problem. Decode: ``ext`` must be all ones; target-verify: all equal (the draft count).
+    """One layer's problem, asked of the conformance suite's harness (``harness.make_problem``): noise in
+    every slot, requests in random ``req_to_token`` rows on shuffled pages (positions no request holds
+    stay unassigned, -1). Decode: ``ext`` must be all ones; target-verify: all equal (the draft count),
+    ``custom_mask`` a random tree mask (each draft sees itself and a random subset of earlier drafts).
 
-    ``kv_dtype`` fp8: the cache stores fp8 with the layer's ``kv_scales`` (prefix values ~ N(0, 1) after
-    dequantization), and q holds values e4m3 represents exactly, so a kernel path that quantizes q
-    with scale 1 computes what the reference computes from the unquantized q."""
-    g = torch.Generator().manual_seed(seed)
+    Sinks are drawn exactly representable in bfloat16 (fa3 hands sinks to the kernel in bfloat16,
+    sgl-kernel's check; intel_amx in the query's dtype), so the float64 reference and the emulated
+    kernel see the same numbers. ``kv_dtype`` fp8: the cache stores fp8 with the layer's ``kv_scales``
+    (prefix values ~ N(0, 1) after dequantization), and q holds values e4m3 represents exactly, so a
+    kernel path that quantizes q with scale 1 computes what the reference computes from the unquantized
+    q. ``seed`` picks the case (and so its data). The expected output comes from
+    ``attnplug.testing.reference.reference_attention`` only."""
+    from attnplug.dtypes import FP8_E4M3, dtype_name
+    from attnplug.testing.suite import harness
+    from attnplug.testing.suite.cases import Case, Features, Scenario, Shape
+
     prefix, ext = list(prefix), list(ext)
     seq = [p + e for p, e in zip(prefix, ext)]
-    B = len(seq)
-    need = sum(math.ceil(s / page_size) for s in seq)
-    num_pages = 2 * need + 3
-    max_requests = 2 * B + 3
-    cache = PagedKVCache(1, num_pages, num_kv_heads, head_dim, v_head_dim=v_head_dim, page_size=page_size,
-                         dtype=kv_dtype or dtype, max_requests=max_requests, max_context_len=max(seq) + page_size)
-    kb, vb = fill_kv_noise(cache, g, dtype, kv_scales)
-    cache.req_to_token.fill_(-1)  # nothing may read an unassigned position
-    alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
-    rows = torch.randperm(max_requests, generator=g)[:B].tolist()
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(math.ceil(s / page_size)))
-    loc = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)] or
-                    [torch.zeros(0, dtype=torch.int64)])
     if mode is ForwardMode.DECODE:
         assert all(e == 1 for e in ext)
-        batch = ForwardBatch.decode(rows, seq, loc)
-    else:
-        kw: dict[str, Any] = {}
-        if mode is ForwardMode.TARGET_VERIFY:
-            d = ext[0]
-            kw["spec_num_draft_tokens"] = d
-            if custom_mask:
-                m = torch.rand(B, d, d, generator=g) < 0.6
-                m |= torch.eye(d, dtype=torch.bool)[None]
-                kw["spec_custom_mask"] = m
-        batch = ForwardBatch.extend(rows, prefix, ext, loc, mode=mode, **kw)
-    T = sum(ext)
-    Dv = v_head_dim or head_dim
-    q = torch.randn(T, num_heads, head_dim, generator=g)
-    q = (q.to(torch.float8_e4m3fn) if cache.quantized else q).to(dtype)
-    k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(T, num_kv_heads, Dv, generator=g).to(dtype)
-    layer = LayerSpec(0, num_heads, num_kv_heads, head_dim, v_head_dim=v_head_dim, sliding_window=window,
-                      logit_cap=cap, sinks=_bf16_exact(torch.randn(num_heads, generator=g)) if sinks else None)
+    verify = mode is ForwardMode.TARGET_VERIFY
+    sc = Scenario("plugin", mode.value, tuple(prefix), tuple(ext), draft=ext[0] if verify else None,
+                  custom_mask=custom_mask and verify)
+    quantized = kv_dtype is not None and kv_dtype.itemsize == 1
+    case = Case("fa3_family", f"seed{seed}", sc, dtype=dtype_name(dtype), page_size=page_size,
+                shape=Shape("plugin", num_heads, num_kv_heads, head_dim, v_head_dim),
+                features=Features(sliding_window=window, logit_cap=cap, sinks=sinks),
+                kv_cache_dtype=None if kv_dtype is None else dtype_name(kv_dtype),
+                kv_scales=kv_scales if quantized else None,
+                exact_in=(("sinks", "bfloat16"),) + ((("q", FP8_E4M3),) if quantized else ()))
+    hp = harness.make_problem(case, "cpu")
+    cache, batch, layer = hp.cache, hp.batch, hp.layers[0]
+    q, k, v = hp.qkv[0]
+    assert k is not None and v is not None
+    kb, vb = cache.get_kv(0)
     before = (kb.clone(), vb.clone())
     expected = reference_attention(q, k, v, layer, batch, before[0], before[1], cache.req_to_token,
                                    *cache.kv_scales(0))
     return types.SimpleNamespace(cache=cache, batch=batch, layer=layer, q=q, k=k, v=v, before=before,
-                                 expected=expected, rows=rows, prefix=prefix, ext=ext, seq=seq, page_size=page_size)
-
-
-def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
-    """Sink values bfloat16 represents exactly: fa3 hands sinks to the kernel in bfloat16 (sgl-kernel's
-    check), so the float64 reference and the emulated kernel see the same numbers."""
-    return x.to(torch.bfloat16).to(torch.float32)
+                                 expected=expected, rows=hp.req_rows, prefix=prefix, ext=ext, seq=seq,
+                                 page_size=page_size)
 
 
 def pages_of(cache: PagedKVCache, row: int, length: int) -> list[int]:

@@ -1,7 +1,6 @@
 """Problem pieces the GPU plugins' tests share (private: not a conftest).
 
 ``visible`` is the key mask of the flash-attention style emulators (causal, window ``(left, right)``).
-``fill_kv_noise`` fills a layer's K/V with noise (fp8: quantized with the layer's scales).
 ``check_mla_no_save`` checks a ``save_kv_cache=False`` MLA forward, ``check_mla_refused`` a refused one. ``latent_problem`` builds one batch over a latent cache (``v_head_dim=0``: one row of
 ``kv_lora_rank + qk_rope_head_dim`` per token) on shuffled pages, requests in pool rows 3, 8, …
 (not batch order), prefixes ending mid-page; each test file keeps a thin wrapper choosing its
@@ -18,7 +17,6 @@ import torch
 
 from attnplug import ForwardBatch, ForwardMode, LayerSpec, PageAllocator, PagedKVCache
 from attnplug.errors import NotSupportedError
-from attnplug.kvcache import quantize
 from attnplug.layer import MLASpec
 from attnplug.testing.reference import reference_mla
 
@@ -37,21 +35,6 @@ def visible(queries: int, keys: int, causal: bool, left: int, right: int) -> tor
     if right >= 0:
         vis &= j <= pos + right
     return vis
-
-
-def fill_kv_noise(cache: PagedKVCache, g: torch.Generator, dtype: torch.dtype,
-                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's K/V buffers filled with N(0, 1) noise in ``dtype``; an fp8 cache stores the noise quantized
-    with ``kv_scales`` (set as the layer's scales: dequantized values ~ N(0, 1)). Returns the buffers."""
-    kb, vb = cache.get_kv(0)
-    if cache.quantized:
-        cache.set_kv_scales(0, *kv_scales)
-        kb.copy_(quantize(torch.randn(kb.shape, generator=g), kv_scales[0], cache.dtype))
-        vb.copy_(quantize(torch.randn(vb.shape, generator=g), kv_scales[1], cache.dtype))
-    else:
-        kb.copy_(torch.randn(kb.shape, generator=g).to(dtype))
-        vb.copy_(torch.randn(vb.shape, generator=g).to(dtype))
-    return kb, vb
 
 
 def latent_problem(prefix: Sequence[int], ext: Sequence[int], *, mode: ForwardMode = ForwardMode.EXTEND,

@@ -318,6 +318,13 @@ class Case:
     scores: str = ""
     #: an MLA case (docs/mla.md) in this form (``"absorbed"`` / ``"unabsorbed"``); ``None``: not MLA
     mla_form: str | None = None
+    #: values drawn exactly representable in a narrower dtype, as ``(what, dtype)`` pairs; ``what`` is
+    #: ``"q"``, ``"k"``, ``"v"`` (the new tokens' q/k/v) or ``"sinks"`` (every layer's). Each is drawn as
+    #: usual, then rounded to ``dtype`` and back (same random stream): ``("q", "float8_e4m3fn")`` lets a
+    #: kernel that quantizes q to e4m3 with scale 1 compute what the reference computes from q;
+    #: ``("sinks", "bfloat16")`` gives sinks a kernel taking them in bfloat16 sees unchanged.
+    #: See ``harness.EXACT_IN``
+    exact_in: tuple[tuple[str, str], ...] = ()
 
     @property
     def seed(self) -> int:

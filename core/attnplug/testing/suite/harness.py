@@ -49,6 +49,7 @@ from ..tolerances import Tolerance
 from .cases import Case, Features, Scenario, Shape
 
 __all__ = [
+    "EXACT_IN",
     "FAR_BELOW",
     "FIRST_LEAD",
     "GARBAGE_VALUES",
@@ -63,6 +64,7 @@ __all__ = [
     "check_output_shape",
     "compare",
     "device_for",
+    "exact_in",
     "expected_cache",
     "expected_output",
     "fill_garbage",
@@ -149,12 +151,39 @@ def _randn(gen: torch.Generator, shape: Sequence[int], dtype: str, device: str, 
     return x.to(device=device, dtype=torch_dtype(dtype))
 
 
-def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Generator, device: str) -> LayerSpec:
+#: what ``Case.exact_in`` may name: the new tokens' q, k, v and the layers' sinks
+EXACT_IN: tuple[str, ...] = ("q", "k", "v", "sinks")
+
+
+def exact_in(case: Case, what: str) -> str | None:
+    """The dtype ``case.exact_in`` draws ``what`` exactly representable in (``None``: drawn as usual).
+    An unknown ``what`` or dtype in ``case.exact_in`` is a ``ValueError`` naming the case and the pair."""
+    found = None
+    for name, dtype in case.exact_in:
+        if name not in EXACT_IN:
+            raise ValueError(f"case {case.family}:{case.id}: exact_in names {name!r}; expected one of "
+                             f"{', '.join(EXACT_IN)}")
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"case {case.family}:{case.id}: exact_in ({name!r}, {dtype!r}): "
+                             f"{dtype!r} is not a torch dtype name")
+        if name == what:
+            found = str(dtype)
+    return found
+
+
+def _exact(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` and back (``None``: ``x`` itself)."""
+    return x if dtype is None else x.to(getattr(torch, dtype)).to(x.dtype)
+
+
+def make_layer(layer_id: int, shape: Shape, features: Features, gen: torch.Generator, device: str,
+               *, sinks_exact_in: str | None = None) -> LayerSpec:
+    """One layer of ``shape`` with ``features``; ``sinks_exact_in``: sinks rounded to that dtype (and back)."""
     sinks = None
     if features.sinks:
         # sink logits large enough that ignoring them is visible at every dtype
         sinks = torch.linspace(0.0, 4.0, shape.num_heads)[torch.randperm(shape.num_heads, generator=gen)]
-        sinks = sinks.to(device=device, dtype=torch.float32)
+        sinks = _exact(sinks.to(device=device, dtype=torch.float32), sinks_exact_in)
     return LayerSpec(
         layer_id=layer_id,
         num_heads=shape.num_heads,
@@ -187,12 +216,13 @@ def make_problem(
     with ``case.garbage_raw`` it is written straight into the layers' storage
     (``fill_garbage_raw``). ``case.garbage_new``: the last new token of each request
     with two or more holds garbage in its K and V. ``case.unaligned``: the first
-    request with two cached positions has them swapped (``unalign``).
+    request with two cached positions has them swapped (``unalign``). ``case.exact_in``:
+    q/k/v/sinks drawn exactly representable in the dtypes it names (``exact_in``).
     """
     gen = torch.Generator().manual_seed(case.seed)
     sc, ps, sh = case.scenario, case.page_size, case.shape
     feats = list(layer_features) if layer_features is not None else [case.features]
-    layers = [make_layer(i, sh, f, gen, device) for i, f in enumerate(feats)]
+    layers = [make_layer(i, sh, f, gen, device, sinks_exact_in=exact_in(case, "sinks")) for i, f in enumerate(feats)]
     n = len(sc.prefix)
     lens = list(final_lens) if final_lens is not None else list(sc.seq_lens)
     pages_needed = [(max(length, 1) + ps - 1) // ps for length in lens]
@@ -431,11 +461,11 @@ def make_qkv(problem: Problem, layer: LayerSpec) -> tuple[torch.Tensor, torch.Te
     c, gen, dev = problem.case, problem.gen, problem.device
     t = problem.batch.num_tokens
     q_scale = 3.0 if layer.logit_cap else 1.0  # scores large enough for the cap to bite
-    q = _randn(gen, (t, layer.num_heads, layer.head_dim), c.dtype, dev, q_scale)
+    q = _exact(_randn(gen, (t, layer.num_heads, layer.head_dim), c.dtype, dev, q_scale), exact_in(c, "q"))
     if layer.is_cross_attention:
         return q, None, None
-    k = _randn(gen, (t, layer.num_kv_heads, layer.head_dim), c.dtype, dev)
-    v = _randn(gen, (t, layer.num_kv_heads, layer.v_head_dim), c.dtype, dev)
+    k = _exact(_randn(gen, (t, layer.num_kv_heads, layer.head_dim), c.dtype, dev), exact_in(c, "k"))
+    v = _exact(_randn(gen, (t, layer.num_kv_heads, layer.v_head_dim), c.dtype, dev), exact_in(c, "v"))
     return q, k, v
 
 
