@@ -30,6 +30,26 @@ pytestmark = needs_ops
 DECODE_PREFIX = [5, 40, 15, 16]
 
 
+def _boom_ops(monkeypatch):
+    """vLLM's attention op made to raise (the writer op left real); returns the exception class."""
+    from attnplug_vllm_cpu import backend as B
+
+    class Boom(RuntimeError):
+        pass
+
+    real = B.ops()
+
+    class Ops:
+        def __getattr__(self, n):
+            return getattr(real, n)
+
+        @staticmethod
+        def cpu_attention_with_kv_cache(*a, **kw):
+            raise Boom("the op failed")
+    monkeypatch.setattr(B, "ops", lambda: Ops())
+    return Boom
+
+
 def _storage_poison(cache, slot, value=float("nan"), head=0, dim=3, half="k"):
     """Write ``value`` straight into layer 0's storage at ``slot`` (no layout write: no page mark)."""
     raw = cache.layer_storage(0)[0]
@@ -147,8 +167,6 @@ def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry,
 @pytest.mark.parametrize("how", ["raises", "no_save"])
 def test_the_decode_fold_leaves_the_cache_byte_identical_when_the_op_raises_or_nothing_is_saved(name, how,
                                                                                                  monkeypatch):
-    from attnplug_vllm_cpu import backend as B
-
     cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True)
     q, k, v = (t.clone() for t in qkv[0])
     _scenario(name, cache, rows, DECODE_PREFIX, k, v)
@@ -156,20 +174,7 @@ def test_the_decode_fold_leaves_the_cache_byte_identical_when_the_op_raises_or_n
     backend.init_forward_metadata(batch)
     layer = LayerSpec(0, 4, 2, 64)
     if how == "raises":
-        class Boom(RuntimeError):
-            pass
-
-        real = B.ops()
-
-        class Ops:
-            def __getattr__(self, n):
-                return getattr(real, n)
-
-            @staticmethod
-            def cpu_attention_with_kv_cache(*a, **kw):
-                raise Boom("the op failed")
-        monkeypatch.setattr(B, "ops", lambda: Ops())
-        with pytest.raises(Boom):
+        with pytest.raises(_boom_ops(monkeypatch)):
             backend.forward(q, k, v, layer, batch)
     else:
         backend.forward(q, k, v, layer, batch, save_kv_cache=False)
@@ -304,25 +309,6 @@ def _force_pages(monkeypatch, on):
 
     monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on else 1 << 30)
     monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on else 4)
-
-
-def _boom_ops(monkeypatch):
-    from attnplug_vllm_cpu import backend as B
-
-    class Boom(RuntimeError):
-        pass
-
-    real = B.ops()
-
-    class Ops:
-        def __getattr__(self, n):
-            return getattr(real, n)
-
-        @staticmethod
-        def cpu_attention_with_kv_cache(*a, **kw):
-            raise Boom("the op failed")
-    monkeypatch.setattr(B, "ops", lambda: Ops())
-    return Boom
 
 
 @pytest.mark.parametrize("pages_on", [True, False], ids=["pages", "rows"])

