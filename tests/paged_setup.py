@@ -7,6 +7,8 @@ arguments) and the layers; ``make_batch`` places each request of a batch on scat
 ``run_and_check`` runs one forward on them, checked by ``tests.forward_check.forward_and_check``. The conformance suite's
 harness builds its problems from suite cases; a kernel test chooses its batches one by one (request
 rows, prefixes ending mid-page, several batches over one cache), so it builds them here.
+``small_setup`` is the small float32 cache and registry-built backend the batch-checking tests (a batch
+changed after ``init_forward_metadata``, ``ForwardBatch.decode`` from host ints) share.
 """
 
 from __future__ import annotations
@@ -76,6 +78,23 @@ def make_setup(
     layers = [LayerSpec(i, heads, kv_heads, head_dim, v_head_dim=v_head_dim, **(layer_kw or {}))
               for i in range(num_layers)]
     return Setup(cache, PageAllocator(num_pages, shuffle=True, seed=seed + 1), backend, layers, dtype, gen)
+
+
+def small_setup(name: str, *, num_layers: int, lens: dict[int, int], heads: int = 4, kv_heads: int = 2,
+                head_dim: int = 8, page_size: int = 4, num_pages: int = 16, max_context_len: int = 32,
+                seed: int = 0) -> Setup:
+    """A small float32 cache (noise in every slot) and backend ``name`` built through the registry on a
+    plain CPU host, with request rows ``lens`` (``{row: length}``) placed on scattered pages."""
+    s = make_setup(name, _no_construct, host=HostInfo(platform="cpu"), page_size=page_size, heads=heads,
+                   kv_heads=kv_heads, head_dim=head_dim, v_head_dim=None, dtype=torch.float32, kv_dtype=None,
+                   num_layers=num_layers, seed=seed, layer_kw=None, num_pages=num_pages,
+                   max_context_len=max_context_len, via_registry=True)
+    place(s, list(lens), list(lens.values()))
+    return s
+
+
+def _no_construct(ctx: BuildContext) -> Any:
+    raise AssertionError("small_setup builds through the registry")
 
 
 def place(s: Setup, req_ids: Sequence[int], seq_lens: Sequence[int]) -> None:

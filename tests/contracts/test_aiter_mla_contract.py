@@ -23,12 +23,9 @@ SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= vers
 
 
 def _record(fake_aiter, seq, page_size, heads):
-    rec = C.Recorder()
-    cache, batch, layer, q, lat = T.mla_problem(seq, page_size=page_size, heads=heads)
-    be = T.build(cache, layer, mla_kernel=rec.wrap(QUAL, T.emulate_mla_decode_fwd.__wrapped__))
-    be.init_forward_metadata(batch)
-    be.forward(q, lat, None, layer, batch)
-    return rec.calls
+    return C.record_mla_forward(QUAL, T.emulate_mla_decode_fwd.__wrapped__,
+                                T.mla_problem(seq, page_size=page_size, heads=heads),
+                                lambda cache, layer, kernel: T.build(cache, layer, mla_kernel=kernel))
 
 
 def test_the_mla_call_is_listed_and_recorded_for_every_supported_aiter():

@@ -27,12 +27,9 @@ SUPPORTED = [(lib, v) for lib in ("sgl-kernel", "sglang-kernel") for v in C.vers
 
 def _record(case, page_size, dtype):
     mode, prefix, ext, tree = T.CASES[case]
-    rec = C.Recorder()
-    cache, batch, layer, q, lat = T.mla_problem(prefix, ext, mode=mode, page_size=page_size, tree=tree, dtype=dtype)
-    be = T.build(cache, layer, kernel=rec.wrap(QUAL, T.emulate_fa3_mla.__wrapped__))
-    be.init_forward_metadata(batch)
-    be.forward(q, lat, None, layer, batch)
-    return rec.calls
+    problem = T.mla_problem(prefix, ext, mode=mode, page_size=page_size, tree=tree, dtype=dtype)
+    return C.record_mla_forward(QUAL, T.emulate_fa3_mla.__wrapped__, problem,
+                                lambda cache, layer, kernel: T.build(cache, layer, kernel=kernel))
 
 
 def test_the_mla_call_is_the_listed_one_and_has_qv_in_every_supported_release():

@@ -24,12 +24,9 @@ SUPPORTED = [(LIBRARY, v) for v in C.versions(LIBRARY) if version_key(v) >= vers
 
 
 def _record(seq, page_size, kv_dtype=None):
-    rec = C.Recorder()
-    cache, batch, layer, q, lat = T.mla_problem(seq, page_size=page_size, kv_dtype=kv_dtype)
-    be = T.build(cache, layer, kernel=rec.wrap(QUAL, T.emulate_mla_decode.__wrapped__))
-    be.init_forward_metadata(batch)
-    be.forward(q, lat, None, layer, batch)
-    return rec.calls
+    return C.record_mla_forward(QUAL, T.emulate_mla_decode.__wrapped__,
+                                T.mla_problem(seq, page_size=page_size, kv_dtype=kv_dtype),
+                                lambda cache, layer, kernel: T.build(cache, layer, kernel=kernel))
 
 
 @pytest.mark.parametrize("page_size", [32, 64])

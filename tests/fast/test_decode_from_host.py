@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnplug import (AttentionConfig, BuildContext, ForwardBatch, ForwardMode, HostInfo, LayerSpec, PageAllocator,
-                      PagedKVCache, ShapeError)
+from attnplug import ForwardBatch, ForwardMode, LayerSpec, ShapeError
 from attnplug.batch import _INDEX_FIELDS
+from tests.paged_setup import qkv, small_setup
 
 VALID = {
     "one": ([0], [1], [0]),
@@ -119,23 +119,9 @@ LAYERS = [LayerSpec(layer_id=i, num_heads=H, num_kv_heads=KV, head_dim=D) for i 
 
 
 def _decode_setup(kind):
-    cache = PagedKVCache(2, num_pages=16, num_kv_heads=KV, head_dim=D, page_size=PS, max_requests=4,
-                         max_context_len=32)
-    for buf in cache.k_buffers + cache.v_buffers:
-        buf.normal_()
-    alloc = PageAllocator(16, seed=3)
-    for row, n in ((2, 7), (0, 3)):
-        cache.assign_pages(row, n, alloc.alloc(-(-n // PS)))
-    ctx = BuildContext(config=AttentionConfig(attention_backend=kind), host=HostInfo(platform="cpu"),
-                       dtype="float32", num_heads=H, num_kv_heads=KV, head_dim=D, page_size=PS, kv_cache=cache,
-                       max_context_len=32)
-    from attnplug.registry import default_registry
-
-    _, backend = default_registry().build(kind, ctx)
-    loc = [int(cache.req_to_token[2, 6]), int(cache.req_to_token[0, 2])]
-    g = torch.Generator().manual_seed(0)
-    qkv = (torch.randn(2, H, D, generator=g), torch.randn(2, KV, D, generator=g), torch.randn(2, KV, D, generator=g))
-    return cache, backend, ([2, 0], [7, 3], loc), qkv
+    s = small_setup(kind, num_layers=2, lens={2: 7, 0: 3}, heads=H, kv_heads=KV, head_dim=D, page_size=PS)
+    loc = [int(s.cache.req_to_token[2, 6]), int(s.cache.req_to_token[0, 2])]
+    return s.cache, s.backend, ([2, 0], [7, 3], loc), qkv(s, LAYERS[0], 2)
 
 
 FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens")

@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from attnplug import (AttentionConfig, BuildContext, ForwardBatch, HostInfo, LayerSpec, PageAllocator, PagedKVCache,
-                      ShapeError)
+from attnplug import ForwardBatch, LayerSpec, PagedKVCache, ShapeError
 from attnplug.cli.bench_cmd import MAX_BANDWIDTH_MIB
 from attnplug.cli.main import main
+from tests.paged_setup import qkv, small_setup
 
 
 def attnplug(*args, timeout=180):
@@ -145,24 +145,10 @@ LAYER = LayerSpec(layer_id=0, num_heads=H, num_kv_heads=KV, head_dim=D)
 
 
 def _backend_and_batch(kind):
-    cache = PagedKVCache(1, num_pages=16, num_kv_heads=KV, head_dim=D, page_size=PS, max_requests=4,
-                         max_context_len=32)
-    cache.k_buffers[0].normal_()
-    cache.v_buffers[0].normal_()
-    alloc = PageAllocator(16, seed=3)
-    for row, n in ((2, 6), (0, 3)):
-        cache.assign_pages(row, n, alloc.alloc(-(-n // PS)))
-    ctx = BuildContext(config=AttentionConfig(attention_backend=kind), host=HostInfo(platform="cpu"),
-                       dtype="float32", num_heads=H, num_kv_heads=KV, head_dim=D, page_size=PS, kv_cache=cache,
-                       max_context_len=32)
-    from attnplug.registry import default_registry
-
-    _, backend = default_registry().build(kind, ctx)
-    loc = torch.cat([cache.slots(2, 4, 6), cache.slots(0, 1, 3)])
+    s = small_setup(kind, num_layers=1, lens={2: 6, 0: 3}, heads=H, kv_heads=KV, head_dim=D, page_size=PS)
+    loc = torch.cat([s.cache.slots(2, 4, 6), s.cache.slots(0, 1, 3)])
     batch = ForwardBatch.extend([2, 0], [4, 1], [2, 2], loc)
-    g = torch.Generator().manual_seed(0)
-    qkv = (torch.randn(4, H, D, generator=g), torch.randn(4, KV, D, generator=g), torch.randn(4, KV, D, generator=g))
-    return backend, batch, qkv
+    return s.backend, batch, qkv(s, LAYER, 4)
 
 
 def _bump(field, replace):

@@ -137,6 +137,18 @@ class Recorder:
         return Recorded
 
 
+def record_mla_forward(qualname: str, emulator: Callable[..., Any], problem: tuple[Any, ...],
+                       build: Callable[[Any, Any, Callable[..., Any]], Any]) -> list[Call]:
+    """The library calls of one MLA forward: ``problem`` is ``(cache, batch, layer, q, latent)``; ``build(cache,
+    layer, kernel)`` makes the backend with ``kernel``, ``emulator`` recorded as ``qualname``."""
+    rec = Recorder()
+    cache, batch, layer, q, lat = problem
+    be = build(cache, layer, rec.wrap(qualname, emulator))
+    be.init_forward_metadata(batch)
+    be.forward(q, lat, None, layer, batch)
+    return rec.calls
+
+
 def _owner_view(wrapper: Any) -> dict[str, Any]:
     init: Call = wrapper._contract_owner
     names = ("float_workspace_buffer", "kv_layout", "use_cuda_graph")

@@ -59,12 +59,8 @@ def emulate_fa3_mla(q, k_cache, v_cache, *, qv, cache_seqlens, page_table, cu_se
 def mla_problem(prefix, ext, *, mode=ForwardMode.EXTEND, page_size=16, heads=8, dtype=torch.bfloat16,
                 rank=R, rope=ROPE, tree=False, seed=0):
     """Requests with ``prefix`` cached tokens extending by ``ext``; garbage in every slot not owned."""
-    mask = None
-    if tree:  # draft a sees itself and its parent chain in a two-branch tree
-        mask = torch.eye(ext[0], dtype=torch.bool).repeat(len(prefix), 1, 1)
-        mask[:, 1:, 0] = True
     p = M.latent_problem(prefix, ext, mode=mode, page_size=page_size, heads=heads, dtype=dtype, rank=rank, rope=rope,
-                         garbage=True, custom_mask=mask, seed=seed)
+                         garbage=True, tree=tree, seed=seed)
     return p.cache, p.batch, p.layers[0], p.q, p.latents[0]
 
 

@@ -87,9 +87,8 @@ def fake_flashinfer(monkeypatch):
 def mla_problem(mode, prefix, ext, *, page_size=16, heads=8, dtype=torch.float16, kv_dtype=None, layers=1,
                 rank=R, rope=ROPE, tree=False, seed=0):
     """An MLA batch on shuffled pages: rows 3, 0, 5, … (not batch order), prefixes ending mid-page."""
-    mask = torch.eye(ext[0], dtype=torch.bool).expand(len(prefix), -1, -1).clone() if tree else None
     p = M.latent_problem(prefix, ext, mode=mode, page_size=page_size, heads=heads, dtype=dtype, kv_dtype=kv_dtype,
-                         layers=layers, rank=rank, rope=rope, custom_mask=mask, seed=seed)
+                         layers=layers, rank=rank, rope=rope, tree=tree, seed=seed)
     return p.cache, p.batch, p.layers, p.q, p.latents
 
 

@@ -15,16 +15,16 @@ _SET_INTERPRET = "TRITON_INTERPRET" not in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 
 import importlib.util  # noqa: E402
-import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attnplug import AttentionConfig, BuildContext, ForwardBatch, LayerSpec, PagedKVCache  # noqa: E402
-from attnplug.kvcache import PageAllocator  # noqa: E402
-from attnplug.layer import MLASpec  # noqa: E402
+from attnplug import ForwardBatch  # noqa: E402
+from attnplug.dtypes import dtype_name  # noqa: E402
 from attnplug.registry import default_registry  # noqa: E402
 from attnplug.testing.reference import mla_decompress, reference_mla  # noqa: E402
+from attnplug.testing.suite.cases import Case, Scenario, Shape  # noqa: E402
+from attnplug.testing.suite.mla_problem import make_mla_problem  # noqa: E402
 from attnplug.testing.tolerances import tolerance_for  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -49,48 +49,24 @@ def _interpret(monkeypatch):
 R, ROPE, NOPE, V, H = 64, 16, 32, 24, 4  # a DeepSeek-shaped MLA layer, scaled down for the interpreter
 
 
-def _layer(heads=H, rank=R, rope=ROPE, nope=NOPE, v=V, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return LayerSpec(0, heads, 1, rank + rope, mla=MLASpec(
-        rank, nope, rope, v, torch.randn(heads, nope, rank, generator=g) / math.sqrt(rank),
-        torch.randn(heads, rank, v, generator=g) / math.sqrt(rank)))
-
-
 def _problem(form, mode, *, dtype=torch.float32, kv_dtype=None, page_size=4, seq=(1, 17, 45), new=None,
-             garbage=False, layer=None, rows=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    layer = layer or _layer()
-    m = layer.mla
-    kv_dtype = kv_dtype or dtype
-    pages = sum(-(-s // page_size) for s in seq) + 4
-    cache = PagedKVCache(1, pages, 1, m.latent_dim, v_head_dim=0, page_size=page_size, dtype=kv_dtype,
-                         max_requests=8, max_context_len=256)
-    if cache.quantized:
-        cache.set_latent_scale(0, 0.5)
-    new = list(new or ([1] * len(seq) if mode == "decode" else [min(s, 5) for s in seq]))
-    rows = list(rows or range(len(seq)))
-    alloc = PageAllocator(pages, shuffle=True, seed=seed + 1)
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(-(-s // page_size)))
-    cache.set_latent(0, torch.arange(cache.num_slots), torch.randn(cache.num_slots, 1, m.latent_dim, generator=g))
-    prefix = [s - n for s, n in zip(seq, new)]
-    loc = torch.cat([cache.req_to_token[r, p:s] for r, p, s in zip(rows, prefix, seq)])
-    if garbage:  # every slot no request reads: NaN
-        owned = set(torch.cat([cache.req_to_token[r, :s] for r, s in zip(rows, seq)]).tolist())
-        un = torch.tensor([s for s in range(cache.num_slots) if s not in owned])
-        cache.set_latent(0, un, torch.full((un.numel(), 1, m.latent_dim), float("nan")))
-    batch = ForwardBatch.decode(rows, list(seq), loc) if mode == "decode" else \
-        ForwardBatch.extend(rows, prefix, new, loc)
-    batch.mla_form = form
-    T = sum(new)
-    q = torch.randn(T, layer.num_heads, m.latent_dim if form == "absorbed" else m.qk_head_dim, generator=g).to(dtype)
-    lat = torch.randn(T, 1, m.latent_dim, generator=g).to(dtype)
-    ctx = BuildContext(config=AttentionConfig(attention_backend="triton"), host=REG.host, device="cpu",
-                       dtype=str(dtype)[6:], kv_cache_dtype=str(kv_dtype)[6:], num_heads=layer.num_heads,
-                       num_kv_heads=1, head_dim=m.latent_dim, page_size=page_size, kv_cache=cache,
-                       max_batch_size=8, max_context_len=256, layers=(layer,))
-    _, backend = REG.build("triton", ctx)
-    return cache, batch, backend, layer, q, lat
+             garbage=False, heads=H, dims=(R, NOPE, ROPE, V), rows=None, seed=0):
+    """One batch of requests ``seq`` long (``new`` of them this forward's: decode 1, extend up to 5) in
+    ``form``, asked of the conformance suite's MLA builder (``make_mla_problem``): noise in every latent slot
+    (NaN in every slot no request reads with ``garbage``; an fp8 latent has scale 0.5), pages scattered,
+    requests in ``rows`` (default random ``req_to_token`` rows), a layer of ``heads`` with ``dims``
+    ``(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)`` and its decompression weights.
+    Returns the cache, batch, the triton backend built over them, layer, q and new latent rows."""
+    new = tuple(new or ([1] * len(seq) if mode == "decode" else [min(s, 5) for s in seq]))
+    sc = Scenario("triton_mla", mode, tuple(s - n for s, n in zip(seq, new)), new)
+    quantized = kv_dtype is not None and kv_dtype.itemsize == 1
+    case = Case("triton_mla", f"seed{seed}", sc, dtype=dtype_name(dtype), page_size=page_size,
+                shape=Shape("triton_mla", heads, 1, dims[0] + dims[2], dims[0]),
+                kv_cache_dtype=None if kv_dtype is None else dtype_name(kv_dtype),
+                kv_scales=(0.5, 0.5) if quantized else None, garbage="nan" if garbage else None, mla_form=form)
+    p = make_mla_problem(case, "cpu", dims=dims, rows=rows)
+    _, backend = REG.build("triton", p.context("triton"))
+    return p.cache, p.batch, backend, p.layer, p.q, p.latent
 
 
 def _check(form, mode, **kw):
@@ -123,9 +99,8 @@ def test_garbage_in_unowned_slots_reaches_no_output(form, mode):
 
 def test_deepseek_v3_shape_in_both_forms():
     """The real latent: 512 + 64, nope 128, v 128 (one extend each; the interpreter is slow)."""
-    layer = _layer(heads=2, rank=512, rope=64, nope=128, v=128)
     for form in ("absorbed", "unabsorbed"):
-        _check(form, "extend", layer=layer, seq=(3, 20), new=(3, 2), page_size=16)
+        _check(form, "extend", heads=2, dims=(512, 128, 64, 128), seq=(3, 20), new=(3, 2), page_size=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

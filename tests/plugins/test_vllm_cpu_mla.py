@@ -10,8 +10,6 @@ is not installed.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,9 +18,12 @@ from attnplug import AttentionConfig, BuildContext, ForwardBatch, PagedKVCache
 from attnplug.errors import NotSupportedError
 from attnplug.kvcache import PageAllocator
 from attnplug.kvlayout import KVGeometry
+from attnplug.dtypes import dtype_name
 from attnplug.layer import LayerSpec, MLASpec
 from attnplug.registry import default_registry
 from attnplug.testing.reference import reference_mla
+from attnplug.testing.suite.cases import Case, Scenario, Shape
+from attnplug.testing.suite.mla_problem import make_mla_problem
 from attnplug.testing.tolerances import tolerance_for as tolerance
 from _problems import check_mla_refused
 
@@ -34,35 +35,20 @@ pytestmark = pytest.mark.skipif(
 LATENT = 576
 
 
-def _layer(heads=16, rank=512, rope=64, nope=128, v=128, weights=False):
-    g = torch.Generator().manual_seed(7)
-    w = dict(w_kc=torch.randn(heads, nope, rank, generator=g), w_vc=torch.randn(heads, rank, v, generator=g)) \
-        if weights else {}
-    return LayerSpec(0, heads, 1, rank + rope, mla=MLASpec(rank, nope, rope, v, **w))
+def _layer(heads=16, rank=512, rope=64, nope=128, v=128):
+    return LayerSpec(0, heads, 1, rank + rope, mla=MLASpec(rank, nope, rope, v))
 
 
-def _problem(seq, *, heads=16, dtype=torch.float32, page_size=16, rank=512, rope=64, seed=0, layer=None):
-    g = torch.Generator().manual_seed(seed)
-    layer = layer or _layer(heads, rank, rope)
-    width = rank + rope
-    pages = sum(math.ceil(s / page_size) for s in seq) + 5
-    cache = PagedKVCache(1, pages, 1, width, v_head_dim=0, page_size=page_size, dtype=dtype, max_requests=8,
-                         max_context_len=max(seq) + page_size, layout=REG.kv_layout(D.LAYOUT))
-    cache.set_latent(0, torch.arange(cache.num_slots), torch.randn(cache.num_slots, 1, width, generator=g).to(dtype))
-    alloc = PageAllocator(pages, shuffle=True, seed=seed + 1)
-    rows = [5, 1, 3, 0, 7, 2, 4, 6][:len(seq)]
-    for r, s in zip(rows, seq):
-        cache.assign_pages(r, s, alloc.alloc(math.ceil(s / page_size)))
-    loc = torch.stack([cache.req_to_token[r, s - 1] for r, s in zip(rows, seq)])
-    batch = ForwardBatch.decode(rows, seq, loc)
-    ctx = BuildContext(config=AttentionConfig(attention_backend="vllm_cpu"), host=REG.host,
-                       dtype=str(dtype).replace("torch.", ""), num_heads=layer.num_heads, num_kv_heads=1,
-                       head_dim=width, page_size=page_size, kv_cache=cache, max_context_len=cache.max_context_len,
-                       layers=(layer,))
-    T = len(seq)
-    q = torch.randn(T, layer.num_heads, width, generator=g).to(dtype)
-    lat = torch.randn(T, 1, width, generator=g).to(dtype)
-    return cache, batch, ctx, layer, q, lat
+def _problem(seq, *, heads=16, dtype=torch.float32, page_size=16, seed=0):
+    """A DECODE batch of requests ``seq`` long (the new token counted), absorbed form, asked of the conformance
+    suite's MLA builder (``make_mla_problem``): a latent cache in the ``vllm_cpu`` layout full of noise,
+    pages scattered, requests in random ``req_to_token`` rows; DeepSeek-V3's latent (512 + 64) and a layer
+    with decompression weights. Returns the cache, batch, build context, layer, q and new latent rows."""
+    sc = Scenario("vllm_cpu_mla", "decode", tuple(s - 1 for s in seq), (1,) * len(seq))
+    case = Case("vllm_cpu_mla", f"seed{seed}", sc, dtype=dtype_name(dtype), page_size=page_size,
+                shape=Shape("vllm_cpu_mla", heads, 1, LATENT, 512), kv_layout=D.LAYOUT, mla_form="absorbed")
+    p = make_mla_problem(case, "cpu")
+    return p.cache, p.batch, p.context("vllm_cpu"), p.layer, p.q, p.latent
 
 
 def _direct(cache, batch, layer, q):
@@ -164,8 +150,7 @@ def test_the_claim_is_absorbed_decode_only():
     ("unabsorbed", False, r"unabsorbed decode\) not supported by vllm_cpu"),
 ])
 def test_forms_and_modes_not_claimed_are_refused_naming_them(form, extend, words):
-    layer = _layer(4, weights=True)
-    cache, batch, ctx, layer, q, lat = _problem([8, 20], layer=layer)
+    cache, batch, ctx, layer, q, lat = _problem([8, 20], heads=4)  # the layer has decompression weights
     _, backend = REG.build("vllm_cpu", ctx)
     if extend:
         batch = ForwardBatch.extend(batch.req_pool_indices_cpu, [7, 19], [1, 1], batch.out_cache_loc)

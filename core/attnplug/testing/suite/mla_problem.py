@@ -1,12 +1,16 @@
 """MLA problems for the suite (docs/mla.md): a latent cache full of noise, pages scattered, the layer's
 decompression weights, q in the case's form and the new latent rows; the expected output from
-``reference_mla`` and the expected cache bytes. Usable without pytest (like ``harness``)."""
+``reference_mla`` and the expected cache bytes. Usable without pytest (like ``harness``).
+
+``make_mla_problem``'s keyword options serve tests outside the suite (a plugin's own MLA tests): other
+latent dims than DeepSeek-V3's, several layers over one cache, chosen request rows. Left at their
+defaults they build exactly what a suite case always got (the same random draws, in the same order)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -38,6 +42,9 @@ class MLAProblem:
     q_pe: torch.Tensor
     before: torch.Tensor
     scale: float
+    #: every layer (``layer`` is the first) and each one's new latent rows (``latent`` is the first's)
+    layers: tuple[LayerSpec, ...] = ()
+    latents: tuple[torch.Tensor, ...] = ()
 
     def context(self, name: str) -> BuildContext:
         c, lay = self.case, self.layer
@@ -45,7 +52,7 @@ class MLAProblem:
             config=AttentionConfig(attention_backend=name), host=default_registry().host, device=self.device,
             dtype=c.dtype, kv_cache_dtype=c.kv_dtype, num_heads=lay.num_heads, num_kv_heads=1,
             head_dim=lay.head_dim, v_head_dim=lay.v_head_dim, page_size=c.page_size, kv_cache=self.cache,
-            max_batch_size=H.MAX_REQUESTS, max_context_len=H.MAX_CONTEXT, layers=(lay,),
+            max_batch_size=H.MAX_REQUESTS, max_context_len=H.MAX_CONTEXT, layers=self.layers or (lay,),
         )
 
     def with_form(self, form: str) -> tuple[ForwardBatch, torch.Tensor]:
@@ -70,10 +77,20 @@ def absorbed_q(problem: MLAProblem) -> torch.Tensor:
     return torch.cat([qa.to(problem.q_pe.dtype), problem.q_pe], dim=2)
 
 
-def make_mla_problem(case: Case, device: str) -> MLAProblem:
+def make_mla_problem(case: Case, device: str, *, dims: tuple[int, int, int, int] = MLA_DIMS, num_layers: int = 1,
+                     rows: Sequence[int] | None = None) -> MLAProblem:
+    """The MLA problem of ``case`` on ``device``.
+
+    ``dims``: the layer's ``(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)`` (default
+    DeepSeek-V3's, ``MLA_DIMS``). ``num_layers``: layers over one cache (default 1); each layer after the
+    first gets its own weights, latent noise in every slot (``case.garbage`` where no request owns one, the
+    fp8 scale of ``case.kv_scales``) and new latent rows, all drawn after the first layer's. ``rows``: the
+    requests' ``req_to_token`` rows (default drawn at random, distinct, below ``harness.MAX_REQUESTS``)."""
     gen = torch.Generator().manual_seed(case.seed)
     sc, ps, heads = case.scenario, case.page_size, case.shape.num_heads
-    lora, nope, rope, vd = MLA_DIMS
+    lora, nope, rope, vd = dims
+    if num_layers < 1:
+        raise ValueError(f"make_mla_problem: num_layers={num_layers}, expected at least 1")
     # w ~ N(0, 1/lora): decompressed keys and values are O(1), like the latent rows
     w_kc = (torch.randn(heads, nope, lora, generator=gen) / math.sqrt(lora)).to(device)
     w_vc = (torch.randn(heads, lora, vd, generator=gen) / math.sqrt(lora)).to(device)
@@ -81,32 +98,45 @@ def make_mla_problem(case: Case, device: str) -> MLAProblem:
     lens = list(sc.seq_lens)
     pages_needed = [(max(n, 1) + ps - 1) // ps for n in lens]
     num_pages = sum(pages_needed) + 5
-    cache = PagedKVCache(1, num_pages, 1, lora + rope, v_head_dim=0, page_size=ps, dtype=case.kv_dtype,
+    cache = PagedKVCache(num_layers, num_pages, 1, lora + rope, v_head_dim=0, page_size=ps, dtype=case.kv_dtype,
                          device=device, max_requests=H.MAX_REQUESTS,
                          max_context_len=max(H.MAX_CONTEXT, max(lens, default=0)),
                          layout=default_registry().kv_layout(case.kv_layout))
     scale = 1.0
     if case.kv_scales is not None:
         scale = case.kv_scales[0]
-        cache.set_latent_scale(0, scale)
+        for lid in range(num_layers):
+            cache.set_latent_scale(lid, scale)
     every = torch.arange(cache.num_slots, device=device)
-    cache.set_latent(0, every, H._randn(gen, (cache.num_slots, 1, lora + rope), "float32", device).to(
-        cache.dtype if not cache.quantized else torch.float32))
+
+    def noise(lid: int) -> None:
+        cache.set_latent(lid, every, H._randn(gen, (cache.num_slots, 1, lora + rope), "float32", device).to(
+            cache.dtype if not cache.quantized else torch.float32))
+
+    noise(0)
     alloc = PageAllocator(num_pages, shuffle=True, seed=case.seed)
-    rows = torch.randperm(H.MAX_REQUESTS, generator=gen)[:len(lens)].tolist()
+    drawn = torch.randperm(H.MAX_REQUESTS, generator=gen)[:len(lens)].tolist()
+    rows = drawn if rows is None else list(rows)
+    if len(rows) != len(lens):
+        raise ValueError(f"make_mla_problem: {len(rows)} rows for {len(lens)} requests of case {case.id}")
     for r, length, need in zip(rows, lens, pages_needed):
         cache.assign_pages(r, length, alloc.alloc(need))
     batch = H.make_batch(sc, cache, rows, gen, device)
     batch.mla_form = case.mla_form or ABSORBED
     batch.validate()
+    bad = torch.zeros(0, dtype=torch.int64)
     if case.garbage:
         owned: set[int] = set()
         for r, length in zip(rows, lens):
             owned.update(cache.req_to_token[r, :length].tolist())
         bad = torch.tensor([s for s in range(cache.num_slots) if s not in owned], dtype=torch.int64, device=device)
-        if bad.numel():
+
+    def garbage(lid: int) -> None:
+        if case.garbage and bad.numel():
             value = H.GARBAGE_VALUES[case.garbage]
-            cache.set_latent(0, bad, torch.full((bad.numel(), 1, lora + rope), value).to(cache.dtype), stored=True)
+            cache.set_latent(lid, bad, torch.full((bad.numel(), 1, lora + rope), value).to(cache.dtype), stored=True)
+
+    garbage(0)
     t = batch.num_tokens
     q_nope = H._randn(gen, (t, heads, nope), case.dtype, device)
     q_pe = H._randn(gen, (t, heads, rope), case.dtype, device)
@@ -118,6 +148,15 @@ def make_mla_problem(case: Case, device: str) -> MLAProblem:
         problem.q = H._randn(gen, (t, heads, lora + rope), case.dtype, device)
     else:
         problem.q = torch.cat([q_nope, q_pe], dim=2)
+    layers, latents = [layer], [latent]
+    for lid in range(1, num_layers):  # drawn after everything the first layer has: its draws stay the same
+        w_kc = (torch.randn(heads, nope, lora, generator=gen) / math.sqrt(lora)).to(device)
+        w_vc = (torch.randn(heads, lora, vd, generator=gen) / math.sqrt(lora)).to(device)
+        layers.append(LayerSpec(lid, heads, 1, lora + rope, mla=MLASpec(lora, nope, rope, vd, w_kc=w_kc, w_vc=w_vc)))
+        noise(lid)
+        garbage(lid)
+        latents.append(H._randn(gen, (t, 1, lora + rope), case.dtype, device))
+    problem.layers, problem.latents = tuple(layers), tuple(latents)
     return problem
 
 
