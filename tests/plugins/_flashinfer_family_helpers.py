@@ -1,7 +1,8 @@
 """Shared fixtures for the flashinfer and aiter plugin tests (private: not a conftest).
 
 Builds paged problems with scattered pages, prefixes that end mid-page, ragged
-lengths; hand-built hosts; a subprocess check that a descriptor import stays light.
+lengths (``MODE_CASES``: the batches both emulated backends run; ``check_output``: a forward's output
+against the float64 reference); hand-built hosts; a subprocess check that a descriptor import stays light.
 """
 
 from __future__ import annotations
@@ -73,6 +74,25 @@ def make_problem(
     assert k is not None and v is not None
     k_before, v_before = p.before[0]
     return Problem(p.cache, p.batch, q, k, v, p.layers[0], k_before, v_before)
+
+
+#: the batches both emulated backends run: case -> (mode, cached prefix per request, new tokens per request)
+MODE_CASES = {
+    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
+    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
+    "verify": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
+}
+
+
+def check_output(pb: Problem, out: torch.Tensor, tol: Any) -> None:
+    """``out``, a forward of ``pb``, against the float64 reference over the cache as it was before (with the
+    layer's KV scales), within ``tol`` (``atol``/``rtol``)."""
+    from attnplug.testing.reference import reference_attention
+
+    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
+                              *pb.cache.kv_scales(0))
+    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
 
 
 def registry(*dists: str) -> Any:

@@ -29,12 +29,11 @@ from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError
 from attnplug.resolution import resolve, trace
 from attnplug.testing.tolerances import Tolerance
 from tests.forward_check import forward_and_check
-from attnplug.testing.reference import reference_attention
 from attnplug_aiter import metadata as M
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
-from _problems import visible
+from _problems import attend64
 
 DIST = "attnplug-aiter"
 LIB = {"amd-aiter": "0.1.10"}
@@ -44,21 +43,6 @@ MI300 = dict(gfx_arch="gfx942")
 # ---------------------------------------------------------------------------
 # (4) EMULATOR of aiter's kernels (the GPU kernels cannot run here), float64
 # ---------------------------------------------------------------------------
-
-
-def _attend(q, K, V, visible, scale, cap, sinks=None):
-    H_, Hkv = q.shape[1], K.shape[1]
-    heads = torch.arange(H_) // (H_ // Hkv)
-    s = scale * torch.einsum("nhd,lhd->nhl", q.double(), K.double()[:, heads])
-    if cap:
-        s = cap * torch.tanh(s / cap)
-    s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    if sinks is not None:  # one extra logit per head in the denominator, no value
-        sink_col = sinks.double()[None, :, None].expand(s.shape[0], -1, 1)
-        p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("nhl,lhd->nhd", p, V.double()[:, heads])
 
 
 CALLS: list[str] = []
@@ -83,8 +67,8 @@ def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices
         assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
         idx = kv_page_indices[k0:k1].long()
         K, V = k[idx], v[idx]
-        vis = visible(q1 - q0, k1 - k0, causal, left, right)
-        res[q0:q1] = _attend(q[q0:q1], K, V, vis, scale, logits_soft_cap, sink_ptr)
+        res[q0:q1] = attend64(q[q0:q1], K, V, scale=scale, causal=causal, left=left, right=right,
+                              softcap=logits_soft_cap, sinks=sink_ptr)
     return res.to(q.dtype)
 
 
@@ -106,7 +90,7 @@ def emu_paged_attention_ragged(out, workspace_buffer, query, key_cache, value_ca
         assert n <= max_num_partitions * partition_size
         K = key_cache[pages].reshape(-1, *key_cache.shape[2:])[:n]
         V = value_cache[pages].reshape(-1, *value_cache.shape[2:])[:n]
-        out[i] = _attend(query[i:i + 1], K, V, torch.ones(1, n, dtype=torch.bool), scale, logits_soft_cap)[0]
+        out[i] = attend64(query[i:i + 1], K, V, scale=scale, causal=False, softcap=logits_soft_cap)[0]
     return out
 
 
@@ -138,23 +122,14 @@ TOL = Tolerance(atol=2e-2, rtol=2e-2)
 
 
 def _check(pb, out):
-    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
-    torch.testing.assert_close(out.double(), ref, atol=TOL.atol, rtol=TOL.rtol)
-
-
-CASES = {
-    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
-    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
-    "verify_tree": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
-    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
-}
+    H.check_output(pb, out, TOL)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(H.MODE_CASES))
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa", "sinks"])
 def test_emulated_backend_matches_reference(fake_aiter, case, page_size, variant):
-    mode, prefix, ext = CASES[case]
+    mode, prefix, ext = H.MODE_CASES[case]
     kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
           "sinks": dict(sinks=True, sliding_window=7)}.get(variant, {})
     pb = H.make_problem(mode, prefix, ext, page_size=page_size, dtype=torch.bfloat16, tree_mask=True,
@@ -175,9 +150,9 @@ def test_causal_verify_without_mask_uses_the_prefill_kernel(fake_aiter):
     assert CALLS == ["mha_batch_prefill_func"]
 
 
-@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify_tree"])
+@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
 def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_aiter, case):
-    mode, prefix, ext = CASES[case]
+    mode, prefix, ext = H.MODE_CASES[case]
     pb = H.make_problem(mode, prefix, ext, page_size=16, dtype=torch.bfloat16, tree_mask=True, sliding_window=6)
     be = _build(pb)
     be.init_forward_metadata(pb.batch)
