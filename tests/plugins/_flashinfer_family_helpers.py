@@ -1,8 +1,9 @@
 """Shared fixtures for the flashinfer and aiter plugin tests (private: not a conftest).
 
 Builds paged problems with scattered pages, prefixes that end mid-page, ragged
-lengths (``MODE_CASES``: the batches both emulated backends run; ``check_output``: a forward's output
-against the float64 reference); hand-built hosts; a subprocess check that a descriptor import stays light.
+lengths (``MODE_CASES`` and ``VARIANTS``: the batches and layers both emulated backends run, ``case_problem``
+one of them; ``context``: a problem's build context; ``check_output``: a forward's output against the float64
+reference); hand-built hosts; a subprocess check that a descriptor import stays light.
 """
 
 from __future__ import annotations
@@ -93,6 +94,32 @@ def check_output(pb: Problem, out: torch.Tensor, tol: Any) -> None:
     ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
                               *pb.cache.kv_scales(0))
     torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
+
+
+#: layer variants both emulated backends run: name -> ``make_problem`` keywords
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window": dict(sliding_window=5),
+    "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
+}
+
+
+def case_problem(case: str, page_size: int, **kw: Any) -> Problem:
+    """The ``MODE_CASES`` batch ``case`` as a ``make_problem`` (verify with a random tree mask; the seed from
+    the case and page size), with more ``make_problem`` keywords ``kw`` (a ``VARIANTS`` entry, a dtype)."""
+    mode, prefix, ext = MODE_CASES[case]
+    return make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
+
+
+def context(pb: Problem, host: HostInfo, dtype: str, config: Any = None, **kw: Any) -> Any:
+    """The build context of problem ``pb`` on ``host``: its layer's heads and head dim, its cache and page size,
+    the layer itself (``config``: default ``AttentionConfig()``; ``kw``: more ``BuildContext`` fields)."""
+    from attnplug import AttentionConfig, BuildContext
+
+    c = pb.cache
+    return BuildContext(config or AttentionConfig(), host, dtype=dtype, num_heads=pb.layer.num_heads,
+                        num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim, page_size=c.page_size,
+                        kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,), **kw)
 
 
 def registry(*dists: str) -> Any:

@@ -110,31 +110,24 @@ def fake_aiter(monkeypatch):
 def _build(pb):
     from attnplug_aiter.backend import AiterBackend
 
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(), H.host("rocm", LIB, **MI300), dtype="bfloat16",
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return AiterBackend(ctx)
+    return AiterBackend(H.context(pb, H.host("rocm", LIB, **MI300), "bfloat16"))
 
 
 #: bfloat16 outputs: tighter than the suite's bfloat16 tolerance
 TOL = Tolerance(atol=2e-2, rtol=2e-2)
 
 
-def _check(pb, out):
-    H.check_output(pb, out, TOL)
+#: the layer variants aiter runs: the family's, and sinks (with a window: the prefill kernel's sink_ptr)
+VARIANTS = {**H.VARIANTS, "sinks": dict(sinks=True, sliding_window=7)}
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(H.MODE_CASES))
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa", "sinks"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_emulated_backend_matches_reference(fake_aiter, case, page_size, variant):
-    mode, prefix, ext = H.MODE_CASES[case]
-    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
-          "sinks": dict(sinks=True, sliding_window=7)}.get(variant, {})
-    pb = H.make_problem(mode, prefix, ext, page_size=page_size, dtype=torch.bfloat16, tree_mask=True,
-                        seed=len(case) + page_size, **kw)
+    pb = H.case_problem(case, page_size, dtype=torch.bfloat16, **VARIANTS[variant])
     forward_and_check(_build(pb), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.bfloat16, tol=TOL)
+    mode = pb.batch.forward_mode
     expected_kernel = "mha_batch_prefill_func"
     if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and variant != "sinks":
         expected_kernel = "paged_attention_ragged"
@@ -146,7 +139,7 @@ def test_causal_verify_without_mask_uses_the_prefill_kernel(fake_aiter):
     assert pb.batch.spec_custom_mask is None
     be = _build(pb)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     assert CALLS == ["mha_batch_prefill_func"]
 
 
@@ -156,7 +149,7 @@ def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_aiter, cas
     pb = H.make_problem(mode, prefix, ext, page_size=16, dtype=torch.bfloat16, tree_mask=True, sliding_window=6)
     be = _build(pb)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False), TOL)
     assert torch.equal(pb.cache.k_buffers[0], pb.k_before) and torch.equal(pb.cache.v_buffers[0], pb.v_before)
 
 
@@ -165,13 +158,13 @@ def test_graph_capture_then_replay_reads_fixed_buffers(fake_aiter):
     be = _build(pb)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, dtype=torch.bfloat16, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
     rows = be._guard.require(pb2.batch).rows(None)
     assert rows.kv_indices.data_ptr() == be._graph[None]["kv_indices"].data_ptr()
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="decode batch size 3"):
         be.init_forward_metadata_replay_cuda_graph(
             H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)

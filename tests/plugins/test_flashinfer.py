@@ -181,31 +181,24 @@ def fake_flashinfer(monkeypatch):
     return mod
 
 
-def _build(pb, fake, deterministic=False):
+def _build(pb, fake=None, deterministic=False, **kw):
+    """A FlashInferBackend over ``pb`` on an SM90 host (``fake``: the emulated module, installed by its fixture;
+    ``kw``: more ``BuildContext`` fields)."""
     from attnplug_flashinfer.backend import FlashInferBackend
 
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(deterministic=deterministic), H.host("cuda", LIB, **SM90), dtype="float16",
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return FlashInferBackend(ctx)
+    return FlashInferBackend(H.context(pb, H.host("cuda", LIB, **SM90), "float16",
+                                       AttentionConfig(deterministic=deterministic), **kw))
 
 
 #: float16 outputs: tighter than the suite's float16 tolerance
 TOL = Tolerance(atol=3e-3, rtol=3e-3)
 
 
-def _check(pb, out):
-    H.check_output(pb, out, TOL)
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(H.MODE_CASES))
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa"])
+@pytest.mark.parametrize("variant", list(H.VARIANTS))
 def test_emulated_backend_matches_reference(fake_flashinfer, case, page_size, variant):
-    mode, prefix, ext = H.MODE_CASES[case]
-    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1)}.get(variant, {})
-    pb = H.make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
+    pb = H.case_problem(case, page_size, **H.VARIANTS[variant])
     forward_and_check(_build(pb, fake_flashinfer), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.float16,
                       tol=TOL)
 
@@ -217,7 +210,7 @@ def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_flashinfer
     be = _build(pb, fake_flashinfer)
     be.init_forward_metadata(pb.batch)
     out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
     assert torch.equal(pb.cache.k_buffers[0], pb.k_before) and torch.equal(pb.cache.v_buffers[0], pb.v_before)
 
 
@@ -227,7 +220,7 @@ def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinf
     be.init_forward_metadata(pb.batch)
     for _ in range(3):
         out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
     (wrapper,) = be._eager.values()
     assert wrapper.plan_calls == 1
 
@@ -246,7 +239,7 @@ def test_deterministic_plans_disable_split_kv_on_the_fa2_path(fake_flashinfer, m
     pb = H.make_problem(mode, [4, 8], qlens, page_size=4)
     be = _build(pb, fake_flashinfer, deterministic=True)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save), TOL)
     assert seen and all(kw.get("disable_split_kv") is True and "fixed_split_size" not in kw for kw in seen)
     assert built and all(kw.get("backend") == "fa2" for c, kw in built)
 
@@ -265,11 +258,11 @@ def test_cuda_graph_verify_capture_and_replay(fake_flashinfer):
     be = _build(pb, fake_flashinfer)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=12)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     pb2 = H.make_problem(ForwardMode.TARGET_VERIFY, [9, 2], [3, 3], page_size=4, tree_mask=True, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="covers decode and target_verify"):
         be.init_forward_metadata_capture_cuda_graph(H.make_problem(ForwardMode.EXTEND, [1], [2], page_size=4).batch)
 
@@ -279,14 +272,14 @@ def test_cuda_graph_capture_then_replay_reads_fixed_buffers(fake_flashinfer):
     be = _build(pb, fake_flashinfer)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     # replay: same batch size, other lengths and pages (the same wrapper, re-planned into its buffers)
     pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
     ((config, wrapper),) = be._graph_wrappers[(2, "decode")].items()
     assert wrapper.use_cuda_graph and wrapper.p["indptr"].data_ptr() == be._graph_buffers[config]["kv_indptr"].data_ptr()
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="no CUDA graph was captured for batch size 3"):
         be.init_forward_metadata_replay_cuda_graph(
             H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)
@@ -465,13 +458,7 @@ FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale)
 
 
 def _build_fp8(pb, kv="float8_e4m3fn"):
-    from attnplug_flashinfer.backend import FlashInferBackend
-
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(), H.host("cuda", LIB, **SM90), dtype="float16", kv_cache_dtype=kv,
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return FlashInferBackend(ctx)
+    return _build(pb, kv_cache_dtype=kv)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -499,7 +486,7 @@ def test_fp8_kv_passes_the_cache_scales_to_run_mocked_no_gpu(fake_flashinfer, mo
         assert type(c.kwargs["k_scale"]) is float and "q_scale" not in c.kwargs
         assert c.args[0].dtype == torch.float16 and c.args[1][0].dtype == kv_dtype
     assert all(c.kwargs["sm_scale"] == pb.layer.scaling and c.kwargs["kv_data_type"] == kv_dtype for c in plans)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
 
 
 def test_fp8_kv_with_the_v_scale_ignored_misses_the_reference_mocked_no_gpu(fake_flashinfer, monkeypatch):
@@ -517,7 +504,7 @@ def test_fp8_kv_with_the_v_scale_ignored_misses_the_reference_mocked_no_gpu(fake
     be.init_forward_metadata(pb.batch)
     out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
     with pytest.raises(AssertionError):
-        _check(pb, out)
+        H.check_output(pb, out, TOL)
 
 
 def test_a_16_bit_cache_passes_no_scales(fake_flashinfer):
