@@ -172,6 +172,14 @@ def modules_after_discovery(dist: str, descriptor: str) -> set[str]:
     return set(json.loads(out))
 
 
+def assert_descriptor_light(dist: str, descriptor: str, library: str) -> None:
+    """Discovering ``dist`` (and probing it) loads its ``descriptor`` module, neither torch nor the kernel
+    library's module ``library`` (``modules_after_discovery``)."""
+    mods = modules_after_discovery(dist, descriptor)
+    assert descriptor in mods
+    assert not {"torch", library} & mods, sorted({"torch", library} & mods)
+
+
 def fake_module(name: str, version: str, **attrs: Any) -> types.ModuleType:
     mod = types.ModuleType(name)
     mod.__version__ = version
