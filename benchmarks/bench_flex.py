@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_torch_native import Problem, timed
+from bench_torch_native import Problem, add_problem_args, describe, problem_from_args, timed
 
 from attnplug_torch_native.backend import TorchNativeBackend
 
@@ -103,22 +103,9 @@ def flex_extend_call(p: Problem) -> Callable[[], Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("decode", "extend"), default="decode")
-    ap.add_argument("--batch", type=int, help="requests (default: decode 32, extend 4)")
-    ap.add_argument("--context", type=int, default=1024, help="decode: KV length incl. the new token; extend: prefix")
-    ap.add_argument("--new", type=int, default=512, help="extend: new tokens per request")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    add_problem_args(ap)
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    batch = a.batch or (32 if a.mode == "decode" else 4)
-    p = Problem(a.mode, batch, a.context, a.new, a.heads, a.kv_heads, a.head_dim, a.page_size, a.dtype)
+    p = problem_from_args(a)
     flex = flex_decode_call(p) if a.mode == "decode" else flex_extend_call(p)
     t0 = time.perf_counter()
     out = flex()
@@ -131,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = {"torch_native": p.backend_call(TorchNativeBackend(p.ctx)), "flex": flex, f"floor: {floor_name}": floor}
     ms = timed(calls, a.repeats, 1)
     fl = ms[f"floor: {floor_name}"]
-    print(f"{a.mode} {a.dtype}: batch {batch}, context {a.context}" + (f", {a.new} new" if a.mode == "extend" else "")
-          + f", heads {a.heads}/{a.kv_heads}, d {a.head_dim}, page {a.page_size}, threads {torch.get_num_threads()}, "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(describe(a, p) + f", load {os.getloadavg()[0]:.1f}")
     print(f"  flex first call (compile): {compile_s:.1f} s; max |flex - floor| = {err:.2e}")
     for k, v in ms.items():
         print(f"  {k:40s} {v:9.2f} ms  {v / fl:5.2f}x floor  torch_native/row {ms['torch_native'] / v:5.2f}")

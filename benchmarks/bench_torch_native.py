@@ -152,11 +152,12 @@ def load_variant(path: str) -> Any:
     return mod
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_problem_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of one ``Problem`` and its timing (``bench_flex.py`` takes them too)."""
     ap.add_argument("--mode", choices=("decode", "extend"), default="decode")
     ap.add_argument("--batch", type=int, help="requests (default: decode 32, extend 4)")
-    ap.add_argument("--context", type=int, help="decode: KV length incl. the new token (1024); extend: prefix (1024)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="decode: KV length incl. the new token; extend: prefix (default 1024)")
     ap.add_argument("--new", type=int, default=512, help="extend: new tokens per request (default 512)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -164,18 +165,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+
+
+def problem_from_args(a: argparse.Namespace) -> Problem:
+    """The ``Problem`` the flags of ``add_problem_args`` describe (``--threads`` set for the run)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    batch = a.batch or (32 if a.mode == "decode" else 4)
+    return Problem(a.mode, batch, a.context, a.new, a.heads, a.kv_heads, a.head_dim, a.page_size, a.dtype)
+
+
+def describe(a: argparse.Namespace, p: Problem) -> str:
+    """One line naming the problem: mode, dtype, batch, context, new tokens, heads, head dim, page, threads."""
+    return (f"{a.mode} {a.dtype}: batch {p.batch}, context {a.context}" + (f", {a.new} new" if a.mode == "extend" else "")
+            + f", heads {a.heads}/{a.kv_heads}, d {a.head_dim}, page {a.page_size}, threads {torch.get_num_threads()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_problem_args(ap)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=PATH",
                     help="also time TorchNativeBackend from another kernel module file (repeatable)")
     ap.add_argument("--block-bytes", type=int, action="append", default=[], metavar="N",
                     help="also time torch_native with decode_block_bytes=N (repeatable)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    batch = a.batch or (32 if a.mode == "decode" else 4)
-    p = Problem(a.mode, batch, a.context or 1024, a.new, a.heads, a.kv_heads, a.head_dim, a.page_size, a.dtype)
+    p = problem_from_args(a)
     calls = {}
     try:
         from attnplug_cpu_fused.backend import CpuFusedBackend
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = timed(calls, a.repeats, a.warmup)
     floor = min(ms[k] for k in floors)
     result = {
-        "mode": a.mode, "dtype": a.dtype, "batch": batch, "context": a.context or 1024,
+        "mode": a.mode, "dtype": a.dtype, "batch": p.batch, "context": a.context,
         "new": a.new if a.mode == "extend" else 1, "heads": a.heads, "kv_heads": a.kv_heads,
         "head_dim": a.head_dim, "page_size": a.page_size, "threads": torch.get_num_threads(),
         "ms": ms, "x_floor": {k: v / floor for k, v in ms.items()},
@@ -205,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{a.mode} {a.dtype}: batch {batch}, context {result['context']}"
-              + (f", {a.new} new" if a.mode == "extend" else "")
-              + f", heads {a.heads}/{a.kv_heads}, d {a.head_dim}, page {a.page_size}, threads {result['threads']}")
+        print(describe(a, p))
         w = max(map(len, ms))
         for k, v in ms.items():
             print(f"  {k.ljust(w)}  {v:9.2f} ms  {result['x_floor'][k]:5.2f}x floor  "

@@ -124,22 +124,14 @@ def accuracy(reg: Registry, name: str, p: dict[str, Any]) -> tuple[str, str]:
     backend, why = build(reg, name, p)
     if backend is None:
         return "SKIP", why
-    out = run(backend, p).double().cpu()
-    kb, vb = p["before"]
-    cache = p["cache"]
-    # fp8: the stored values and the layer's scales (the reference dequantizes and quantizes new tokens)
-    kc, vc = (kb.cpu(), vb.cpu()) if cache.quantized else (kb.cpu().double(), vb.cpu().double())
-    ref = reference_attention(p["q"].cpu(), p["k"].cpu(), p["v"].cpu(), p["layer"], _cpu(p["batch"]),
-                              kc, vc, cache.req_to_token.cpu(), *cache.kv_scales(0))
-    atol, rtol = FP8_TOL if p["kv_dtype"] == torch.float8_e4m3fn else TOL[p["dtype"]]
-    excess = float(((out - ref).abs() - (atol + rtol * ref.abs())).max())
-    return ("PASS" if excess <= 0 else "FAIL"), f"max excess error {excess:.3g}"
+    return compare(p, run(backend, p))
 
 
 def compare(p: dict[str, Any], out: torch.Tensor) -> tuple[str, str]:
     """``out`` of ``p``'s forward against the float64 reference (the cache before the forward)."""
     kb, vb = p["before"]
     cache = p["cache"]
+    # fp8: the stored values and the layer's scales (the reference dequantizes and quantizes new tokens)
     kc, vc = (kb.cpu(), vb.cpu()) if cache.quantized else (kb.cpu().double(), vb.cpu().double())
     ref = reference_attention(p["q"].cpu(), p["k"].cpu(), p["v"].cpu(), p["layer"], _cpu(p["batch"]),
                               kc, vc, cache.req_to_token.cpu(), *cache.kv_scales(0))

@@ -9,6 +9,8 @@ harness builds its problems from suite cases; a kernel test chooses its batches 
 rows, prefixes ending mid-page, several batches over one cache), so it builds them here.
 ``small_setup`` is the small float32 cache and registry-built backend the batch-checking tests (a batch
 changed after ``init_forward_metadata``, ``ForwardBatch.decode`` from host ints) share.
+``assert_claims_every_feature`` asks a built backend's ``not_supported_reasons`` about a layer using every
+optional feature.
 """
 
 from __future__ import annotations
@@ -147,3 +149,18 @@ def run_and_check(s: Setup, batch: ForwardBatch, layer: LayerSpec | None = None,
     if edit is not None:
         edit(q, k, v)
     return forward_and_check(s.backend, s.cache, layer, batch, q, k, v, dtype=s.dtype, save=save, init=init)
+
+
+def assert_claims_every_feature(backend: Any, *, fp8: str, refused: dict[str, str]) -> None:
+    """``backend.not_supported_reasons`` gives no reason for a layer using every optional feature (MQA, a V
+    head dim of its own, a window, soft-cap, sinks, cross-attention), over the backend's own context and
+    over an ``fp8`` KV cache (the suite family fp8_kv); over its context with the fields ``refused``
+    (``{field: value}``, no cache) some reason names the first of them as ``field=value``."""
+    layer = LayerSpec(0, 8, 1, 40, v_head_dim=24, sliding_window=3, logit_cap=30.0, sinks=torch.zeros(8),
+                      is_cross_attention=True)
+    ctx = backend.ctx
+    assert backend.not_supported_reasons(layer, ctx) == []
+    assert backend.not_supported_reasons(layer, ctx.replace(kv_cache=None, kv_cache_dtype=fp8)) == []
+    field, value = next(iter(refused.items()))
+    reasons = backend.not_supported_reasons(layer, ctx.replace(kv_cache=None, **refused))
+    assert any(f"{field}={value}" in r for r in reasons), reasons

@@ -6,20 +6,26 @@ distribution of a same-module family (sgl-kernel / sglang-kernel /
 sglang-kernel-cpu; amd-aiter) a host record holds; ``module_provider`` finds
 the installed distribution whose files hold a module; ``version_tuple`` and
 ``version_key`` order versions for library floors (``version_key`` tells
-``0.3.4.post1`` from ``0.3.4``).
+``0.3.4.post1`` from ``0.3.4``). ``fp8_kv_sm_problems`` is the configuration
+check of a plugin whose fp8 KV path is built for some GPUs only.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from .dtypes import kv_dtype_name
 from .host import SAME_MODULE_DISTRIBUTIONS, HostInfo, equivalent_distributions, module_provider
+
+if TYPE_CHECKING:
+    from .config import AttentionConfig
 
 __all__ = [
     "SAME_MODULE_DISTRIBUTIONS",
     "Probe",
+    "fp8_kv_sm_problems",
     "installed_library",
     "library_missing",
     "module_missing",
@@ -73,6 +79,22 @@ def library_missing(distribution: str, install_hint: str = "") -> Probe:
         return [msg + (f" ({install_hint})" if install_hint else "")]
 
     return probe
+
+
+def fp8_kv_sm_problems(name: str, config: AttentionConfig, host: HostInfo, sms: tuple[int, ...], runs_on: str,
+                       advice: str = "") -> list[str]:
+    """Why a configuration using backend ``name`` (either half) cannot keep an fp8 KV cache on ``host``: a
+    CUDA GPU whose SM is not in ``sms``, the GPUs the backend's fp8 path is built for (an unknown SM is not
+    refused). ``runs_on`` words where that path runs (``"... runs on Hopper (SM90)"``), ``advice`` what to
+    do instead. A plugin's ``attnplug_check_config`` returns it."""
+    if name not in config.attention_backends() or host.platform != "cuda":
+        return []
+    kv = kv_dtype_name(config.kv_cache_dtype, config.dtype)
+    sm = host.sm()
+    if kv is None or not kv.startswith("float8") or sm is None or sm in sms:
+        return []
+    return [f"kv_cache_dtype={kv} with attention backend {name!r}: {runs_on} only; this GPU is SM{sm}"
+            + (f". {advice}" if advice else "")]
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

@@ -238,7 +238,7 @@ def test_verify_after_extend_never_reuses_the_extend_wrapper(recorder, sequence,
         pb = problems[case]
         be.kv_cache = pb.cache
         out = forward(be, pb)
-        T._check(pb, out)
+        H.check_output(pb, out, T.TOL)
     verify_plans = [c for c in recorder.calls if c.qualname.endswith("PrefillWithPagedKVCacheWrapper.plan")
                     and c.kwargs.get("custom_mask") is not None]
     assert verify_plans and all(c.owner["backend"] == "fa2" for c in verify_plans)
@@ -255,7 +255,7 @@ def test_fp8_decisions_read_the_cache_handed_in(recorder, case):
     pb = _problem(case, fp8=True)
     be = FlashInferBackend(_ctx(pb, kv_cache_dtype=None))
     out = forward(be, pb)
-    T._check(pb, out)
+    H.check_output(pb, out, T.TOL)
     for c in _inits(recorder.calls, "BatchDecodeWithPagedKVCacheWrapper"):
         assert c.kwargs["use_tensor_cores"] is True
     for c in _inits(recorder.calls, "BatchPrefillWithPagedKVCacheWrapper"):
@@ -279,7 +279,7 @@ def test_kv_scales_changed_after_capture_are_refused(recorder, case, change):
     pb = _problem(case, fp8=True)
     be = FlashInferBackend(_ctx(pb))
     _capture(be, pb)
-    T._check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), T.TOL)
     k, v = FP8_SCALES
     new = {"k": (k * 2, v), "v": (k, v * 2), "both": (k * 2, v * 2), "none": (k, v)}[change]
     pb.cache.set_kv_scales(0, *new)

@@ -20,7 +20,7 @@ import _fa3_family_helpers as FH
 import _flashinfer_family_helpers as IH
 import _library_contracts as C
 from _drive import unchecked
-from attnplug import AttentionConfig, BuildContext, ForwardMode
+from attnplug import ForwardMode
 
 
 @contextlib.contextmanager
@@ -98,12 +98,8 @@ def _aiter(monkeypatch, mode):
     # mocked: which installed distribution owns the module (no ROCm build here)
     monkeypatch.setattr(B, "library_provider", lambda dists: (LIBRARY, MIN_LIBRARY_VERSION), raising=False)
     pb = IH.make_problem(mode, [5, 9], [1, 1], page_size=4, dtype=torch.bfloat16, sinks=True, seed=3)
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(), IH.host("rocm", {LIBRARY: MIN_LIBRARY_VERSION}, gfx_arch="gfx942"),
-                       dtype="bfloat16", num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads,
-                       head_dim=pb.layer.head_dim, page_size=c.page_size, kv_cache=c,
-                       max_context_len=c.max_context_len, layers=(pb.layer,))
-    return B.AiterBackend(ctx), pb, rec, "sink_ptr", torch.float32, lambda out: T._check(pb, out)
+    ctx = IH.context(pb, IH.host("rocm", {LIBRARY: MIN_LIBRARY_VERSION}, gfx_arch="gfx942"), "bfloat16")
+    return B.AiterBackend(ctx), pb, rec, "sink_ptr", torch.float32, lambda out: IH.check_output(pb, out, T.TOL)
 
 
 PLUGINS = {"fa3": _fa3, "trtllm_mha": _trtllm, "aiter": _aiter}

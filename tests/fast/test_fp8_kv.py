@@ -147,3 +147,34 @@ def test_a_pinned_half_lacking_the_fp8_format_is_refused_with_alternatives() -> 
     assert isinstance(res.error, ConfigError)
     msg = str(res.error)
     assert "'fa3'" in msg and "kv_cache_dtype=float8_e5m2" in msg and "Backends that would:" in msg
+
+
+def _sm(sm: int | None, platform: str = "cuda") -> HostInfo:
+    return HostInfo(platform=platform, compute_capability=None if sm is None else (sm // 10, sm % 10))
+
+
+@pytest.mark.parametrize("config, host", [
+    (AttentionConfig(attention_backend="triton", kv_cache_dtype="fp8_e4m3"), _sm(80)),  # another backend
+    (AttentionConfig(attention_backend="kern", kv_cache_dtype="fp8_e4m3"), _sm(90)),  # an SM it is built for
+    (AttentionConfig(attention_backend="kern", kv_cache_dtype="fp8_e4m3"), _sm(None)),  # SM unknown
+    (AttentionConfig(attention_backend="kern", kv_cache_dtype="fp8_e4m3"), _sm(None, "rocm")),  # not CUDA
+    (AttentionConfig(attention_backend="kern", kv_cache_dtype="auto"), _sm(80)),  # no fp8 cache
+    (AttentionConfig(attention_backend="kern", kv_cache_dtype="bfloat16"), _sm(80)),
+], ids=["other_backend", "built_sm", "unknown_sm", "rocm", "auto", "bfloat16"])
+def test_fp8_kv_sm_problems_refuses_only_fp8_on_other_gpus(config: AttentionConfig, host: HostInfo) -> None:
+    from attnplug.probes import fp8_kv_sm_problems
+
+    assert fp8_kv_sm_problems("kern", config, host, (90,), "kern's fp8 path runs on SM90") == []
+
+
+@pytest.mark.parametrize("config", [
+    AttentionConfig(attention_backend="kern", kv_cache_dtype="fp8_e5m2"),
+    AttentionConfig(prefill_attention_backend="triton", decode_attention_backend="kern", kv_cache_dtype="fp8_e5m2"),
+], ids=["both_halves", "decode_half"])
+@pytest.mark.parametrize("advice, tail", [("", ""), ("Use auto", ". Use auto")])
+def test_fp8_kv_sm_problems_names_the_dtype_backend_and_gpu(config: AttentionConfig, advice: str, tail: str) -> None:
+    from attnplug.probes import fp8_kv_sm_problems
+
+    assert fp8_kv_sm_problems("kern", config, _sm(86), (90, 100), "kern's fp8 path runs on SM90/100", advice) == [
+        "kv_cache_dtype=float8_e5m2 with attention backend 'kern': kern's fp8 path runs on SM90/100 only; this GPU is "
+        "SM86" + tail]

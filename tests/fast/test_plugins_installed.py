@@ -127,6 +127,15 @@ BUILD = """
 """
 
 
+def build_once(site, name, plugins):
+    """``reg.build(name, ...)`` in a fresh interpreter that discovered ``plugins`` only: ``attempt``'s record,
+    ``["ok", effective name, prefill stamp, decode stamp]`` or ``[error class, message, distribution]``."""
+    return run_json(BUILD + f"""
+    attempt("r", {name!r})
+    print(json.dumps(out))
+    """, site=site, env={"ATTNPLUG_PLUGINS": plugins})["r"]
+
+
 @pytest.mark.parametrize(
     "backend,fragment",
     [
@@ -139,30 +148,19 @@ BUILD = """
     ],
 )
 def test_factory_contract_violations_name_the_distribution(test_dists_site, backend, fragment):
-    out = run_json(BUILD + f"""
-    attempt("r", {backend!r})
-    print(json.dumps(out))
-    """, site=test_dists_site, env={"ATTNPLUG_PLUGINS": "attnplug-test-bad-factories"})
-    kind, message, dist = out["r"]
+    kind, message, dist = build_once(test_dists_site, backend, "attnplug-test-bad-factories")
     assert kind == "PluginError"
     assert dist == "attnplug-test-bad-factories"
     assert "attnplug-test-bad-factories" in message and fragment in message
 
 
 def test_factory_may_answer_another_registered_name_and_is_stamped_with_it(test_dists_site):
-    out = run_json(BUILD + """
-    attempt("r", "good_other_name")
-    print(json.dumps(out))
-    """, site=test_dists_site, env={"ATTNPLUG_PLUGINS": "attnplug-test-bad-factories"})
-    assert out["r"] == ["ok", "bad_none", "bad_none", "bad_none"]
+    assert build_once(test_dists_site, "good_other_name", "attnplug-test-bad-factories") == [
+        "ok", "bad_none", "bad_none", "bad_none"]
 
 
 def test_unknown_backend_lists_available_and_why_others_are_not(test_dists_site):
-    out = run_json(BUILD + """
-    attempt("r", "no_such")
-    print(json.dumps(out))
-    """, site=test_dists_site, env={"ATTNPLUG_PLUGINS": ALL_GOOD + ",attnplug-test-broken-import"})
-    kind, message, _ = out["r"]
+    kind, message, _ = build_once(test_dists_site, "no_such", ALL_GOOD + ",attnplug-test-broken-import")
     assert kind == "UnknownBackendError"
     assert "unknown attention backend 'no_such'" in message
     assert "fake_fa3" in message and "fake_triton" in message
@@ -193,11 +191,7 @@ def test_aliases_deprecated_aliases_and_host_dependent_names(test_dists_site):
 
 
 def test_unavailable_backend_raises_with_its_reasons(test_dists_site):
-    out = run_json(BUILD + """
-    attempt("r", "fake_gpu_only")
-    print(json.dumps(out))
-    """, site=test_dists_site, env={"ATTNPLUG_PLUGINS": ALL_GOOD})
-    kind, message, _ = out["r"]
+    kind, message, _ = build_once(test_dists_site, "fake_gpu_only", ALL_GOOD)
     assert kind == "BackendUnavailableError"
     assert "needs SM90+" in message and "Available here: fake_fa3, fake_flashinfer, fake_triton" in message
 

@@ -109,14 +109,7 @@ def test_factory_returns_effective_name():
 
 
 def test_not_supported_reasons_are_the_generic_ones():
-    s = make_setup()
-    layer = LayerSpec(0, 8, 1, 40, v_head_dim=24, sliding_window=3, logit_cap=30.0, sinks=torch.zeros(8),
-                      is_cross_attention=True)
-    assert s.backend.not_supported_reasons(layer, s.backend.ctx) == []
-    fp8 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="fp8")
-    assert s.backend.not_supported_reasons(layer, fp8) == []  # fp8 KV is claimed (suite family fp8_kv)
-    f64 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="float64")
-    assert any("kv_cache_dtype=float64" in r for r in s.backend.not_supported_reasons(layer, f64))
+    paged_setup.assert_claims_every_feature(make_setup().backend, fp8="fp8", refused={"kv_cache_dtype": "float64"})
 
 
 def test_forward_without_kv_cache_raises_clearly():

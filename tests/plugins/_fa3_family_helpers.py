@@ -6,7 +6,7 @@
   ``ForwardBatch`` and the layer's q/k/v; fp8 queries exact in e4m3 and sinks
   exact in bfloat16 through ``Case.exact_in``); the expected output comes from
   ``attnplug.testing.reference.reference_attention`` only.
-* ``attend64``: the float64 attention arithmetic the kernel emulators share
+* ``_problems.attend64`` (shared with the flashinfer and aiter emulators): the float64 attention arithmetic the kernel emulators share
   (scores, bottom-right-aligned causal/window masks, soft-cap, sinks). Each
   emulator does its own reading of its library's layout and calls this for
   the arithmetic only.
@@ -26,7 +26,6 @@ import torch
 
 from attnplug import ForwardMode, LayerSpec, PagedKVCache
 from attnplug.host import HostInfo
-from _problems import visible
 from attnplug.registry import Registry
 from attnplug.testing.reference import reference_attention
 
@@ -130,42 +129,6 @@ def pages_of(cache: PagedKVCache, row: int, length: int) -> list[int]:
     """Independent expectation: the page of positions ``j*page_size …`` of a request, from its first slot."""
     ps = cache.page_size
     return [int(cache.req_to_token[row, j * ps]) // ps for j in range(math.ceil(length / ps))]
-
-
-# -- the shared float64 arithmetic of the emulators -------------------------------
-def attend64(
-    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *, scale: float, causal: bool, left: int = -1,
-    right: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``q`` ``[sq, H, D]`` over ``K``/``V`` ``[sk, Hkv, *]`` in float64, masks aligned bottom-right.
-
-    Query ``i`` sits at key index ``i + sk - sq``; ``causal`` hides keys after
-    it, ``left``/``right`` (``-1``: unlimited) bound the keys before/after it.
-    Query head ``h`` uses KV head ``h // (H // Hkv)``. A row with nothing
-    visible is 0.
-    """
-    sq, H = q.shape[0], q.shape[1]
-    sk, Hkv = K.shape[0], K.shape[1]
-    G = H // Hkv
-    Kh = K.double().repeat_interleave(G, dim=1)
-    Vh = V.double().repeat_interleave(G, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), Kh) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    vis = visible(sq, sk, causal, left, right)
-    s = s.masked_fill(~vis[None], -math.inf)
-    m = s.amax(dim=2) if sk else torch.full((H, sq), -math.inf, dtype=torch.float64)
-    snk = None if sinks is None else sinks.double()[:, None]
-    if snk is not None:
-        m = torch.maximum(m, snk.expand_as(m))
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(s - m[:, :, None])
-    den = w.sum(dim=2)
-    if snk is not None:
-        den = den + torch.exp(snk - m)
-    o = torch.einsum("hqk,khd->qhd", w, Vh)
-    den = den.transpose(0, 1)[:, :, None]
-    return torch.where(den > 0, o / den.clamp_min(1e-300), torch.zeros_like(o))
 
 
 def context(p: types.SimpleNamespace, host: HostInfo, *, config: Any = None, dtype: Any = None,

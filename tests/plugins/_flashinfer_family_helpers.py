@@ -1,7 +1,9 @@
 """Shared fixtures for the flashinfer and aiter plugin tests (private: not a conftest).
 
 Builds paged problems with scattered pages, prefixes that end mid-page, ragged
-lengths; hand-built hosts; a subprocess check that a descriptor import stays light.
+lengths (``MODE_CASES`` and ``VARIANTS``: the batches and layers both emulated backends run, ``case_problem``
+one of them; ``context``: a problem's build context; ``check_output``: a forward's output against the float64
+reference); hand-built hosts; a subprocess check that a descriptor import stays light.
 """
 
 from __future__ import annotations
@@ -75,6 +77,51 @@ def make_problem(
     return Problem(p.cache, p.batch, q, k, v, p.layers[0], k_before, v_before)
 
 
+#: the batches both emulated backends run: case -> (mode, cached prefix per request, new tokens per request)
+MODE_CASES = {
+    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
+    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
+    "verify": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
+}
+
+
+def check_output(pb: Problem, out: torch.Tensor, tol: Any) -> None:
+    """``out``, a forward of ``pb``, against the float64 reference over the cache as it was before (with the
+    layer's KV scales), within ``tol`` (``atol``/``rtol``)."""
+    from attnplug.testing.reference import reference_attention
+
+    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
+                              *pb.cache.kv_scales(0))
+    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
+
+
+#: layer variants both emulated backends run: name -> ``make_problem`` keywords
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window": dict(sliding_window=5),
+    "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
+}
+
+
+def case_problem(case: str, page_size: int, **kw: Any) -> Problem:
+    """The ``MODE_CASES`` batch ``case`` as a ``make_problem`` (verify with a random tree mask; the seed from
+    the case and page size), with more ``make_problem`` keywords ``kw`` (a ``VARIANTS`` entry, a dtype)."""
+    mode, prefix, ext = MODE_CASES[case]
+    return make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
+
+
+def context(pb: Problem, host: HostInfo, dtype: str, config: Any = None, **kw: Any) -> Any:
+    """The build context of problem ``pb`` on ``host``: its layer's heads and head dim, its cache and page size,
+    the layer itself (``config``: default ``AttentionConfig()``; ``kw``: more ``BuildContext`` fields)."""
+    from attnplug import AttentionConfig, BuildContext
+
+    c = pb.cache
+    return BuildContext(config or AttentionConfig(), host, dtype=dtype, num_heads=pb.layer.num_heads,
+                        num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim, page_size=c.page_size,
+                        kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,), **kw)
+
+
 def registry(*dists: str) -> Any:
     """A registry that discovered only ``dists`` (through their entry points)."""
     from attnplug.registry import Registry
@@ -123,6 +170,14 @@ def modules_after_discovery(dist: str, descriptor: str) -> set[str]:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return set(json.loads(out))
+
+
+def assert_descriptor_light(dist: str, descriptor: str, library: str) -> None:
+    """Discovering ``dist`` (and probing it) loads its ``descriptor`` module, neither torch nor the kernel
+    library's module ``library`` (``modules_after_discovery``)."""
+    mods = modules_after_discovery(dist, descriptor)
+    assert descriptor in mods
+    assert not {"torch", library} & mods, sorted({"torch", library} & mods)
 
 
 def fake_module(name: str, version: str, **attrs: Any) -> types.ModuleType:

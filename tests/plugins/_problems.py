@@ -1,6 +1,8 @@
 """Problem pieces the GPU plugins' tests share (private: not a conftest).
 
-``visible`` is the key mask of the flash-attention style emulators (causal, window ``(left, right)``).
+``visible`` is the key mask of the flash-attention style emulators (causal, window ``(left, right)``);
+``attend64`` the float64 attention arithmetic every kernel emulator (fa3, trtllm_mha, intel_amx, flashinfer,
+aiter) shares: each emulator reads its library's layout and calls it for the arithmetic only.
 ``check_mla_no_save`` checks a ``save_kv_cache=False`` MLA forward, ``check_mla_refused`` a refused one.
 ``latent_problem`` asks the conformance suite's MLA builder (``attnplug.testing.suite.mla_problem``) for
 one batch over a latent cache (``v_head_dim=0``: one row of ``kv_lora_rank + qk_rope_head_dim`` per
@@ -10,6 +12,7 @@ its kernel's defaults and the shape of what it returns.
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Sequence
 
@@ -37,6 +40,43 @@ def visible(queries: int, keys: int, causal: bool, left: int, right: int) -> tor
         vis &= j <= pos + right
     return vis
 
+
+def attend64(
+    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *, scale: float, causal: bool, left: int = -1,
+    right: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` ``[sq, H, D]`` over ``K``/``V`` ``[sk, Hkv, *]`` in float64, masks aligned bottom-right.
+
+    Query ``i`` sits at key index ``i + sk - sq``; ``causal`` hides keys after
+    it, ``left``/``right`` (``-1``: unlimited) bound the keys before/after it;
+    ``mask`` (``[sq, sk]`` bool, e.g. a draft tree's) hides the keys it is False at.
+    Query head ``h`` uses KV head ``h // (H // Hkv)``. A row with nothing
+    visible is 0.
+    """
+    sq, H = q.shape[0], q.shape[1]
+    sk, Hkv = K.shape[0], K.shape[1]
+    G = H // Hkv
+    Kh = K.double().repeat_interleave(G, dim=1)
+    Vh = V.double().repeat_interleave(G, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), Kh) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    vis = visible(sq, sk, causal, left, right)
+    if mask is not None:
+        vis &= mask
+    s = s.masked_fill(~vis[None], -math.inf)
+    m = s.amax(dim=2) if sk else torch.full((H, sq), -math.inf, dtype=torch.float64)
+    snk = None if sinks is None else sinks.double()[:, None]
+    if snk is not None:
+        m = torch.maximum(m, snk.expand_as(m))
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(s - m[:, :, None])
+    den = w.sum(dim=2)
+    if snk is not None:
+        den = den + torch.exp(snk - m)
+    o = torch.einsum("hqk,khd->qhd", w, Vh)
+    den = den.transpose(0, 1)[:, :, None]
+    return torch.where(den > 0, o / den.clamp_min(1e-300), torch.zeros_like(o))
 
 def latent_problem(prefix: Sequence[int], ext: Sequence[int], *, mode: ForwardMode = ForwardMode.EXTEND,
                    page_size: int = 16, heads: int = 8, dtype: torch.dtype = torch.bfloat16,

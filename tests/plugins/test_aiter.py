@@ -29,12 +29,11 @@ from attnplug.errors import BackendUnavailableError, MetadataNotInitializedError
 from attnplug.resolution import resolve, trace
 from attnplug.testing.tolerances import Tolerance
 from tests.forward_check import forward_and_check
-from attnplug.testing.reference import reference_attention
 from attnplug_aiter import metadata as M
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
-from _problems import visible
+from _problems import attend64
 
 DIST = "attnplug-aiter"
 LIB = {"amd-aiter": "0.1.10"}
@@ -44,21 +43,6 @@ MI300 = dict(gfx_arch="gfx942")
 # ---------------------------------------------------------------------------
 # (4) EMULATOR of aiter's kernels (the GPU kernels cannot run here), float64
 # ---------------------------------------------------------------------------
-
-
-def _attend(q, K, V, visible, scale, cap, sinks=None):
-    H_, Hkv = q.shape[1], K.shape[1]
-    heads = torch.arange(H_) // (H_ // Hkv)
-    s = scale * torch.einsum("nhd,lhd->nhl", q.double(), K.double()[:, heads])
-    if cap:
-        s = cap * torch.tanh(s / cap)
-    s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    if sinks is not None:  # one extra logit per head in the denominator, no value
-        sink_col = sinks.double()[None, :, None].expand(s.shape[0], -1, 1)
-        p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("nhl,lhd->nhd", p, V.double()[:, heads])
 
 
 CALLS: list[str] = []
@@ -83,8 +67,8 @@ def emu_mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices
         assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
         idx = kv_page_indices[k0:k1].long()
         K, V = k[idx], v[idx]
-        vis = visible(q1 - q0, k1 - k0, causal, left, right)
-        res[q0:q1] = _attend(q[q0:q1], K, V, vis, scale, logits_soft_cap, sink_ptr)
+        res[q0:q1] = attend64(q[q0:q1], K, V, scale=scale, causal=causal, left=left, right=right,
+                              softcap=logits_soft_cap, sinks=sink_ptr)
     return res.to(q.dtype)
 
 
@@ -106,7 +90,7 @@ def emu_paged_attention_ragged(out, workspace_buffer, query, key_cache, value_ca
         assert n <= max_num_partitions * partition_size
         K = key_cache[pages].reshape(-1, *key_cache.shape[2:])[:n]
         V = value_cache[pages].reshape(-1, *value_cache.shape[2:])[:n]
-        out[i] = _attend(query[i:i + 1], K, V, torch.ones(1, n, dtype=torch.bool), scale, logits_soft_cap)[0]
+        out[i] = attend64(query[i:i + 1], K, V, scale=scale, causal=False, softcap=logits_soft_cap)[0]
     return out
 
 
@@ -126,40 +110,24 @@ def fake_aiter(monkeypatch):
 def _build(pb):
     from attnplug_aiter.backend import AiterBackend
 
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(), H.host("rocm", LIB, **MI300), dtype="bfloat16",
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return AiterBackend(ctx)
+    return AiterBackend(H.context(pb, H.host("rocm", LIB, **MI300), "bfloat16"))
 
 
 #: bfloat16 outputs: tighter than the suite's bfloat16 tolerance
 TOL = Tolerance(atol=2e-2, rtol=2e-2)
 
 
-def _check(pb, out):
-    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token)
-    torch.testing.assert_close(out.double(), ref, atol=TOL.atol, rtol=TOL.rtol)
-
-
-CASES = {
-    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
-    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
-    "verify_tree": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
-    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
-}
+#: the layer variants aiter runs: the family's, and sinks (with a window: the prefill kernel's sink_ptr)
+VARIANTS = {**H.VARIANTS, "sinks": dict(sinks=True, sliding_window=7)}
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa", "sinks"])
+@pytest.mark.parametrize("case", sorted(H.MODE_CASES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_emulated_backend_matches_reference(fake_aiter, case, page_size, variant):
-    mode, prefix, ext = CASES[case]
-    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1),
-          "sinks": dict(sinks=True, sliding_window=7)}.get(variant, {})
-    pb = H.make_problem(mode, prefix, ext, page_size=page_size, dtype=torch.bfloat16, tree_mask=True,
-                        seed=len(case) + page_size, **kw)
+    pb = H.case_problem(case, page_size, dtype=torch.bfloat16, **VARIANTS[variant])
     forward_and_check(_build(pb), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.bfloat16, tol=TOL)
+    mode = pb.batch.forward_mode
     expected_kernel = "mha_batch_prefill_func"
     if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and variant != "sinks":
         expected_kernel = "paged_attention_ragged"
@@ -171,17 +139,17 @@ def test_causal_verify_without_mask_uses_the_prefill_kernel(fake_aiter):
     assert pb.batch.spec_custom_mask is None
     be = _build(pb)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     assert CALLS == ["mha_batch_prefill_func"]
 
 
-@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify_tree"])
+@pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
 def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_aiter, case):
-    mode, prefix, ext = CASES[case]
+    mode, prefix, ext = H.MODE_CASES[case]
     pb = H.make_problem(mode, prefix, ext, page_size=16, dtype=torch.bfloat16, tree_mask=True, sliding_window=6)
     be = _build(pb)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False), TOL)
     assert torch.equal(pb.cache.k_buffers[0], pb.k_before) and torch.equal(pb.cache.v_buffers[0], pb.v_before)
 
 
@@ -190,13 +158,13 @@ def test_graph_capture_then_replay_reads_fixed_buffers(fake_aiter):
     be = _build(pb)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, dtype=torch.bfloat16, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
     rows = be._guard.require(pb2.batch).rows(None)
     assert rows.kv_indices.data_ptr() == be._graph[None]["kv_indices"].data_ptr()
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="decode batch size 3"):
         be.init_forward_metadata_replay_cuda_graph(
             H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)
@@ -318,9 +286,7 @@ def test_available_exactly_on_mi300_mi350_with_the_library(host_kw, available):
 
 
 def test_descriptor_imports_neither_torch_nor_aiter():
-    mods = H.modules_after_discovery(DIST, "attnplug_aiter")
-    assert "attnplug_aiter" in mods
-    assert not {"torch", "aiter"} & mods
+    H.assert_descriptor_light(DIST, "attnplug_aiter", "aiter")
 
 
 def test_priority_and_floor():

@@ -17,6 +17,7 @@ eager workspace was never allocated.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -631,6 +632,22 @@ def test_workspace_limit_in_an_extend_mode_shortens_the_chunks(threads):
 # ---------------------------------------------------------------------------
 # availability: the probe and the loader say "no compiled kernel for this CPU / platform"
 # ---------------------------------------------------------------------------
+
+
+def test_descriptor_discovered_alone_imports_no_torch_and_registers_only_cpu_fused():
+    """The descriptor narrows torch_native's envelope (importing torch_native's light descriptor module);
+    discovered alone, it registers cpu_fused only and loads no torch."""
+    code = textwrap.dedent("""
+        import json, sys
+        from attnplug.registry import Registry
+        reg = Registry.discover(env={"ATTNPLUG_PLUGINS": "attnplug-cpu-fused"})
+        reg.availability("cpu_fused")
+        print(json.dumps([reg.names(), sorted(m for m in sys.modules if m.split(".")[0] == "torch")]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    names, torch_modules = json.loads(proc.stdout)
+    assert names == ["cpu_fused"] and torch_modules == []
 
 
 def test_probe_on_this_host_finds_the_compiled_kernel():

@@ -26,6 +26,7 @@ from attnplug_fa3 import metadata as M
 from attnplug_fa3.backend import FA3Backend, load_kernel
 
 import _fa3_family_helpers as H
+from _problems import attend64
 import _library_contracts as C
 
 DIST = "attnplug-fa3"
@@ -71,7 +72,7 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
             K = K * k_descale[b].double()[None, :, None]
             V = V * v_descale[b].double()[None, :, None]
         left, right = window_size
-        out[q0:q1] = H.attend64(qb, K, V, scale=softmax_scale, causal=causal, left=left, right=right,
+        out[q0:q1] = attend64(qb, K, V, scale=softmax_scale, causal=causal, left=left, right=right,
                                 softcap=softcap, sinks=sinks)
     # FA3's fp8 path writes bfloat16 (the backend converts to the model dtype)
     return out.to(torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype)

@@ -27,11 +27,11 @@ from attnplug.errors import MetadataNotInitializedError, NotSupportedError, Shap
 from attnplug.resolution import resolve, trace
 from attnplug.testing.tolerances import Tolerance
 from tests.forward_check import forward_and_check
-from attnplug.testing.reference import reference_attention
 from attnplug_flashinfer import metadata as M
 
 import _flashinfer_family_helpers as H
 import _library_contracts as C
+from _problems import attend64
 
 DIST = "attnplug-flashinfer"
 LIB = {"flashinfer-python": "0.5.2"}
@@ -43,30 +43,6 @@ SM90 = dict(compute_capability=(9, 0))
 # ---------------------------------------------------------------------------
 
 
-def _attend(q, K, V, visible, scale, cap):
-    """Rows of ``q`` [n, H, D] over keys K/V [L, Hkv, D] with ``visible`` [n, L]; float64."""
-    H_, Hkv = q.shape[1], K.shape[1]
-    heads = torch.arange(H_) // (H_ // Hkv)
-    s = scale * torch.einsum("nhd,lhd->nhl", q.double(), K.double()[:, heads])
-    if cap:
-        s = cap * torch.tanh(s / cap)
-    s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("nhl,lhd->nhd", p, V.double()[:, heads])
-
-
-def _visible(qo_len, kv_len, causal, window_left, mask=None):
-    a = torch.arange(qo_len)[:, None]
-    j = torch.arange(kv_len)[None, :]
-    pos = kv_len - qo_len + a  # bottom-right alignment
-    vis = torch.ones(qo_len, kv_len, dtype=torch.bool)
-    if causal:
-        vis &= j <= pos
-    if window_left >= 0:
-        vis &= j >= pos - window_left
-    if mask is not None:
-        vis &= mask.reshape(qo_len, kv_len)
-    return vis
 
 
 def _scaled(plan, q_scale, k_scale):
@@ -142,7 +118,7 @@ class EmuDecodeWrapper(_EmuBase):
         out = torch.zeros(q.shape, dtype=torch.float64)
         for i in range(p["bs"]):
             K, V = self._paged_rows(paged_kv_cache, i)
-            out[i:i + 1] = _attend(q[i:i + 1], K, V, _visible(1, K.shape[0], True, p["window"]), p["scale"], p["cap"])
+            out[i:i + 1] = attend64(q[i:i + 1], K, V, scale=p["scale"], causal=True, left=p["window"], softcap=p["cap"])
         return (out * (1.0 if v_scale is None else v_scale)).to(q.dtype)
 
 
@@ -183,10 +159,10 @@ class EmuPagedPrefillWrapper(_EmuBase):
             L = K.shape[0]
             mask = None
             if p["mask"] is not None:
-                mask = p["mask"][moff:moff + (q1 - q0) * L]
+                mask = p["mask"][moff:moff + (q1 - q0) * L].reshape(q1 - q0, L)
                 moff += (q1 - q0) * L
-            vis = _visible(q1 - q0, L, p["causal"], p["window"], mask)
-            out[q0:q1] = _attend(q[q0:q1], K, V, vis, p["scale"], p["cap"])
+            out[q0:q1] = attend64(q[q0:q1], K, V, scale=p["scale"], causal=p["causal"], left=p["window"],
+                                  softcap=p["cap"], mask=mask)
         if p["mask"] is not None:
             assert moff == p["mask"].numel(), "custom mask length != sum(qo_len * kv_len)"
         return (out * (1.0 if v_scale is None else v_scale)).to(q.dtype)
@@ -205,53 +181,36 @@ def fake_flashinfer(monkeypatch):
     return mod
 
 
-def _build(pb, fake, deterministic=False):
+def _build(pb, fake=None, deterministic=False, **kw):
+    """A FlashInferBackend over ``pb`` on an SM90 host (``fake``: the emulated module, installed by its fixture;
+    ``kw``: more ``BuildContext`` fields)."""
     from attnplug_flashinfer.backend import FlashInferBackend
 
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(deterministic=deterministic), H.host("cuda", LIB, **SM90), dtype="float16",
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return FlashInferBackend(ctx)
+    return FlashInferBackend(H.context(pb, H.host("cuda", LIB, **SM90), "float16",
+                                       AttentionConfig(deterministic=deterministic), **kw))
 
 
 #: float16 outputs: tighter than the suite's float16 tolerance
 TOL = Tolerance(atol=3e-3, rtol=3e-3)
 
 
-def _check(pb, out):
-    ref = reference_attention(pb.q, pb.k, pb.v, pb.layer, pb.batch, pb.k_before, pb.v_before, pb.cache.req_to_token,
-                              *pb.cache.kv_scales(0))
-    torch.testing.assert_close(out.double(), ref, atol=TOL.atol, rtol=TOL.rtol)
-
-
-CASES = {
-    "extend_prefix": (ForwardMode.EXTEND, [0, 5, 17, 3], [4, 1, 6, 9]),
-    "decode": (ForwardMode.DECODE, [0, 16, 32, 15], [1, 1, 1, 1]),
-    "verify": (ForwardMode.TARGET_VERIFY, [5, 17, 3], [4, 4, 4]),
-    "draft_extend": (ForwardMode.DRAFT_EXTEND, [7, 2], [3, 3]),
-}
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap_mqa"])
+@pytest.mark.parametrize("case", sorted(H.MODE_CASES))
+@pytest.mark.parametrize("variant", list(H.VARIANTS))
 def test_emulated_backend_matches_reference(fake_flashinfer, case, page_size, variant):
-    mode, prefix, ext = CASES[case]
-    kw = {"window": dict(sliding_window=5), "softcap_mqa": dict(logit_cap=2.0, num_kv_heads=1)}.get(variant, {})
-    pb = H.make_problem(mode, prefix, ext, page_size=page_size, tree_mask=True, seed=len(case) + page_size, **kw)
+    pb = H.case_problem(case, page_size, **H.VARIANTS[variant])
     forward_and_check(_build(pb, fake_flashinfer), pb.cache, pb.layer, pb.batch, pb.q, pb.k, pb.v, dtype=torch.float16,
                       tol=TOL)
 
 
 @pytest.mark.parametrize("case", ["extend_prefix", "decode", "verify"])
 def test_emulated_without_cache_write_leaves_the_cache_unchanged(fake_flashinfer, case):
-    mode, prefix, ext = CASES[case]
+    mode, prefix, ext = H.MODE_CASES[case]
     pb = H.make_problem(mode, prefix, ext, page_size=16, tree_mask=True, sliding_window=6, seed=3)
     be = _build(pb, fake_flashinfer)
     be.init_forward_metadata(pb.batch)
     out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=False)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
     assert torch.equal(pb.cache.k_buffers[0], pb.k_before) and torch.equal(pb.cache.v_buffers[0], pb.v_before)
 
 
@@ -261,7 +220,7 @@ def test_metadata_is_planned_once_per_forward_and_shared_by_layers(fake_flashinf
     be.init_forward_metadata(pb.batch)
     for _ in range(3):
         out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
     (wrapper,) = be._eager.values()
     assert wrapper.plan_calls == 1
 
@@ -280,7 +239,7 @@ def test_deterministic_plans_disable_split_kv_on_the_fa2_path(fake_flashinfer, m
     pb = H.make_problem(mode, [4, 8], qlens, page_size=4)
     be = _build(pb, fake_flashinfer, deterministic=True)
     be.init_forward_metadata(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch, save_kv_cache=save), TOL)
     assert seen and all(kw.get("disable_split_kv") is True and "fixed_split_size" not in kw for kw in seen)
     assert built and all(kw.get("backend") == "fa2" for c, kw in built)
 
@@ -299,11 +258,11 @@ def test_cuda_graph_verify_capture_and_replay(fake_flashinfer):
     be = _build(pb, fake_flashinfer)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=12)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     pb2 = H.make_problem(ForwardMode.TARGET_VERIFY, [9, 2], [3, 3], page_size=4, tree_mask=True, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="covers decode and target_verify"):
         be.init_forward_metadata_capture_cuda_graph(H.make_problem(ForwardMode.EXTEND, [1], [2], page_size=4).batch)
 
@@ -313,14 +272,14 @@ def test_cuda_graph_capture_then_replay_reads_fixed_buffers(fake_flashinfer):
     be = _build(pb, fake_flashinfer)
     be.init_cuda_graph_state(max_batch_size=4, max_num_tokens=4)
     be.init_forward_metadata_capture_cuda_graph(pb.batch)
-    _check(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch))
+    H.check_output(pb, be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch), TOL)
     # replay: same batch size, other lengths and pages (the same wrapper, re-planned into its buffers)
     pb2 = H.make_problem(ForwardMode.DECODE, [9, 2], [1, 1], page_size=4, seed=2)
     be.kv_cache = pb2.cache
     be.init_forward_metadata_replay_cuda_graph(pb2.batch)
     ((config, wrapper),) = be._graph_wrappers[(2, "decode")].items()
     assert wrapper.use_cuda_graph and wrapper.p["indptr"].data_ptr() == be._graph_buffers[config]["kv_indptr"].data_ptr()
-    _check(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch))
+    H.check_output(pb2, be.forward(pb2.q, pb2.k, pb2.v, pb2.layer, pb2.batch), TOL)
     with pytest.raises(Exception, match="no CUDA graph was captured for batch size 3"):
         be.init_forward_metadata_replay_cuda_graph(
             H.make_problem(ForwardMode.DECODE, [1, 2, 3], [1, 1, 1], page_size=4).batch)
@@ -451,9 +410,7 @@ def test_priority_per_host():
 
 
 def test_descriptor_imports_neither_torch_nor_flashinfer():
-    mods = H.modules_after_discovery(DIST, "attnplug_flashinfer")
-    assert "attnplug_flashinfer" in mods
-    assert not {"torch", "flashinfer"} & mods
+    H.assert_descriptor_light(DIST, "attnplug_flashinfer", "flashinfer")
 
 
 def test_library_floor_problem_names_the_library():
@@ -499,13 +456,7 @@ FP8_SCALES = (0.04, 2.5)  # (k_scale, v_scale)
 
 
 def _build_fp8(pb, kv="float8_e4m3fn"):
-    from attnplug_flashinfer.backend import FlashInferBackend
-
-    c = pb.cache
-    ctx = BuildContext(AttentionConfig(), H.host("cuda", LIB, **SM90), dtype="float16", kv_cache_dtype=kv,
-                       num_heads=pb.layer.num_heads, num_kv_heads=pb.layer.num_kv_heads, head_dim=pb.layer.head_dim,
-                       page_size=c.page_size, kv_cache=c, max_context_len=c.max_context_len, layers=(pb.layer,))
-    return FlashInferBackend(ctx)
+    return _build(pb, kv_cache_dtype=kv)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -519,7 +470,7 @@ def test_fp8_kv_passes_the_cache_scales_to_run_mocked_no_gpu(fake_flashinfer, mo
                         rec.wrap_class("flashinfer.BatchDecodeWithPagedKVCacheWrapper", EmuDecodeWrapper))
     monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
                         rec.wrap_class("flashinfer.BatchPrefillWithPagedKVCacheWrapper", EmuPagedPrefillWrapper))
-    mode, prefix, ext = CASES[case]
+    mode, prefix, ext = H.MODE_CASES[case]
     pb = H.make_problem(mode, prefix, ext, page_size=16, tree_mask=True, sliding_window=6, logit_cap=3.0,
                         kv_dtype=kv_dtype, kv_scales=FP8_SCALES, seed=5)
     be = _build_fp8(pb, str(kv_dtype).replace("torch.", ""))
@@ -533,7 +484,7 @@ def test_fp8_kv_passes_the_cache_scales_to_run_mocked_no_gpu(fake_flashinfer, mo
         assert type(c.kwargs["k_scale"]) is float and "q_scale" not in c.kwargs
         assert c.args[0].dtype == torch.float16 and c.args[1][0].dtype == kv_dtype
     assert all(c.kwargs["sm_scale"] == pb.layer.scaling and c.kwargs["kv_data_type"] == kv_dtype for c in plans)
-    _check(pb, out)
+    H.check_output(pb, out, TOL)
 
 
 def test_fp8_kv_with_the_v_scale_ignored_misses_the_reference_mocked_no_gpu(fake_flashinfer, monkeypatch):
@@ -545,19 +496,19 @@ def test_fp8_kv_with_the_v_scale_ignored_misses_the_reference_mocked_no_gpu(fake
         return real(self, q, cache, *args, **kw)
 
     monkeypatch.setattr(EmuDecodeWrapper, "run", run_without_v_scale)
-    mode, prefix, ext = CASES["decode"]
+    mode, prefix, ext = H.MODE_CASES["decode"]
     pb = H.make_problem(mode, prefix, ext, page_size=16, kv_dtype=torch.float8_e4m3fn, kv_scales=FP8_SCALES)
     be = _build_fp8(pb)
     be.init_forward_metadata(pb.batch)
     out = be.forward(pb.q, pb.k, pb.v, pb.layer, pb.batch)
     with pytest.raises(AssertionError):
-        _check(pb, out)
+        H.check_output(pb, out, TOL)
 
 
 def test_a_16_bit_cache_passes_no_scales(fake_flashinfer):
     from attnplug_flashinfer.backend import FlashInferBackend
 
-    mode, prefix, ext = CASES["decode"]
+    mode, prefix, ext = H.MODE_CASES["decode"]
     pb = H.make_problem(mode, prefix, ext, page_size=16)
     assert _build(pb, fake_flashinfer).scale_arguments(0) == {}
     assert isinstance(_build(pb, fake_flashinfer), FlashInferBackend)

@@ -25,6 +25,7 @@ import torch
 
 import attnplug_intel_amx
 import _fa3_family_helpers as H
+from _problems import attend64
 from attnplug import AttentionConfig, ForwardMode, LayerSpec
 from attnplug.errors import BackendUnavailableError, NotSupportedError
 from attnplug.host import detect_host
@@ -63,7 +64,7 @@ def emulate_decode(query, k_cache, v_cache, output, key, value, loc, attn_logits
     v_cache[loc] = value
     for b in range(B):
         slots = req_to_token[int(req_pool_indices[b]), :int(seq_lens[b])].long()
-        o = H.attend64(query[b:b + 1], k_cache[slots], v_cache[slots], scale=sm_scale, causal=True,
+        o = attend64(query[b:b + 1], k_cache[slots], v_cache[slots], scale=sm_scale, causal=True,
                        left=_window_left(sliding_window_size), softcap=logit_cap, sinks=sinks)
         output[b] = o[0].to(output.dtype)
 
@@ -84,7 +85,7 @@ def emulate_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, r
         slots = req_to_token[int(req_pool_indices[b]), :pre].long()
         K = torch.cat([k_buffer[slots], k_extend[s0:s0 + e]])
         V = torch.cat([v_buffer[slots], v_extend[s0:s0 + e]])
-        o = H.attend64(q_extend[s0:s0 + e], K, V, scale=sm_scale, causal=True,
+        o = attend64(q_extend[s0:s0 + e], K, V, scale=sm_scale, causal=True,
                        left=_window_left(sliding_window_size), softcap=logit_cap, sinks=sinks)
         o_extend[s0:s0 + e] = o.to(o_extend.dtype)
 

@@ -331,14 +331,8 @@ def test_factory_returns_the_effective_name():
 
 @needs_kernels
 def test_refuses_in_words_what_it_does_not_claim():
-    s = make_setup()
-    layer = LayerSpec(0, 8, 1, 40, v_head_dim=24, sliding_window=3, logit_cap=30.0, sinks=torch.zeros(8),
-                      is_cross_attention=True)
-    assert s.backend.not_supported_reasons(layer, s.backend.ctx) == []
-    fp8 = s.backend.ctx.replace(kv_cache=None, kv_cache_dtype="float8_e4m3fn")
-    assert s.backend.not_supported_reasons(layer, fp8) == []  # fp8 KV is claimed (suite family fp8_kv)
-    f64 = s.backend.ctx.replace(kv_cache=None, dtype="float64", kv_cache_dtype="float64")
-    assert any("dtype=float64" in r for r in s.backend.not_supported_reasons(layer, f64))
+    paged_setup.assert_claims_every_feature(make_setup().backend, fp8="float8_e4m3fn",
+                                            refused={"dtype": "float64", "kv_cache_dtype": "float64"})
 
 
 @needs_kernels

@@ -23,6 +23,7 @@ import torch
 
 import attnplug_trtllm_mha
 import _fa3_family_helpers as H
+from _problems import attend64
 import _library_contracts as C
 from attnplug import AttentionConfig, ForwardMode
 from attnplug.errors import BackendUnavailableError, ConfigError, NotSupportedError
@@ -64,7 +65,7 @@ def emulate_decode(*, query, kv_cache, workspace_buffer, block_tables, seq_lens,
     out = torch.zeros(B, query.shape[1], kv_cache[1].shape[-1], dtype=torch.float64)
     for b in range(B):
         K, V = _read_hnd(kv_cache, block_tables, b, int(seq_lens[b]))
-        out[b:b + 1] = H.attend64(query[b:b + 1], K, V, scale=bmm1_scale, causal=True, left=window_left,
+        out[b:b + 1] = attend64(query[b:b + 1], K, V, scale=bmm1_scale, causal=True, left=window_left,
                                   sinks=sinks) * bmm2_scale
     return out.to(out_dtype or query.dtype)
 
@@ -86,7 +87,7 @@ def emulate_context(*, query, kv_cache, workspace_buffer, block_tables, seq_lens
         sk = int(seq_lens[b])
         assert q1 - q0 <= max_q_len and sk <= max_kv_len
         K, V = _read_hnd(kv_cache, block_tables, b, sk)
-        out[q0:q1] = H.attend64(query[q0:q1], K, V, scale=bmm1_scale, causal=True, left=window_left,
+        out[q0:q1] = attend64(query[q0:q1], K, V, scale=bmm1_scale, causal=True, left=window_left,
                                 sinks=sinks) * bmm2_scale
     return out.to(out_dtype or query.dtype)
 

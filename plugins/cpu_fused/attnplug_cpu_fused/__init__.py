@@ -8,41 +8,31 @@ the backend is built.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import platform
 from typing import Any
 
-from attnplug import BackendDescriptor, Capabilities, hookimpl
+from attnplug import BackendDescriptor, hookimpl
+from attnplug_torch_native import CAPABILITIES as TORCH_NATIVE_CAPABILITIES
 
 NAME = "cpu_fused"
 #: rows of 16 floats: the kernel's head dims (K and V) are multiples of this
 HEAD_DIM_MULTIPLE = 16
 
-CAPABILITIES = Capabilities(
-    dtypes=("float32", "float16", "bfloat16"),
+#: torch_native's envelope: what the kernel does not take runs torch_native's paths (this backend subclasses
+#: torch_native's; e.g. bidirectional layers, since the kernel masks causally), narrowed to what the
+#: kernel's in-place reads allow
+CAPABILITIES = dataclasses.replace(
+    TORCH_NATIVE_CAPABILITIES,
     # the kernel reads the model dtype as stored, or fp8 (stored * the layer's scale, widened in registers)
-    kv_cache_dtypes=("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     kv_cache_dtype_follows_model=True,
     # rows are read in place through req_to_token: the core's nhd layout only
     kv_layouts=("nhd",),
-    head_dims=None,
     head_dim_multiple_of=HEAD_DIM_MULTIPLE,
-    v_head_dim_differs=True,
-    page_sizes=None,
-    gqa=True,
-    mqa=True,
-    sliding_window=True,
-    logit_softcap=True,
-    sinks=True,
-    cross_attention=True,
-    # the kernel masks causally: bidirectional layers (encoders) run torch_native's eager paths
-    bidirectional=True,
-    speculative_verify=True,
-    draft_extend=True,
-    cuda_graph=False,
-    deterministic=False,
     devices=("cpu",),
+    mla_forms={},  # no MLA claim: torch_native serves MLA models
 )
 
 

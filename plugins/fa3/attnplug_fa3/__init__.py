@@ -17,9 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
-from attnplug.probes import library_missing
-from attnplug.dtypes import kv_dtype_name
-from attnplug.probes import installed_library
+from attnplug.probes import fp8_kv_sm_problems, installed_library, library_missing
 from attnplug.hookspecs import RegisterArchOverride, RegisterBackend
 
 if TYPE_CHECKING:
@@ -140,15 +138,9 @@ def attnplug_register_backends(register: RegisterBackend) -> None:
 
 def fp8_kv_problems(config: Any, host: Any) -> list[str]:
     """Why a configuration using fa3 cannot keep an fp8 KV cache on ``host`` (FA3's fp8 path is SM90 only)."""
-    if NAME not in config.attention_backends() or host.platform != "cuda":
-        return []
-    kv = kv_dtype_name(config.kv_cache_dtype, config.dtype)
-    sm = host.sm()
-    if kv is None or not kv.startswith("float8") or sm is None or sm in FP8_KV_SMS:
-        return []
-    return [f"kv_cache_dtype={kv} with attention backend {NAME!r}: FA3's fp8 path runs on Hopper "
-            f"(SM{'/'.join(map(str, FP8_KV_SMS))}) only; this GPU is SM{sm}. Use kv_cache_dtype=auto, or a "
-            f"backend with fp8 KV here (e.g. flashinfer)"]
+    return fp8_kv_sm_problems(NAME, config, host, FP8_KV_SMS,
+                              f"FA3's fp8 path runs on Hopper (SM{'/'.join(map(str, FP8_KV_SMS))})",
+                              "Use kv_cache_dtype=auto, or a backend with fp8 KV here (e.g. flashinfer)")
 
 
 @hookimpl

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnplug import BackendDescriptor, Capabilities, hookimpl
-from attnplug.probes import library_missing
-from attnplug.dtypes import kv_dtype_name
+from attnplug.probes import fp8_kv_sm_problems, library_missing
 from attnplug.hookspecs import RegisterArchOverride, RegisterBackend, RegisterResolutionRule
 
 if TYPE_CHECKING:
@@ -80,14 +79,8 @@ def probe(host: Any) -> list[str]:
 def fp8_kv_problems(config: Any, host: Any) -> list[str]:
     """Why a configuration using trtllm_mha cannot keep an fp8 KV cache on ``host``: trtllm-gen's fp8
     kernels ship for the SM100 family only (the same cubins as its 16-bit ones)."""
-    if NAME not in config.attention_backends() or host.platform != "cuda":
-        return []
-    kv = kv_dtype_name(config.kv_cache_dtype, config.dtype)
-    sm = host.sm()
-    if kv is None or not kv.startswith("float8") or sm is None or sm in SMS:
-        return []
-    return [f"kv_cache_dtype={kv} with attention backend {NAME!r}: trtllm-gen's fp8 KV kernels run on "
-            f"SM{'/'.join(map(str, SMS))} (Blackwell datacenter GPUs) only; this GPU is SM{sm}"]
+    return fp8_kv_sm_problems(NAME, config, host, SMS, f"trtllm-gen's fp8 KV kernels run on SM{'/'.join(map(str, SMS))} "
+                              "(Blackwell datacenter GPUs)")
 
 
 @hookimpl
