@@ -265,11 +265,14 @@ class TransformersRunner:
         self.cache.release(rid)
 
     # -- one forward ------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Run one forward over ``chunks`` (one per request); returns ``[len(chunks), vocab]``
+        """Run one forward over ``chunks`` (one per request) under ``torch.inference_mode`` (entered here
+        unless the caller is already in it, as ``generate``'s loop is); returns ``[len(chunks), vocab]``
         float32 logits of each request's last new token."""
-        return self._forward(chunks, keep_all=False)
+        if torch.is_inference_mode_enabled():
+            return self._forward(chunks, keep_all=False)
+        with torch.inference_mode():
+            return self._forward(chunks, keep_all=False)
 
     @torch.inference_mode()
     def encode(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -344,7 +347,9 @@ class TransformersRunner:
              keep_all: bool = False) -> torch.Tensor:
         dev = self.device
         ids = _long_tensor([t for c in chunks for t in c.tokens], dev)
-        positions = cast(torch.Tensor, batch.positions).to(dev)  # ForwardBatch.extend filled them
+        positions = cast(torch.Tensor, batch.positions)  # ForwardBatch.extend / decode filled them, on the host
+        if dev.type != "cpu":
+            positions = positions.to(dev)
         # every chunk of one token (decode): each token is its request's last, nothing to select
         one_each = batch.num_tokens == len(chunks)
         last = None if one_each else torch.tensor(_cumsum(len(c.tokens) for c in chunks), dtype=torch.long,
