@@ -451,19 +451,7 @@ class CpuFusedBackend(TorchNativeBackend):
                            f"admitted it: {exc}") from None
 
     def compute_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
-        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))  # ``empty_output``
-        call = meta.calls.get(id(layer))
-        if call is not None and call.head is not None and call.layer is layer and call.dtype == q.dtype \
-                and call.threads == torch.get_num_threads() and k.dtype == q.dtype and v.dtype == q.dtype \
-                and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-            # every later layer of a decode forward: ``_attend_fused``'s usual call, written out (runs per layer)
-            try:
-                self._op(q, k, v, *call.head, out, *call.tail)  # type: ignore[misc]  # tail is set with head
-            except RuntimeError as exc:
-                if "attnplug_cpu_fused::attend failed" not in str(exc):
-                    raise
-                self._failed(call.fl, call.work, layer, meta, exc)  # type: ignore[arg-type]  # a FusedForward
-            return out
+        out = self.empty_output(q, layer)
         if isinstance(self._attend_fused(q, k, v, layer, meta, out), Declined):
             return super().compute_decode(q, k, v, layer, batch, meta)
         return out

@@ -302,6 +302,7 @@ class TransformersRunner:
         cache = self.cache
         try:
             rows = None
+            loc: torch.Tensor | list[int]
             if mode is ForwardMode.DECODE:  # one token per request: rows, lengths and slots as host ints
                 rows, _, loc = cache.decode_step([c.rid for c in chunks], prefix)
             else:
