@@ -15,21 +15,28 @@ batch of prompts of different lengths, greedy decoding:
 host (what a user gets without naming a backend: cpu_fused where its kernel is
 installed, else torch_native); the name it resolved to is printed.
 
-Runs alternate (baseline, attnplug, baseline, ...) and the median of each is
-reported, with the ratio and, for attnplug, where its time goes per generated
-token (the backend's forwards, per-forward metadata, building the
-``ForwardBatch``, the rest of the model, the loop's own bookkeeping; means over
-the same runs). On a shared machine, compare
-``--threads 1`` runs: with more threads than free cores the small GEMMs of
-both runs are dominated by thread contention. Timings only; nothing is asserted.
+After two warm-up pairs, runs alternate in pairs (sdpa then attnplug, then
+attnplug then sdpa, ...) with nothing instrumented, and the median of each side
+is reported with the ratio (and the median of the per-pair ratios). The same
+number of attnplug runs then follows with timers around its pieces, for where
+its time goes per generated token (the backend's forwards, per-forward
+metadata, building the ``ForwardBatch``, the rest of the model, the loop's own
+bookkeeping; means over those runs): the timers cost a little, so they stay out
+of the ratio. Both sides generate every one of the new tokens (no end-of-sequence
+token), greedily, from the same model. The load average before and after the
+timed pairs is printed. On a shared machine, compare ``--threads 1`` runs (with
+``--clock cpu``): with more threads than free cores the small GEMMs of both runs
+are dominated by thread contention. Timings only; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu needs --threads 1 (CPU time of several threads adds up)")
-    if args.clock == "cpu":
-        time.perf_counter = time.process_time  # every timer below (and only this script's) reads CPU time
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -85,91 +91,82 @@ def main(argv: list[str] | None = None) -> int:
     runner = TransformersRunner(model, config, max_requests=args.batch, max_context_len=longest + n_new + 16)
     prefill, decode = runner.pair
     served = str(decode) if prefill == decode else f"{prefill}/{decode}"
-    timers = {"attention": 0.0, "metadata": 0.0, "batch": 0.0}
-    forward, init = runner.backend.forward, runner.backend.init_forward_metadata
-
-    def timed_forward(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return forward(*a, **kw)
-        finally:
-            timers["attention"] += time.perf_counter() - t
-
-    def timed_init(batch):
-        t = time.perf_counter()
-        try:
-            return init(batch)
-        finally:
-            timers["metadata"] += time.perf_counter() - t
-
-    runner.backend.forward, runner.backend.init_forward_metadata = timed_forward, timed_init
-    make_batch = runner._batch
-
-    def timed_batch(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return make_batch(*a, **kw)
-        finally:
-            timers["batch"] += time.perf_counter() - t
-
-    runner._batch = timed_batch
-    model_time = [0.0]
-    run_model = runner._run
-
-    def timed_run(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return run_model(*a, **kw)
-        finally:
-            model_time[0] += time.perf_counter() - t
-
-    runner._run = timed_run
 
     def baseline() -> float:
         model.set_attn_implementation("sdpa")
-        t = time.perf_counter()
+        t = clock()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
-                                 do_sample=False, pad_token_id=0)
-        dt = time.perf_counter() - t
+            # eos_token_id is None (config and generation config): generate() runs every one of the n_new steps
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False, pad_token_id=0)
+        dt = clock() - t
         assert out.shape[1] == longest + n_new
         return dt
 
     def ours() -> float:
         model.set_attn_implementation("attnplug")
-        t = time.perf_counter()
+        t = clock()
         res = generate(runner, [Request(p, n_new) for p in prompts], max_running=args.batch)
-        dt = time.perf_counter() - t
+        dt = clock() - t
         assert sum(map(len, res.tokens)) == total
         return dt
 
-    baseline(), ours()  # warm-up: first-call allocations and lazy imports
-    for k in timers:
-        timers[k] = 0.0
-    model_time[0] = 0.0
+    load_before = os.getloadavg()
+    for _ in range(2):  # warm-up: first-call allocations, lazy imports, the allocator's pools
+        baseline(), ours()
+    # the timed pairs, uninstrumented; the order alternates (sdpa first, then attnplug first) so drift in the
+    # machine's load weighs on both sides alike
     base_t, our_t = [], []
-    for _ in range(args.repeats):
-        base_t.append(baseline())
-        our_t.append(ours())
+    for i in range(args.repeats):
+        if i % 2:
+            our_t.append(ours())
+            base_t.append(baseline())
+        else:
+            base_t.append(baseline())
+            our_t.append(ours())
+    load_after = os.getloadavg()
+    # then as many instrumented attnplug runs, for the split of its time only (the timers cost a little)
+    timers = {"attention": 0.0, "metadata": 0.0, "batch": 0.0, "model": 0.0}
+    backend = runner.backend
+    backend.forward = _timed(backend.forward, timers, "attention", clock)
+    backend.init_forward_metadata = _timed(backend.init_forward_metadata, timers, "metadata", clock)
+    runner._batch = _timed(runner._batch, timers, "batch", clock)
+    runner._run = _timed(runner._run, timers, "model", clock)
+    split_t = [ours() for _ in range(args.repeats)]
+    for obj, name in ((backend, "forward"), (backend, "init_forward_metadata"), (runner, "_batch"), (runner, "_run")):
+        delattr(obj, name)  # the class's own method again
     b, o = statistics.median(base_t), statistics.median(our_t)
+    pair = statistics.median(bt / ot for bt, ot in zip(base_t, our_t))
     print(f"model: Llama-style, hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads}, "
           f"vocab 1024, float32, torch threads {torch.get_num_threads()}")
-    print(f"clock: {args.clock}")
+    print(f"clock: {args.clock}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"batch: {args.batch} prompts of {lens[0]}..{lens[-1]} tokens, {n_new} new tokens each "
-          f"(greedy), median of {args.repeats}")
+          f"(greedy), median of {args.repeats} alternating pairs after 2 warm-up pairs")
     print(f"{'run':<34} {'s':>8} {'tokens/s':>10} {'ratio':>7}")
     print(f"{'transformers generate(), sdpa':<34} {b:8.3f} {total / b:10.1f} {1.0:7.2f}")
     print(f"{'attnplug ' + served + ', generate()':<34} {o:8.3f} {total / o:10.1f} {b / o:7.2f}")
-    n, mean = args.repeats, statistics.mean(our_t)
-    attn, meta, mod, fb = (timers["attention"] / n, timers["metadata"] / n, model_time[0] / n, timers["batch"] / n)
-    print(f"attnplug, mean of {n} runs ({mean:.3f} s): attention kernels {attn:.3f} s, metadata {meta:.3f} s, "
-          f"rest of the model {mod - attn - meta:.3f} s, loop and batching {mean - mod:.3f} s")
+    print(f"median of the per-pair ratios: {pair:.3f}")
+    n, mean = args.repeats, statistics.mean(split_t)
+    attn, meta, mod, fb = (timers["attention"] / n, timers["metadata"] / n, timers["model"] / n, timers["batch"] / n)
+    print(f"attnplug, {n} more runs with timers (mean {mean:.3f} s): attention kernels {attn:.3f} s, metadata "
+          f"{meta:.3f} s, rest of the model {mod - attn - meta:.3f} s, loop and batching {mean - mod:.3f} s")
     us = 1e6 / total  # per generated token
     print(f"per generated token (us): whole {mean * us:.0f}, the backend's forwards {attn * us:.0f}, "
           f"init_forward_metadata {meta * us:.0f}, ForwardBatch {fb * us:.0f}, rest of the model "
           f"{(mod - attn - meta) * us:.0f}, loop and runner bookkeeping {(mean - mod - fb) * us:.0f}; "
           f"sdpa's whole token {statistics.mean(base_t) * us:.0f}")
     return 0
+
+
+def _timed(fn: Callable[..., Any], timers: dict[str, float], key: str, clock: Callable[[], float]) -> Callable[..., Any]:
+    """``fn`` with the time of each call added to ``timers[key]`` (the split runs' instrumentation)."""
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t = clock()
+        try:
+            return fn(*a, **kw)
+        finally:
+            timers[key] += clock() - t
+    return timed
 
 
 if __name__ == "__main__":

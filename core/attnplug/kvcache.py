@@ -53,6 +53,9 @@ UNASSIGNED = -1
 #: ``check_batch`` reads up to this many requests' ``req_to_token`` entries as slices (cheaper than the
 #: vectorised gather at small batches, which are the ones whose per-forward cost shows)
 _SLICED_CHECK_ROWS = 64
+#: up to this many values, a bounds check reads them as host ints (``tolist``, min and max in Python: one
+#: op) instead of ``aminmax`` and two syncs (three ops: a decode step's slots and a short prefix)
+_HOST_CHECK_VALUES = 256
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -226,10 +229,15 @@ class PagedKVCache:
             raise ShapeError(f"{field} is a {type(loc).__name__}, expected an integer tensor of slot indices")
         if loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
             raise ShapeError(f"{field} has dtype {loc.dtype}, expected an integer tensor of slot indices")
-        if loc.numel() == 0:
+        n = loc.numel()
+        if n == 0:
             return
-        lo_t, hi_t = torch.aminmax(loc)
-        lo, hi = int(lo_t), int(hi_t)
+        if n <= _HOST_CHECK_VALUES and loc.device.type == "cpu":
+            vals = loc.tolist()
+            lo, hi = min(vals), max(vals)
+        else:
+            lo_t, hi_t = torch.aminmax(loc)
+            lo, hi = int(lo_t), int(hi_t)
         if lo < 0 or hi >= self.num_slots:
             bad = lo if lo < 0 else hi
             where = int((loc == bad).nonzero()[0, 0])
@@ -287,9 +295,14 @@ class PagedKVCache:
             # ops whatever the batch); the vectorised pass below runs only to name a bad entry
             r2t = self.req_to_token
             parts = [r2t[r, :u] for r, u in zip(rows, upto) if u]
-            vals = parts[0] if len(parts) == 1 else torch.cat(parts)
-            lo_t, hi_t = torch.aminmax(vals)
-            if int(lo_t) >= 0 and int(hi_t) < self.num_slots:
+            if len(parts) == 1 and upto[0] <= _HOST_CHECK_VALUES and r2t.device.type == "cpu":
+                host = parts[0].tolist()  # one request's short prefix (a decode step at batch 1)
+                lo, hi = min(host), max(host)
+            else:
+                vals = parts[0] if len(parts) == 1 else torch.cat(parts)
+                lo_t, hi_t = torch.aminmax(vals)
+                lo, hi = int(lo_t), int(hi_t)
+            if lo >= 0 and hi < self.num_slots:
                 width = 0
         if width:
             dev = self.req_to_token.device

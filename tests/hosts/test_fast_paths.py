@@ -202,3 +202,34 @@ def test_a_layer_call_for_another_spec_object_is_not_trusted():
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(AttnplugError, match="the model passes sliding_window=8"):
         fwd.attend(module, q, q, q, mask, scaling, dropout, kw)
+
+
+@pytest.mark.parametrize("unknown_at", [0, 1, 2])
+def test_a_decode_step_with_an_unknown_request_maps_nothing(unknown_at):
+    """``AttnplugCache.decode_step`` maps the requests one after the other; when one is unknown, those mapped
+    before it are given back by the runner (lengths, pages and ``req_to_token`` as before the step)."""
+    runner = _runner(num_pages=64)
+    runner.forward([Chunk("a", range(1, 5)), Chunk("b", range(1, 8))])  # "a" fills its page: a decode takes one
+    table = runner.kv_cache.req_to_token.clone()
+    pages = {rid: list(runner.cache._seqs[rid].pages) for rid in ("a", "b")}
+    free = runner.cache.pool.free_pages
+    rids = ["a", "b"]
+    rids.insert(unknown_at, "z")
+    with pytest.raises(AttnplugError, match="decode Chunk for request 'z', which has no prompt in the cache"):
+        runner.forward([Chunk(r, (3,), decode=True) for r in rids])
+    assert torch.equal(runner.kv_cache.req_to_token, table)
+    assert {rid: runner.cache._seqs[rid].pages for rid in ("a", "b")} == pages
+    assert runner.cache.pool.free_pages == free and runner.cache.length("a") == 4 and runner.cache.length("b") == 7
+
+
+def test_decode_step_maps_what_extend_one_maps():
+    a, b = _runner(), _runner()
+    for r in (a, b):
+        r.forward([Chunk("x", range(1, 4)), Chunk("y", range(1, 6))])
+    for _ in range(6):  # across page boundaries of both
+        prefix: dict = {}
+        rows, lens, slots = a.cache.decode_step(["x", "y"], prefix)
+        want = [b.cache.extend_one("x"), b.cache.extend_one("y")]
+        assert slots == want and rows == [b.cache.row("x"), b.cache.row("y")]
+        assert lens == [b.cache.length("x"), b.cache.length("y")] == [prefix["x"] + 1, prefix["y"] + 1]
+        assert torch.equal(a.kv_cache.req_to_token, b.kv_cache.req_to_token)

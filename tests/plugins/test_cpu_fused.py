@@ -1021,3 +1021,85 @@ def test_a_slot_changed_after_the_check_is_an_error_naming_the_request(mode):
     with pytest.raises(ShapeError, match=rf"request 1 \(req_to_token row {row}\): position 2 maps to slot "
                                          rf"{s.cache.num_slots + 7}, which is out of range"):
         s.backend.forward(q, k, v, s.layer, batch, save_kv_cache=False)
+
+
+# ---------------------------------------------------------------------------
+# the prepared call per forward and layer (issue 30, round 4: FusedMeta.calls)
+# ---------------------------------------------------------------------------
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dimension strided (every other element of a wider buffer): the op's slow path."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["same layer twice", "threads change", "another layer object", "strided k/v",
+                                  "strided q", "bidirectional layer"])
+def test_the_prepared_call_is_made_again_whenever_what_it_holds_may_differ(case):
+    # within one decode forward, each call of a layer reuses the op's prepared arguments only for the same
+    # layer object, query dtype and thread count, and only when q/k/v need no conversion; every call's
+    # output equals the reference, whatever path served it
+    s = make(dtype=F32, head_dim=32, seed=131, layer_kw=dict(causality="bidirectional") if case ==
+             "bidirectional layer" else None)
+    batch = decode_batch(s, LENS)
+    s.backend.init_forward_metadata(batch)
+    meta = s.backend.forward_metadata(batch)
+    kc0, vc0 = s.cache.read_kv(0)
+    tol = tolerance(s)
+    layers = [s.layer, s.layer]
+    if case == "another layer object":
+        layers[1] = dataclasses.replace(s.layer)  # equal, but another object: its own call
+    threads = torch.get_num_threads()
+    try:
+        for i, layer in enumerate(layers):
+            if case == "threads change" and i == 1:
+                torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
+            q, k, v = inputs(s, batch.num_tokens)
+            if case == "strided k/v" and i == 1:
+                k, v = _strided(k), _strided(v)
+            if case == "strided q" and i == 1:
+                q = _strided(q)
+            out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+            want = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token)
+            torch.testing.assert_close(out.double(), want, atol=tol.atol, rtol=tol.rtol)
+            call = meta.calls[id(layer)]
+            assert call.layer is layer and call.dtype == q.dtype and call.threads == torch.get_num_threads()
+            if case == "bidirectional layer":
+                assert call.head is None and call.work is cf_backend.BIDIRECTIONAL
+            else:
+                assert isinstance(call.work, cf_backend.FusedForward) and call.head is not None
+    finally:
+        torch.set_num_threads(threads)
+    if case == "another layer object":
+        assert meta.calls[id(layers[0])] is not meta.calls[id(layers[1])]
+        assert len(meta._plan) == 1  # one geometry: the work rows planned once for both
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_the_work_rows_from_the_array_buffer_are_the_rows_of_the_nested_list(mode, window):
+    # FusedMeta.plan / tiled_plan build their int64 tables through an array buffer; the table is the one the
+    # nested-list torch.tensor made (every column), for decode, short and long extends and windows
+    s = make(dtype=F32, head_dim=32, seed=132)
+    batch = decode_batch(s, LENS) if mode is ForwardMode.DECODE else extend_batch(s, mode, [4, 30, 0], [40, 3, 5])
+    meta = FusedMeta(batch, s.cache)
+    table, most_keys, most_q = meta.plan(window, False, FUSED_QUERY_CHUNK)
+    rows, keys = [], []
+    for i, a0, nq in meta.chunks(FUSED_QUERY_CHUNK):
+        p = meta.prefix[i]
+        start = 0 if window is None else min(p, max(0, p + a0 - window))
+        rows.append([meta.rows[i], start, p - start, meta.q_off[i] + a0, nq, p + a0, meta.q_off[i], a0])
+        keys.append(p - start + a0 + nq)
+    assert table.dtype == torch.int64 and table.is_contiguous()
+    assert table.tolist() == rows and most_keys == max(keys) and most_q == max(r[4] for r in rows)
+    tiled = meta.tiled_plan(window)
+    want = []
+    for i in meta.tiled_requests():
+        p, e = meta.prefix[i], meta.ext[i]
+        start = 0 if window is None else min(p, max(0, p - window))
+        want.append([meta.rows[i], start, p - start, meta.q_off[i], e, p, meta.q_off[i], 0])
+    assert tiled.shape == (len(want), 8) and tiled.tolist() == want

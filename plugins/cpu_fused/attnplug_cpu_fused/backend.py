@@ -27,6 +27,7 @@ What each layer's call needs is prepared in three named pieces:
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -122,6 +123,8 @@ class FusedMeta(ForwardMeta):
         self.tiled_why: dict[tuple[Any, ...], str | None] = {}
         #: per (dtype, threads, layer geometry): what the kernel does in this forward
         self.work: dict[tuple[Any, ...], Work] = {}
+        #: per layer object (by ``id``): its prepared call in this forward (``FusedCall``)
+        self.calls: dict[int, FusedCall] = {}
 
     def fused_requests(self) -> tuple[int, ...]:
         """The requests the kernel takes in this forward: every one in decode; in the extend modes
@@ -158,12 +161,12 @@ class FusedMeta(ForwardMeta):
         ``tiled_requests()`` whole (self-attention only), built once per forward and window."""
         got = self._tiled.get(window)
         if got is None:
-            rows = []
+            rows = array.array("q")
             for i in self.tiled_requests():
                 p, e = self.prefix[i], self.ext[i]
                 start = 0 if window is None else min(p, max(0, p - window))
-                rows.append([self.rows[i], start, p - start, self.q_off[i], e, p, self.q_off[i], 0])
-            got = self._tiled[window] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
+                rows.extend((self.rows[i], start, p - start, self.q_off[i], e, p, self.q_off[i], 0))
+            got = self._tiled[window] = _table(rows)
         return got
 
     def plan(self, window: int | None, cross: bool, chunk: int) -> tuple[torch.Tensor, int, int]:
@@ -174,7 +177,8 @@ class FusedMeta(ForwardMeta):
         key = (window, cross, chunk)
         got = self._plan.get(key)
         if got is None:
-            rows, keys = [], []
+            rows = array.array("q")  # the table's values, row after row (one buffer: no nested list to convert)
+            most_keys = most_q = 0
             for i, a0, nq in self.chunks(chunk):
                 p = self.prefix[i]
                 if cross:
@@ -184,11 +188,33 @@ class FusedMeta(ForwardMeta):
                     # queries mask more); none when the window ends inside the new tokens
                     start = 0 if window is None else min(p, max(0, p + a0 - window))
                     cached, new = p - start, a0 + nq
-                rows.append([self.rows[i], start, cached, self.q_off[i] + a0, nq, p + a0, self.q_off[i], a0])
-                keys.append(cached + new)
-            table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
-            got = self._plan[key] = (table, max(keys, default=0), max((r[4] for r in rows), default=0))
+                rows.extend((self.rows[i], start, cached, self.q_off[i] + a0, nq, p + a0, self.q_off[i], a0))
+                most_keys, most_q = max(most_keys, cached + new), max(most_q, nq)
+            got = self._plan[key] = (_table(rows), most_keys, most_q)
         return got
+
+
+def _table(values: array.array) -> torch.Tensor:
+    """int64 ``[n, 8]`` from ``values`` (row after row), through the array's buffer (~1 µs; ``torch.tensor`` of
+    a nested list costs ~6 µs for one row). The tensor keeps the array alive."""
+    if not values:
+        return torch.zeros((0, 8), dtype=torch.int64)
+    return torch.frombuffer(values, dtype=torch.int64).view(-1, 8)
+
+
+class FusedCall:
+    """One layer's call in one forward, prepared on its first call (``FusedMeta.calls``): the work (what
+    ``CpuFusedBackend._work`` answered), and for a ``FusedForward`` over an unquantized self-attention
+    cache the op's arguments around q, the new K/V and the output: ``head`` (the layer's caches,
+    ``req_to_token``, the work rows, mask, sinks) and ``tail`` (the error record, params, heads per item).
+    Found again only for the same layer object, query dtype and thread count."""
+
+    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head", "tail")
+
+    def __init__(self, layer: Any, dtype: torch.dtype, threads: int, fl: FusedLayer, work: Work,
+                 head: tuple[Any, ...] | None, tail: tuple[Any, ...] | None) -> None:
+        self.layer, self.dtype, self.threads, self.fl, self.work = layer, dtype, threads, fl, work
+        self.head, self.tail = head, tail
 
 
 class CpuFusedBackend(TorchNativeBackend):
@@ -299,21 +325,38 @@ class CpuFusedBackend(TorchNativeBackend):
         return (q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, fw.plan, fw.mask, fl.sinks, out, fl.err,
                 params, fw.per_item)
 
+    def _call(self, q: torch.Tensor, layer: Any, meta: FusedMeta) -> FusedCall:
+        """``layer``'s prepared call in this forward (``FusedMeta.calls``), made on its first call."""
+        threads = torch.get_num_threads()
+        call = meta.calls.get(id(layer))
+        if call is None or call.layer is not layer or call.dtype != q.dtype or call.threads != threads:
+            fl = self.layer_plan(layer).kernel
+            work: Work = BIDIRECTIONAL if fl.bidirectional else self._work(q, layer, meta, fl)
+            head = tail = None
+            if isinstance(work, FusedForward) and not fl.cross and not self.cache.quantized:
+                head = (fl.k_cache, fl.v_cache, self.cache.req_to_token, work.plan, work.mask, fl.sinks)
+                tail = (fl.err, fl.params, work.per_item)
+            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head, tail)
+        return call
+
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
                       out: torch.Tensor) -> Work:
         """Attend ``meta.fused_requests()`` through the op into their rows of ``out``; what was done."""
-        fl = self.layer_plan(layer).kernel
-        if fl.bidirectional:
-            return BIDIRECTIONAL
-        fw = self._work(q, layer, meta, fl)
+        call = self._call(q, layer, meta)
+        fw = call.work
         if not isinstance(fw, FusedForward):
             return fw
         try:
-            self._op(*self._args(q, k, v, layer, fl, fw, out))
+            head = call.head
+            if head is not None and k.dtype == q.dtype and v.dtype == q.dtype and q.stride(-1) == 1 \
+                    and k.stride(-1) == 1 and v.stride(-1) == 1:  # the usual call: nothing to convert
+                self._op(q, k, v, *head, out, *call.tail)  # type: ignore[misc]  # tail is set with head
+            else:
+                self._op(*self._args(q, k, v, layer, call.fl, fw, out))
         except RuntimeError as exc:
             if "attnplug_cpu_fused::attend failed" not in str(exc):
                 raise
-            self._failed(fl, fw, layer, meta, exc)
+            self._failed(call.fl, fw, layer, meta, exc)
         return fw
 
     def _failed(self, fl: FusedLayer, fw: FusedForward, layer: Any, meta: FusedMeta,

@@ -109,9 +109,12 @@ class Forward:
             out = attend_mla(self.backend, self.batch, layer, module, query, last)
             self.calls += 1
             return out
-        q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, head_dim]
-        k = key[0].transpose(0, 1).contiguous()
-        v = value[0].transpose(0, 1).contiguous()
+        if query.shape[2] == 1:  # one token (a decode step at batch 1): [1, heads, 1, d] -> [1, heads, d], a view
+            q, k, v = query.squeeze(2).contiguous(), key.squeeze(2).contiguous(), value.squeeze(2).contiguous()
+        else:
+            q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, head_dim]
+            k = key[0].transpose(0, 1).contiguous()
+            v = value[0].transpose(0, 1).contiguous()
         out = self.backend.forward(q, k, v, layer, self.batch)  # writes k/v into the paged cache
         self.calls += 1
         return out.unsqueeze(0)  # [1, tokens, heads, v_head_dim], as transformers expects

@@ -61,6 +61,8 @@ class _Seq:
     row: int
     length: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    #: the request's row of ``req_to_token`` (a view: a decode step writes its one entry through it)
+    entries: Any = None
 
 
 class PagedCacheLayer(CacheLayerMixin):
@@ -126,7 +128,7 @@ class AttnplugCache(Cache):
                 f"(raise max_requests, or release finished requests)"
             )
         row = self._free_rows.pop()
-        self._seqs[rid] = _Seq(row)
+        self._seqs[rid] = _Seq(row, entries=self.kv_cache.req_to_token[row])
         return row
 
     def _seq(self, rid: Any) -> _Seq:
@@ -167,7 +169,9 @@ class AttnplugCache(Cache):
         """Map one more position of ``rid`` (a decode step; a page taken when it starts one); returns its slot.
         The slot is computed here from the request's page list (``assign_pages``' tensor ops for one
         slot cost ~10x more) and written into ``req_to_token`` (a torch write: its write counter moves)."""
-        seq = self._seq(rid)
+        return self._extend_one(rid, self._seq(rid))
+
+    def _extend_one(self, rid: Any, seq: _Seq) -> int:
         cache = self.kv_cache
         ps, old = cache.page_size, seq.length
         if old + 1 > cache.max_context_len:
@@ -177,9 +181,26 @@ class AttnplugCache(Cache):
         if old // ps >= len(seq.pages):
             seq.pages.extend(self.pool.alloc(old // ps + 1 - len(seq.pages)))
         slot = seq.pages[old // ps] * ps + old % ps
-        cache.req_to_token[seq.row, old] = slot
+        seq.entries[old] = slot  # req_to_token[row, old]: one index into the row's view
         seq.length = old + 1
         return slot
+
+    def decode_step(self, rids: Sequence[Any], prefix: dict[Any, int]) -> tuple[list[int], list[int], list[int]]:
+        """A decode forward's mapping, one request after the other (``extend_one`` each): its cached length
+        goes into ``prefix`` *before* its slot is mapped (so a failure can be undone by ``truncate``);
+        returns the requests' rows, their lengths after the forward and their new slots. A request that is
+        not in the cache is an ``AttnplugError`` naming it."""
+        rows, lens, slots = [], [], []
+        seqs = self._seqs
+        for rid in rids:
+            seq = seqs.get(rid)
+            if seq is None:
+                raise AttnplugError(f"decode Chunk for request {rid!r}, which has no prompt in the cache")
+            prefix[rid] = seq.length
+            slots.append(self._extend_one(rid, seq))  # its page mapped before the forward
+            rows.append(seq.row)
+            lens.append(seq.length)
+        return rows, lens, slots
 
     def truncate(self, rid: Any, length: int) -> None:
         """Forget positions ``length …`` of ``rid`` (a forward that failed), returning whole pages."""
@@ -202,7 +223,9 @@ class AttnplugCache(Cache):
 
     # -- one forward ------------------------------------------------------------
     def begin_forward(self, prefix_lens: dict[Any, int]) -> None:
-        self._active = dict(prefix_lens)
+        """A forward over the requests of ``prefix_lens`` (request -> cached length before it) starts: kept,
+        not copied, until ``end_forward`` (the runner does not change it meanwhile)."""
+        self._active = prefix_lens
         for layer in self.layers:
             layer.updates = 0
             layer.last = None

@@ -72,9 +72,17 @@ def generate(
     sampler: Sampler = greedy,
     record_logits: bool = False,
 ) -> GenerationResult:
-    """Serve ``requests`` with continuous batching; request ``i`` is ``rid=i`` in the runner."""
+    """Serve ``requests`` with continuous batching; request ``i`` is ``rid=i`` in the runner. The loop runs
+    under ``torch.inference_mode`` (entered once, not per forward): the logits the ``sampler`` gets and
+    ``record_logits`` keeps are inference tensors, as ``runner.forward`` returns them anyway."""
     if max_running < 1:
         raise ValueError(f"max_running={max_running} (expected >= 1)")
+    with torch.inference_mode():
+        return _generate(runner, requests, max_running, max_step_tokens, sampler, record_logits)
+
+
+def _generate(runner: TransformersRunner, requests: Sequence[Request], max_running: int,
+              max_step_tokens: int | None, sampler: Sampler, record_logits: bool) -> GenerationResult:
     n = len(requests)
     tokens: list[list[int]] = [[] for _ in range(n)]
     logits: list[list[torch.Tensor]] | None = [[] for _ in range(n)] if record_logits else None

@@ -68,7 +68,9 @@ class Chunk:
     decode: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        tokens = self.tokens
+        if not (type(tokens) is tuple and len(tokens) == 1 and type(tokens[0]) is int):  # else: a decode token
+            object.__setattr__(self, "tokens", tuple(int(t) for t in tokens))
         if not self.tokens:
             raise ValueError(f"Chunk for request {self.rid!r} has no tokens")
         if self.decode and len(self.tokens) != 1:
@@ -186,6 +188,8 @@ class TransformersRunner:
         #: per layer, what its attention calls are checked against (``attention.LayerCall``), built once
         self._layer_calls = layer_calls(self.layers)
         self._served: dict[ForwardMode, str] = {}
+        #: one (frozen) ``StepRecord`` per (mode, requests, tokens), appended to ``steps`` for every such forward
+        self._records: dict[tuple[ForwardMode, int, int], StepRecord] = {}
         self._rehearse(before, task)
 
     def _rehearse(self, before: str, task: str) -> None:
@@ -261,11 +265,14 @@ class TransformersRunner:
         self.cache.release(rid)
 
     # -- one forward ------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Run one forward over ``chunks`` (one per request); returns ``[len(chunks), vocab]``
+        """Run one forward over ``chunks`` (one per request) under ``torch.inference_mode`` (entered here
+        unless the caller is already in it, as ``generate``'s loop is); returns ``[len(chunks), vocab]``
         float32 logits of each request's last new token."""
-        return self._forward(chunks, keep_all=False)
+        if torch.is_inference_mode_enabled():
+            return self._forward(chunks, keep_all=False)
+        with torch.inference_mode():
+            return self._forward(chunks, keep_all=False)
 
     @torch.inference_mode()
     def encode(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -294,13 +301,10 @@ class TransformersRunner:
         prefix: dict[Any, int] = {}
         cache = self.cache
         try:
-            if mode is ForwardMode.DECODE:  # one token per request: slots as host ints, no tensor per request
-                loc: Any = []
-                for c in chunks:
-                    if c.rid not in cache:
-                        raise AttnplugError(f"decode Chunk for request {c.rid!r}, which has no prompt in the cache")
-                    prefix[c.rid] = cache.length(c.rid)
-                    loc.append(cache.extend_one(c.rid))  # its page mapped before the forward
+            rows = None
+            loc: torch.Tensor | list[int]
+            if mode is ForwardMode.DECODE:  # one token per request: rows, lengths and slots as host ints
+                rows, _, loc = cache.decode_step([c.rid for c in chunks], prefix)
             else:
                 slots = []
                 for c in chunks:
@@ -309,7 +313,7 @@ class TransformersRunner:
                     prefix[c.rid] = cache.length(c.rid)
                     slots.append(cache.extend(c.rid, len(c.tokens)))  # pages mapped before the forward
                 loc = slots[0] if len(slots) == 1 else torch.cat(slots)
-            batch = self._batch(mode, chunks, prefix, loc)
+            batch = self._batch(mode, chunks, prefix, loc, rows)
             logits = self._run(chunks, prefix, batch, keep_all)
         except BaseException:
             for rid, length in prefix.items():
@@ -319,15 +323,20 @@ class TransformersRunner:
                     else:
                         self.cache.truncate(rid, length)
             raise
-        served = self._served.get(mode)
-        if served is None:  # the stamps are set when the pair is built: one answer per mode
-            served = self._served[mode] = str(backend_name_for_mode(mode, self.config, self.backend))
-        self.steps.append(StepRecord(mode, len(chunks), batch.num_tokens, served))
+        key = (mode, len(chunks), batch.num_tokens)
+        record = self._records.get(key)
+        if record is None:  # the stamps are set when the pair is built: one answer per mode; a record is frozen
+            served = self._served.get(mode)
+            if served is None:
+                served = self._served[mode] = str(backend_name_for_mode(mode, self.config, self.backend))
+            record = self._records[key] = StepRecord(mode, len(chunks), batch.num_tokens, served)
+        self.steps.append(record)
         return logits
 
     def _batch(self, mode: ForwardMode, chunks: Sequence[Chunk], prefix: dict[Any, int],
-               out_cache_loc: torch.Tensor | list[int]) -> ForwardBatch:
-        rows = [self.cache.row(c.rid) for c in chunks]
+               out_cache_loc: torch.Tensor | list[int], rows: list[int] | None = None) -> ForwardBatch:
+        if rows is None:
+            rows = [self.cache.row(c.rid) for c in chunks]
         form = self.mla_form if self.mla_form != "auto" else (
             "absorbed" if mode is ForwardMode.DECODE else "unabsorbed")
         if mode is ForwardMode.DECODE:
@@ -339,7 +348,9 @@ class TransformersRunner:
              keep_all: bool = False) -> torch.Tensor:
         dev = self.device
         ids = _long_tensor([t for c in chunks for t in c.tokens], dev)
-        positions = cast(torch.Tensor, batch.positions).to(dev)  # ForwardBatch.extend filled them
+        positions = cast(torch.Tensor, batch.positions)  # ForwardBatch.extend / decode filled them, on the host
+        if dev.type != "cpu":
+            positions = positions.to(dev)
         # every chunk of one token (decode): each token is its request's last, nothing to select
         one_each = batch.num_tokens == len(chunks)
         last = None if one_each else torch.tensor(_cumsum(len(c.tokens) for c in chunks), dtype=torch.long,
