@@ -95,21 +95,21 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
         calls = {"fold": 0, "unchecked_writes": 0}
         if not fold:  # the old path: the layout's verdict on every write, the old per-layer checks
             m.setattr(VllmCpuBackend, "write_new_kv", PagedBackend.write_new_kv)
-        real_fold = VllmCpuBackend._fold_check
+        real_fold = VllmCpuBackend._fold_sum  # the fold's sum, on the general path and the short one alike
 
         def spy_fold(self, *a, **kw):
             calls["fold"] += 1
             return real_fold(self, *a, **kw)
-        m.setattr(VllmCpuBackend, "_fold_check", spy_fold)
+        m.setattr(VllmCpuBackend, "_fold_sum", spy_fold)
         head_dim, page_size = geometry
         cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
                                                     dtype=dtype, head_dim=head_dim, page_size=page_size)
-        real_write = type(cache.layout).write
+        real_write = VllmCpuBackend.write_new_kv
 
-        def spy_write(self, *a, verdict=True, **kw):
-            calls["unchecked_writes"] += not verdict
-            return real_write(self, *a, verdict=verdict, **kw)
-        m.setattr(type(cache.layout), "write", spy_write)
+        def spy_write(self, *a, **kw):  # a skeleton write that left the verdict to the fold
+            real_write(self, *a, **kw)
+            calls["unchecked_writes"] += self._unchecked is not None
+        m.setattr(VllmCpuBackend, "write_new_kv", spy_write)
         k0, v0 = qkv[0][1].clone(), qkv[0][2].clone()
         _scenario(name, cache, rows, prefix, k0, v0)
         qkv[0] = (qkv[0][0], k0, v0)
@@ -209,8 +209,8 @@ def test_the_fold_is_not_used_where_a_new_token_may_lie_outside_the_last_pages(m
     from attnplug_vllm_cpu.backend import VllmCpuBackend
 
     calls = []
-    real = VllmCpuBackend._fold_check
-    monkeypatch.setattr(VllmCpuBackend, "_fold_check", lambda self, *a: calls.append(1) or real(self, *a))
+    real = VllmCpuBackend._fold_sum
+    monkeypatch.setattr(VllmCpuBackend, "_fold_sum", lambda self, *a: calls.append(1) or real(self, *a))
     cache, batch, backend, qkv, _ = _problem([5, 40], [20, 3])
     q, k, v = (t.clone() for t in qkv[0])
     k[21, 1, 2] = float("nan")  # request 1's third new token
@@ -304,14 +304,16 @@ def test_the_one_pass_page_table_is_the_caches(prefix):
 
 
 def _force_pages(monkeypatch, on):
-    """Switch the layout's page snapshot on for every write (``on``) or off for every write."""
+    """Switch the layout's undo copy for every write: whole pages (``True``), the rows through one flat
+    ``take`` (``"flat"``), or no layout copy at all (``False``: the skeleton's ``read`` / ``set_kv`` rows)."""
     from attnplug_vllm_cpu.layout import VllmCpuLayout
 
-    monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on else 1 << 30)
-    monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on else 4)
+    monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on is True else 1 << 30)
+    monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on is True else 4)
+    monkeypatch.setattr(VllmCpuLayout, "flat_row_snapshot", on == "flat")
 
 
-@pytest.mark.parametrize("pages_on", [True, False], ids=["pages", "rows"])
+@pytest.mark.parametrize("pages_on", [True, "flat", False], ids=["pages", "flat_rows", "rows"])
 @pytest.mark.parametrize("how", ["raises", "no_save", "saved"])
 @pytest.mark.parametrize("shape", [([0, 17, 3], [40, 9, 30]), ([0, 0], [33, 64]), ([5, 40, 15, 16], [1] * 4)],
                          ids=["prefill_ragged", "prefill_full_pages", "decode"])
@@ -346,7 +348,7 @@ def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(p
     else:
         ref = _expected(cache, batch, layer, q, k, v)
         out = backend.forward(q, k, v, layer, batch, save_kv_cache=how == "saved")
-    assert called == [pages_on]  # the path under test was the one taken
+    assert called == [pages_on is not False]  # the path under test was the one taken
     after = storage[0]
     if how == "saved":
         kb, vb = cache.read_kv(0)
@@ -370,7 +372,10 @@ def test_the_page_snapshot_is_taken_for_a_long_prefill_and_not_for_a_decode_step
     assert isinstance(lay, VllmCpuLayout)
     snap = lay.page_snapshot(st, g, batch.out_cache_loc)
     assert snap is not None and snap[0].numel() == 9 + 13  # ceil(130/16) + ceil(200/16) pages
-    assert lay.page_snapshot(st, g, batch.out_cache_loc[:5]) is None  # short: rows
+    short = lay.page_snapshot(st, g, batch.out_cache_loc[:5])
+    assert short is not None and short[0] is None  # short: the rows, one flat take
+    assert short[2].numel() == 5 * 2 * g.num_kv_heads * g.head_dim
     spread = torch.arange(0, cache.num_slots, g.page_size)[:lay.page_snapshot_min_slots]
     if spread.numel() >= lay.page_snapshot_min_slots:
-        assert lay.page_snapshot(st, g, spread) is None  # one slot a page: rows are cheaper
+        sparse = lay.page_snapshot(st, g, spread)
+        assert sparse is None or sparse[0] is None  # one slot a page: rows are cheaper

@@ -105,6 +105,11 @@ class _LayerArgs(NamedTuple):
     scaling: float
     cap: float  # 0.0: off
     ok: bool  # the cache dtype is one the op takes and the sinks have one entry per head
+    isa: str  # the writer's and the op's ISA string for this geometry
+    #: ``ok``, self-attention, causal (the short decode path's layer-only conditions, ``compute_extend``)
+    plain: bool
+    num_heads: int
+    head_dim: int
 
 
 @dataclasses.dataclass
@@ -153,6 +158,9 @@ class ForwardMeta:
         #: unowned tail (``fold_pages``, made by the first layer that needs them)
         self.decode = batch.forward_mode is ForwardMode.DECODE
         self._fold: tuple[list[int], torch.Tensor] | None = None
+        #: what ``compute_extend``'s short path needs of the forward: decode, no remapped new token, the self
+        #: keys in the op's int32 and no request without a key (set by ``build_metadata``)
+        self.plain_decode = False
         self.scheduler: dict[tuple[Any, ...], torch.Tensor] = {}
         #: how many scheduler metadata tensors were built (tests: once per key and forward)
         self.scheduler_builds = 0
@@ -182,6 +190,10 @@ class ForwardMeta:
             pages = torch.unique(loc.div(self.cache.page_size, rounding_mode="floor"))
             self._fold = (pages.tolist(), pages)
         return self._fold
+
+    def set_fold_pages(self, pages: list[int]) -> None:
+        """The fold's pages, found by the one pass from the same ``out_cache_loc`` (sorted, distinct)."""
+        self._fold = (pages, torch.as_tensor(pages, dtype=torch.int64, device=self.cache.device))
 
     def mla_block_table(self, page_size: int) -> torch.Tensor:
         """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
@@ -420,6 +432,9 @@ class VllmCpuBackend(PagedBackend):
         kept, self._one_pass_table = self._one_pass_table, None
         meta = ForwardMeta(batch, self.cache, kept[1] if kept is not None and kept[0] is batch else None)
         meta.remap, self._remap = self._remap, None
+        keys = meta.self_keys
+        meta.plain_decode = meta.decode and meta.remap is None and not keys.empty and \
+            keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32 and keys.block_table.dtype == _INT32
         return meta
 
     def plan_layer(self, layer: Any) -> _LayerArgs | _MLAArgs:
@@ -435,22 +450,48 @@ class VllmCpuBackend(PagedBackend):
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=raw.device, dtype=torch.float32).reshape(-1)
             sinks = sinks.contiguous()
+        ok = raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,))
         return _LayerArgs(storage, raw, key_cache, value_cache,
                           -1 if cross or layer.sliding_window is None else layer.sliding_window + 1, sinks,
                           float(layer.scaling), float(layer.logit_cap or 0.0),
-                          raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,)))
+                          ok, isa_for(cache.head_dim, cache.page_size),
+                          ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim)
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
+            # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
+            # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
+            # call's: the dtype and q's token stride): the fold check, then the same op call
+            plan = self._layer_plans.get(id(layer))
+            la = None if plan is None or plan.layer is not layer else plan.kernel
+            if la is not None and la.plain and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens \
+                    and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
+                if not self._fold_sum(la.raw, meta):
+                    return self._general(q, k, v, layer, batch, meta, unchecked, fold_failed=True)
+                keys = meta.self_keys
+                out = torch.empty((q.shape[0], la.num_heads, la.head_dim), dtype=q.dtype, device=q.device)
+                sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
+                ops().cpu_attention_with_kv_cache(
+                    q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+                    keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+                return out
+        return self._general(q, k, v, layer, batch, meta, unchecked)
+
+    def _general(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta,
+                 unchecked: tuple[Any, Any] | None, fold_failed: bool = False) -> torch.Tensor:
+        """Every mode's call, each condition checked (``compute_extend``'s short path is this call's plain decode
+        case, its conditions read off the forward and the layer's plan)."""
         cross = layer.is_cross_attention
         keys = meta.cross_keys if cross else meta.self_keys
-        if not cross and layer.uses_bidirectional:  # the same keys, without the causal mask
+        bidir = not cross and layer.uses_bidirectional
+        if bidir:  # the same keys, without the causal mask
             keys = meta.bidirectional_keys()
         if keys is None:
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")
         la = self.layer_plan(layer).kernel
-        unchecked, self._unchecked = self._unchecked, None
         if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
             q = q.contiguous()
         out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
@@ -471,7 +512,7 @@ class VllmCpuBackend(PagedBackend):
             # the skeleton wrote these k/v without the layout's sums: one sum over the pages they went to, which
             # also hold every unowned tail (decode); finite: no garbage anywhere the op reads past a key
             # or in a new token. Otherwise the precise paths, as if the write had summed (marks included)
-            if self._fold_check(storage, meta):
+            if not fold_failed and self._fold_check(storage, meta):
                 masked = hidden = None
             else:
                 cache.layout.mark_nonfinite(storage, cache.geometry, self._fwd.loc, k, v)  # type: ignore[union-attr]
@@ -627,9 +668,18 @@ class VllmCpuBackend(PagedBackend):
         (``verdict=False``); ``compute_extend``, called right after with these k/v, checks the pages they went
         to instead (``_fold_check``). Any other write keeps the layout's verdict."""
         meta = self._fwd.meta if self._fwd is not None else None
-        if (isinstance(plan.kernel, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
+        la = plan.kernel
+        if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
                 and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
-            cache.layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
+            layout = cache.layout
+            if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and k.stride(-1) == 1 and \
+                    v.stride(-1) == 1 and k.stride(-2) == la.raw.shape[-1] // 2 == v.stride(-2):
+                # what ``layout.write(verdict=False)`` runs for a call the skeleton checked (k/v of the plan's
+                # rows and the cache dtype, one of the writer's; the slots int64, bounded per forward)
+                ops().cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, la.isa)
+                layout.finite_write = None
+            else:
+                layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
             self._unchecked = (k, v)
             return
         self._unchecked = None
@@ -638,7 +688,10 @@ class VllmCpuBackend(PagedBackend):
     def _fold_check(self, storage: tuple[torch.Tensor, ...], meta: ForwardMeta) -> bool:
         """Whether every value of the pages holding this decode forward's new tokens (and so every unowned
         tail) is finite: one float32 sum over them (one gather of small pages, else a view sum per page)."""
-        raw = storage[0]
+        return self._fold_sum(storage[0], meta)
+
+    def _fold_sum(self, raw: torch.Tensor, meta: ForwardMeta) -> bool:
+        """``_fold_check`` of one layer's ``raw`` (the general path and the short decode path both call it)."""
         pages, index = meta.fold_pages(self._fwd.loc)  # type: ignore[union-attr]
         if len(pages) == 1:
             return math.isfinite(raw[pages[0]].sum(dtype=torch.float32).item())
