@@ -56,6 +56,7 @@ the plan (``_check_call`` words any mismatch) and calls the op.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import Any, NamedTuple
@@ -72,10 +73,9 @@ from .ops import ops
 _INT32 = torch.int32
 #: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
 _TAIL_PAGE_LOOP = 8
-#: the decode fold check gathers its pages into one tensor (one sum, one sync) when a page is at most this many
-#: bytes; larger pages get one sum each (a view: no copy). Measured (one thread): 8 pages of 32 KiB, gather
-#: 13 µs against 25 for the loop; 4 pages of 256 KiB, gather 87 µs against 20 (docs/performance.md, round 3)
-_FOLD_GATHER_PAGE_BYTES = 64 << 10
+#: ``_one_pass`` reads a decode batch's entries on the host (``_host_pass``) up to this many requests and entries
+_HOST_PASS_REQUESTS = 16
+_HOST_PASS_ENTRIES = 4096
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
@@ -154,10 +154,7 @@ class ForwardMeta:
         #: out_cache_loc (an engine that maps after attention); see ``VllmCpuBackend.check_batch``
         self.remap: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads = torch.get_num_threads()
-        #: decode: the pages holding each request's new token, which is its last key, so the same pages hold its
-        #: unowned tail (``fold_pages``, made by the first layer that needs them)
         self.decode = batch.forward_mode is ForwardMode.DECODE
-        self._fold: tuple[list[int], torch.Tensor] | None = None
         #: what ``compute_extend``'s short path needs of the forward: decode, no remapped new token, the self
         #: keys in the op's int32 and no request without a key (set by ``build_metadata``)
         self.plain_decode = False
@@ -181,19 +178,6 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
-
-    def fold_pages(self, loc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Decode: the distinct pages of this forward's write slots ``loc`` (a list and an int64 tensor). Each
-        request's one new token is its last key and (no remap) lies at its ``out_cache_loc``, so these pages
-        are exactly the requests' last pages: every new token and every unowned tail slot lies in them."""
-        if self._fold is None:
-            pages = torch.unique(loc.div(self.cache.page_size, rounding_mode="floor"))
-            self._fold = (pages.tolist(), pages)
-        return self._fold
-
-    def set_fold_pages(self, pages: list[int]) -> None:
-        """The fold's pages, found by the one pass from the same ``out_cache_loc`` (sorted, distinct)."""
-        self._fold = (pages, torch.as_tensor(pages, dtype=torch.int64, device=self.cache.device))
 
     def mla_block_table(self, page_size: int) -> torch.Tensor:
         """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
@@ -379,6 +363,8 @@ class VllmCpuBackend(PagedBackend):
         if any(not 0 <= r < R for r in rows) or any(not 0 < x <= L for x in seq):
             return False
         r2t, ps = cache.req_to_token, cache.page_size
+        if n <= _HOST_PASS_REQUESTS and sum(seq) <= _HOST_PASS_ENTRIES:
+            return self._host_pass(batch, rows, seq, loc)
         mod = cache.__dict__.get("_position_mod")
         if mod is None or mod.device != r2t.device:
             mod = cache.__dict__["_position_mod"] = torch.arange(L, device=r2t.device) % ps
@@ -408,6 +394,38 @@ class VllmCpuBackend(PagedBackend):
         first = torch.cat([y, y.new_zeros(1)])[torch.as_tensor(index, device=r2t.device)]
         table = first.div_(ps, rounding_mode="floor").view(n, pages).to(_INT32)
         self._one_pass_table = (batch, table)
+        return True
+
+    def _host_pass(self, batch: Any, rows: list[int], seq: list[int], loc: torch.Tensor) -> bool:
+        """``_one_pass`` for a small batch, on the host: each request's entries read once as ints (one slice and
+        one ``tolist`` a request: a few tensor ops where the tensor pass runs ~20), then per page of positions
+        ``j*ps .. j*ps+ps-1``: its first slot ``f`` is a page start in range (``f % ps == 0``, ``0 <= f``,
+        ``f + len <= num_slots``) and the page's entries are exactly ``f, f+1, …`` (page-aligned, each in
+        range); the last entry is the new token's ``out_cache_loc``. The same conditions as the tensor pass
+        over the same positions; the page table is the first slots' pages."""
+        cache = self.cache
+        r2t, ps, S = cache.req_to_token, cache.page_size, cache.num_slots
+        new = loc.tolist()
+        if len(new) != len(rows):
+            return False
+        pages = (max(seq) + ps - 1) // ps
+        table: list[int] = []
+        for r, x, slot in zip(rows, seq, new):
+            vals = r2t[r, :x].tolist()
+            if vals[-1] != slot:
+                return False
+            firsts = vals[::ps]
+            for j, f in enumerate(firsts):
+                seg = vals[j * ps:(j + 1) * ps]
+                if f < 0 or f % ps or f + len(seg) > S or seg != list(range(f, f + len(seg))):
+                    return False
+                table.append(f // ps)
+            table.extend([0] * (pages - len(firsts)))
+        if r2t.device.type == "cpu" and table:  # through an ``array`` buffer (as ``ForwardBatch.decode``'s tensors)
+            made = torch.frombuffer(array.array("i", table), dtype=_INT32)
+        else:
+            made = torch.tensor(table, dtype=_INT32, device=r2t.device)
+        self._one_pass_table = (batch, made.view(len(rows), pages))
         return True
 
     def check_page_aligned(self, batch: Any) -> None:
@@ -463,24 +481,24 @@ class VllmCpuBackend(PagedBackend):
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
             # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
             # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
-            # call's: the dtype and q's token stride): the fold check, then the same op call
+            # call's: the dtype and q's token stride): the same op call, then the same check after it
             plan = self._layer_plans.get(id(layer))
             la = None if plan is None or plan.layer is not layer else plan.kernel
             if la is not None and la.plain and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens \
                     and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
-                if not self._fold_sum(la.raw, meta):
-                    return self._general(q, k, v, layer, batch, meta, unchecked, fold_failed=True)
                 keys = meta.self_keys
                 out = torch.empty((q.shape[0], la.num_heads, la.head_dim), dtype=q.dtype, device=q.device)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
                 ops().cpu_attention_with_kv_cache(
                     q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
                     keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
-                return out
+                if self._decode_check(out, k, v):
+                    return out
+                return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
         return self._general(q, k, v, layer, batch, meta, unchecked)
 
     def _general(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta,
-                 unchecked: tuple[Any, Any] | None, fold_failed: bool = False) -> torch.Tensor:
+                 unchecked: tuple[Any, Any] | None, precise: bool = False) -> torch.Tensor:
         """Every mode's call, each condition checked (``compute_extend``'s short path is this call's plain decode
         case, its conditions read off the forward and the layer's plan)."""
         cross = layer.is_cross_attention
@@ -507,13 +525,17 @@ class VllmCpuBackend(PagedBackend):
             idx, slots = remap
             old = cache.layout.read(storage, cache.geometry, slots)
             cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
+        after = False
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and not cross and remap is None \
                 and meta.decode:
-            # the skeleton wrote these k/v without the layout's sums: one sum over the pages they went to, which
-            # also hold every unowned tail (decode); finite: no garbage anywhere the op reads past a key
-            # or in a new token. Otherwise the precise paths, as if the write had summed (marks included)
-            if not fold_failed and self._fold_check(storage, meta):
+            # the skeleton wrote these k/v without the layout's sums: the op runs first, and its output and the
+            # new k/v are checked after it (``_decode_check``); finite: no garbage reached an output (a NaN/inf
+            # the op reads, in an unowned tail or anywhere, reaches its reader's output) and none is in a new
+            # token. Otherwise (``precise``) the precise paths, as if the write had summed (marks included), and
+            # the op again
+            if not precise:
                 masked = hidden = None
+                after = True
             else:
                 cache.layout.mark_nonfinite(storage, cache.geometry, self._fwd.loc, k, v)  # type: ignore[union-attr]
                 masked = self._mask_tails(storage, keys, meta, known_nonfinite=True)
@@ -537,6 +559,8 @@ class VllmCpuBackend(PagedBackend):
             out[meta.q_off[i]:meta.q_off[i + 1]] = 0
         if hidden is not None:
             self._poison_readers(out, hidden[1], layer, batch, meta)
+        if after and not self._decode_check(out, k, v):
+            return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
         return out
 
     # -- MLA (LayerSpec.mla; docs/mla.md): absorbed decode through mla_decode_kvcache --------------------
@@ -685,22 +709,14 @@ class VllmCpuBackend(PagedBackend):
         self._unchecked = None
         super().write_new_kv(cache, plan, loc, k, v)
 
-    def _fold_check(self, storage: tuple[torch.Tensor, ...], meta: ForwardMeta) -> bool:
-        """Whether every value of the pages holding this decode forward's new tokens (and so every unowned
-        tail) is finite: one float32 sum over them (one gather of small pages, else a view sum per page)."""
-        return self._fold_sum(storage[0], meta)
-
-    def _fold_sum(self, raw: torch.Tensor, meta: ForwardMeta) -> bool:
-        """``_fold_check`` of one layer's ``raw`` (the general path and the short decode path both call it)."""
-        pages, index = meta.fold_pages(self._fwd.loc)  # type: ignore[union-attr]
-        if len(pages) == 1:
-            return math.isfinite(raw[pages[0]].sum(dtype=torch.float32).item())
-        if raw[0].numel() * raw.element_size() <= _FOLD_GATHER_PAGE_BYTES:
-            return math.isfinite(raw.index_select(0, index).sum(dtype=torch.float32).item())
-        total = 0.0
-        for page in pages:
-            total += raw[page].sum(dtype=torch.float32).item()
-        return math.isfinite(total)
+    @staticmethod
+    def _decode_check(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """After a decode forward's op: whether its output and the new k/v are all finite (three float32 sums of
+        small tensors the call just touched). A NaN/inf the op read (an unowned tail past a request's last key,
+        a key a request owns) reaches its reader's output; a new token's K can hide one from it (a ``-inf``
+        score), so k and v are summed too. ``False`` sends the call down the precise paths."""
+        return math.isfinite(out.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item()
+                             + v.sum(dtype=torch.float32).item())
 
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
                     meta: ForwardMeta, known_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
