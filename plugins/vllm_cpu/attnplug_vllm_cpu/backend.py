@@ -48,7 +48,7 @@ Two things the op does not guarantee are done here:
 
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
-table from the same entries; up to 16 requests and 4096 entries it reads them on the host as ints,
+table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
 ``_host_pass``); any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
@@ -78,7 +78,7 @@ _INT32 = torch.int32
 _TAIL_PAGE_LOOP = 8
 #: ``_one_pass`` reads a decode batch's entries on the host (``_host_pass``) up to this many requests and entries
 _HOST_PASS_REQUESTS = 16
-_HOST_PASS_ENTRIES = 4096
+_HOST_PASS_ENTRIES = 2048
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
