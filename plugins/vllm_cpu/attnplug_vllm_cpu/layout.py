@@ -141,8 +141,8 @@ class VllmCpuLayout(KVLayout):
             index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
             memo = (slots, version, geometry, index)
             if version is not None:  # held with its slots, so the id stays theirs while kept
-                if len(memos) >= _MEMO_ENTRIES:
-                    memos.clear()
+                if len(memos) >= _MEMO_ENTRIES:  # the oldest goes (the layout is shared by every cache of a
+                    memos.pop(next(iter(memos)))  # process: clearing all dropped the entries in use)
                 memos[id(slots)] = memo
         return memo[3]  # type: ignore[no-any-return]
 
