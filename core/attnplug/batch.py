@@ -238,7 +238,7 @@ class ForwardBatch:
         d = self.__dict__  # the dataclass's fields (a plain dict read per field: this runs per layer)
         for field, (tensor, version) in snap.items():
             # the same object with a recorded counter is a normal tensor: its counter is read directly
-            if d.get(field) is not tensor or (version is not None and tensor._version != version):
+            if d.get(field) is not tensor or (version is not None and tensor is not None and tensor._version != version):
                 return field
         return None
 
