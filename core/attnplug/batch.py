@@ -235,10 +235,10 @@ class ForwardBatch:
         snap: dict[str, tuple[torch.Tensor | None, int | None]] | None = self.__dict__.get("_validated")
         if snap is None:
             return None
+        d = self.__dict__  # the dataclass's fields (a plain dict read per field: this runs per layer)
         for field, (tensor, version) in snap.items():
-            now = getattr(self, field)
             # the same object with a recorded counter is a normal tensor: its counter is read directly
-            if now is not tensor or (version is not None and tensor is not None and tensor._version != version):
+            if d.get(field) is not tensor or (version is not None and tensor is not None and tensor._version != version):
                 return field
         return None
 

