@@ -12,8 +12,9 @@ Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of
 reads) before the matmuls read it again, which costs about as much as the attention itself
 (issue 12). ``attention.cpp`` reads every visible row once, in place, widens bf16/fp16/fp8 rows to
 float32 in registers a block of 16 keys at a time (or, for bf16 on AVX-512 BF16, dots them as
-stored with ``vdpbf16ps``; where AMX is usable, ``tdpbf16ps`` tiles: ``csrc/amx.h``,
-``$ATTNPLUG_CPU_FUSED_AMX=0`` turns it off), and computes scores, softmax and the value sum in float32.
+stored with ``vdpbf16ps``; where AMX is usable, ``tdpbf16ps`` tiles for the scores and the value sum,
+the probabilities as two bf16 parts: ``csrc/amx.h``, ``$ATTNPLUG_CPU_FUSED_AMX=0`` turns it off), and
+computes scores, softmax and the value sum in float32.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@
 // chunk's last query, masked causally, by window and by the target-verify mask; nothing else
 // of the cache is read. Scores, softmax and the value sum are float32 whatever the storage
 // dtype (bf16 / fp16 / fp8 rows are widened in registers, one 16-key block at a time, never
-// the whole K/V); the output is rounded once to the query dtype.
+// the whole K/V; on a CPU with AMX a bf16 layer's q.k and p.v products go through tdpbf16ps tiles
+// instead, exact bf16 products of the stored rows with P split into two bf16 parts, accumulated in
+// float32); the output is rounded once to the query dtype.
 //
 // Work items are (work row, range of KV heads); a thread walks the row's keys once for K and
 // once for V, reading each key's row for all the item's heads together (one contiguous run of
@@ -345,8 +347,10 @@ inline bool rows_finite(const uint16_t* const*, int) { return true; }
 #endif
 
 // the AMX passes prefetch the block of keys this many blocks ahead (all the item's heads, spread over its
-// heads' iterations): measured 1, 2 and 4 (2 best, by a little; per-row prefetch 1 block ahead 12% slower
-// with the cache in L2)
+// heads' iterations). Measured (scratch driver, one thread, bf16 32 x 1024, side by side): with the cache
+// in L2, per-row prefetch one block ahead 12% slower; cold, 1, 2 or 4 blocks ahead, prefetcht1/nta, one
+// line per 4 KiB page, half the lines or none at all all within noise of each other (memory-bound at
+// ~5 GB/s while a plain read of the same scattered pages reaches ~9)
 constexpr int PF_AHEAD = 2;
 
 // Prefetch part `part` (of `parts`) of the cached rows of keys k0 .. k0 + nk - 1 (up to nc), heads h0 .. h1 - 1.
