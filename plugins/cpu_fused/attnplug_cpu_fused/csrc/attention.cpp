@@ -346,45 +346,19 @@ inline void values_amx(float*, int, const uint16_t*, const uint16_t*, int64_t, c
 inline bool rows_finite(const uint16_t* const*, int) { return true; }
 #endif
 
-// the AMX passes prefetch the block of keys this many blocks ahead (all the item's heads, spread over its
-// heads' iterations). Measured (scratch driver, one thread, bf16 32 x 1024, side by side): with the cache
-// in L2, per-row prefetch one block ahead 12% slower; cold, 1, 2 or 4 blocks ahead, prefetcht1/nta, one
-// line per 4 KiB page, half the lines or none at all all within noise of each other (memory-bound at
-// ~5 GB/s while a plain read of the same scattered pages reaches ~9)
-constexpr int PF_AHEAD = 2;
-
-// Prefetch part `part` (of `parts`) of the cached rows of keys k0 .. k0 + nk - 1 (up to nc), heads h0 .. h1 - 1.
-// Where those keys are consecutive slots and the heads fill each slot's rows (one contiguous run of the
-// nhd cache: a page's keys, all KV heads) the run is prefetched in address order, a slice of it a part
-// (a few 4 KiB pages at a time, which the L2 streamer then follows); else part i is head h0 + i's rows.
-inline void prefetch_keys(const char* cache, int64_t ss_bytes, int64_t sh_bytes, const int64_t* slots, int64_t k0,
-                          int64_t nk, int64_t nc, int h0, int h1, int64_t row_bytes, int part, int parts) {
-  if (k0 + nk > nc) nk = nc - k0;
-  if (nk <= 0) return;
-  const int64_t s0 = slots[k0];
-  if (sh_bytes == row_bytes && ss_bytes == int64_t(h1 - h0) * row_bytes && slots[k0 + nk - 1] == s0 + nk - 1) {
-    const int64_t lines = nk * ss_bytes / 64, from = lines * part / parts, to = lines * (part + 1) / parts;
-    const char* p = cache + s0 * ss_bytes + int64_t(h0) * sh_bytes;
-    for (int64_t l = from; l < to; ++l) __builtin_prefetch(p + l * 64);
-    return;
-  }
-  for (int h = h0 + part; h < h1; h += parts)
-    for (int64_t k = k0; k < k0 + nk; ++k) {
-      const char* p = cache + slots[k] * ss_bytes + int64_t(h) * sh_bytes;
-      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
-    }
-}
-
 // Pointers to NK keys' bf16 rows of head h as stored (cache rows through slots, then new token
-// rows; zeros past the end), prefetching the same head's row NK keys on (PF: the caller prefetches).
-template <int NK = KB, bool PF = true>
+// rows; zeros past the end), prefetching the same head's row NK keys on. Measured (a scratch driver of
+// this file, one thread, bf16 32 x 1024, caches flushed, side by side): prefetching instead each block's
+// whole run of the cache (its keys x all the item's heads) in address order, 1, 2 or 4 blocks ahead,
+// was 5-7% slower; prefetcht1 / nta, a line per 4 KiB page or none at all within noise of this.
+template <int NK = KB>
 inline void bf16_rows(const uint16_t** out, const uint16_t* zeros, const uint16_t* cache, int64_t c_ss, int64_t c_sh,
                       const uint16_t* nw, int64_t n_st, int64_t n_sh, const int64_t* slots, int64_t j0, int64_t nc,
                       int64_t n, int h, int dim) {
   const int64_t row_bytes = int64_t(dim) * 2;
   for (int j = 0; j < NK; ++j) {
     const int64_t key = j0 + j;
-    if (PF && key + NK < nc) {
+    if (key + NK < nc) {
       const char* p = reinterpret_cast<const char*>(cache + slots[key + NK] * c_ss + h * c_sh);
       for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
     }
@@ -612,13 +586,7 @@ int run(const DecodeArgs& a) {
     // pass 1: scores, a block of KB keys and one head at a time
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
       for (int h = h0; h < h1; ++h) {
-        if (amx) {
-          prefetch_keys(reinterpret_cast<const char*>(K), a.k_ss * 2, a.k_sh * 2, slots, j0 + PF_AHEAD * KB, KB, nc, h0,
-                        h1, int64_t(D) * 2, h - h0, nh);
-          bf16_rows<KB, false>(rp16, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(K),
-                               a.k_ss, a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc,
-                               n, h, D);
-        } else if (dp)
+        if (dp || amx)
           bf16_rows(rp16, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(K), a.k_ss,
                     a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc, n, h, D);
         else
@@ -699,9 +667,7 @@ int run(const DecodeArgs& a) {
       const bool hidden = j0 + PVK > nc || start + j0 < lo_last;
       for (int h = h0; h < h1; ++h) {
         const uint16_t* vr[PVK];
-        prefetch_keys(reinterpret_cast<const char*>(V), a.v_ss * 2, a.v_sh * 2, slots, j0 + PF_AHEAD * PVK, PVK, nc, h0,
-                      h1, int64_t(Dv) * 2, h - h0, nh);
-        bf16_rows<PVK, false>(vr, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(V), a.v_ss,
+        bf16_rows<PVK>(vr, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(V), a.v_ss,
                        a.v_sh, reinterpret_cast<const uint16_t*>(vn), a.vn_st, a.vn_sh, slots, j0, nc, n, h, Dv);
         const int hr = (h - h0) * RH;
         const uint16_t* ph = pb + size_t(hr) * np32 + j0;
