@@ -66,7 +66,9 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
     ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
     for every key of every row, the rows' queries, accumulators and sums, one block of widened
     rows. (A bf16 layer on AMX also keeps its queries as tiles, one block of key rows and a score
-    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, not counted here.)"""
+    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, and, where dv is a multiple of 32, P as two
+    bf16 parts and one block's V pairs: 4 * rows * keys (rounded up to 32) + 64 * dv bytes a thread,
+    not counted here: at most about twice the estimate.)"""
     rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
     return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
 
