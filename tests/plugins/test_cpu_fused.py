@@ -876,6 +876,115 @@ def test_bf16_scores_with_and_without_amx_match_the_reference(amx):
     assert proc.stdout.split()[-1] == "ok"
 
 
+def _cpu_has_amx() -> bool:
+    """The CPU flags AMX needs (cpuinfo); whether Linux grants the tile data is the kernel's own check."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+#: a bf16 decode and target-verify through the kernel: prints the runtime note, then per problem the
+#: mean and max |out - float64 reference| (page 16; head dim 128: the AMX value pass's pairs of 32 dims)
+_AMX_ACCURACY_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import test_cpu_fused as t
+    from attnplug.testing.reference import reference_attention
+    for i, mode in enumerate((t.ForwardMode.DECODE, t.ForwardMode.TARGET_VERIFY)):
+        s = t.make(dtype=t.BF16, group=4, head_dim=128, page_size=16, seed=5 + i)
+        if i == 0:
+            print(s.backend.runtime_notes()[0])
+        batch = (t.decode_batch(s, [159, 97, 64]) if i == 0 else
+                 t.extend_batch(s, mode, [150, 60], [4, 4]))
+        q, k, v = t.inputs(s, batch.num_tokens, q_gain=3.0)
+        kc0, vc0 = s.cache.read_kv(0)
+        s.backend.init_forward_metadata(batch)
+        out = s.backend.forward(q, k, v, s.layer, batch)
+        ref = reference_attention(q, k, v, s.layer, batch, kc0, vc0, s.cache.req_to_token, 1.0, 1.0)
+        err = (out.double() - ref).abs()
+        print(f"{float(err.mean()):.6e} {float(err.max()):.6e}")
+        t.assert_fused_ran(s)
+""")
+
+
+def _amx_accuracy(amx: str) -> tuple[str, list[tuple[float, float]]]:
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
+    proc = subprocess.run([sys.executable, "-c", _AMX_ACCURACY_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    note, *rows = proc.stdout.strip().splitlines()
+    return note, [(float(a), float(b)) for a, b in (r.split() for r in rows)]
+
+
+@needs_kernel
+def test_bf16_decode_on_amx_is_as_accurate_as_without_it():
+    # with AMX the value pass multiplies P (as two bf16 parts, hi + lo) by V through tdpbf16ps; without,
+    # P stays float32 and V is widened. Against the float64 reference the two must err alike (P rounded
+    # to one bf16 part measured 1.5x the mean error), and the note says which ran
+    if not _cpu_has_amx() or kernel.isa() != "avx512bf16":
+        pytest.skip("this CPU has no AMX (or the kernel variant is not avx512bf16): one path only")
+    note_on, on = _amx_accuracy("1")
+    note_off, off = _amx_accuracy("0")
+    assert "(bf16: scores and value sum through AMX tiles)" in note_on, note_on
+    assert "tiled extend kernel's amx body" in note_on, note_on
+    assert "AMX tiles" not in note_off and "tiled extend kernel's avx512bf16 body" in note_off, note_off
+    for (mean_on, max_on), (mean_off, max_off) in zip(on, off):
+        assert mean_on <= 1.15 * mean_off and max_on <= 1.25 * max_off, (on, off)
+
+
+#: bf16 target-verify (3 drafts a request, causal) whose last draft's V is NaN / inf: that value row is
+#: hidden from the earlier drafts (P 0), so a value block holding it is added row by row where P is not 0,
+#: never through the tiles (0 * NaN is NaN); the earlier drafts match the reference, the last is not
+#: finite. Then the same with that row's K and V in the cache and a 40-token window hiding the cached
+#: tokens before it (NaN / inf there too). Page 16, head dims 64 and 128.
+_HIDDEN_NAN_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import test_cpu_fused as t
+    from attnplug.testing.reference import reference_attention
+    for head_dim in (64, 128):
+        for window in (None, 40):
+            s = t.make(dtype=t.BF16, group=4, head_dim=head_dim, page_size=16, seed=11,
+                       layer_kw=dict(sliding_window=window))
+            first = [140, 90]
+            batch = t.extend_batch(s, t.ForwardMode.TARGET_VERIFY, first, [3, 3])
+            if window is not None:  # cached tokens before every query's window: NaN / inf
+                for r, p in zip(batch.req_pool_indices.tolist(), first):
+                    hidden = s.cache.req_to_token[r, :p - window - 1]
+                    vals = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.arange(hidden.numel()) % 3]
+                    bad = vals[:, None, None].expand(-1, 2, head_dim).to(torch.bfloat16)
+                    s.cache.set_kv(0, hidden, bad, bad, stored=True)
+            q, k, v = t.inputs(s, batch.num_tokens)
+            v = v.clone()
+            v[2], v[5] = float("nan"), float("inf")  # each request's last draft
+            kc0, vc0 = s.cache.read_kv(0)
+            s.backend.init_forward_metadata(batch)
+            out = s.backend.forward(q, k, v, s.layer, batch)
+            ref = reference_attention(q, k, v, s.layer, batch, kc0, vc0, s.cache.req_to_token, 1.0, 1.0)
+            keep = [0, 1, 3, 4]
+            tol = t.tolerance(s)
+            torch.testing.assert_close(out[keep].double(), ref[keep], atol=tol.atol, rtol=tol.rtol)
+            assert not bool(torch.isfinite(out[[2, 5]]).any())
+            t.assert_fused_ran(s)
+    print("ok")
+""")
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx_where_usable", "amx_off"])
+def test_bf16_values_hidden_from_a_draft_never_reach_its_output(amx):
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
+    proc = subprocess.run([sys.executable, "-c", _HIDDEN_NAN_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "ok"
+
+
 @needs_kernel
 def test_an_isa_this_cpu_cannot_run_is_refused_naming_the_variable():
     env = dict(os.environ, ATTNPLUG_CPU_FUSED_ISA="sse9")

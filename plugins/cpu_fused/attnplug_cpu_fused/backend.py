@@ -240,14 +240,20 @@ class CpuFusedBackend(TorchNativeBackend):
         self.tiled_isa = 0
         #: the kernel variant this process runs (``avx512bf16``, ``avx512``, ``avx2``, ``portable``)
         self.isa = kernel.isa()
+        #: the tiled extend kernel's body this process runs at ``tiled_isa = 0`` (a ``kernel.TILED_ISAS`` name);
+        #: ``amx`` also means bf16 decode runs its scores and value sum through AMX tiles (same check, amx.h)
+        self.tiled_body = {v: k for k, v in kernel.TILED_ISAS.items()}[int(torch.ops.attnplug_cpu_fused.tiled_isa())]
 
     def build_metadata(self, batch: Any) -> FusedMeta:
         return FusedMeta(batch, self.cache)
 
     def runtime_notes(self) -> list[str]:
+        amx = self.isa == "avx512bf16" and self.tiled_body == "amx"
         return [f"kernel variant {self.isa} (of {', '.join(kernel.ISAS)}; chosen by cpuid at load); decode and "
-                f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel, longer extends through the "
-                f"tiled extend kernel where the layer fits it, else torch_native's SDPA path"]
+                f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel"
+                f"{' (bf16: scores and value sum through AMX tiles)' if amx else ''}, longer extends through the "
+                f"tiled extend kernel's {self.tiled_body} body (of {', '.join(kernel.TILED_ISAS)}; chosen by cpuid "
+                f"at load) where the layer fits it, else torch_native's SDPA path"]
 
     # -- per layer -----------------------------------------------------------
     def plan_layer(self, layer: Any) -> FusedLayer:

@@ -12,8 +12,9 @@ Why a compiled kernel: an eager decode over a paged cache gathers K/V (a copy of
 reads) before the matmuls read it again, which costs about as much as the attention itself
 (issue 12). ``attention.cpp`` reads every visible row once, in place, widens bf16/fp16/fp8 rows to
 float32 in registers a block of 16 keys at a time (or, for bf16 on AVX-512 BF16, dots them as
-stored with ``vdpbf16ps``; where AMX is usable, ``tdpbf16ps`` tiles: ``csrc/amx.h``,
-``$ATTNPLUG_CPU_FUSED_AMX=0`` turns it off), and computes scores, softmax and the value sum in float32.
+stored with ``vdpbf16ps``; where AMX is usable, ``tdpbf16ps`` tiles for the scores and the value sum,
+the probabilities as two bf16 parts: ``csrc/amx.h``, ``$ATTNPLUG_CPU_FUSED_AMX=0`` turns it off), and
+computes scores, softmax and the value sum in float32.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int,
     ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
     for every key of every row, the rows' queries, accumulators and sums, one block of widened
     rows. (A bf16 layer on AMX also keeps its queries as tiles, one block of key rows and a score
-    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, not counted here.)"""
+    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, and, where dv is a multiple of 32, P as two
+    bf16 parts and one block's V pairs: 4 * rows * keys (rounded up to 32) + 64 * dv bytes a thread,
+    not counted here: at most about twice the estimate.)"""
     rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
     return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
 

@@ -11,7 +11,9 @@
 // chunk's last query, masked causally, by window and by the target-verify mask; nothing else
 // of the cache is read. Scores, softmax and the value sum are float32 whatever the storage
 // dtype (bf16 / fp16 / fp8 rows are widened in registers, one 16-key block at a time, never
-// the whole K/V); the output is rounded once to the query dtype.
+// the whole K/V; on a CPU with AMX a bf16 layer's q.k and p.v products go through tdpbf16ps tiles
+// instead, exact bf16 products of the stored rows with P split into two bf16 parts, accumulated in
+// float32); the output is rounded once to the query dtype.
 //
 // Work items are (work row, range of KV heads); a thread walks the row's keys once for K and
 // once for V, reading each key's row for all the item's heads together (one contiguous run of
@@ -62,6 +64,7 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf bits(vu u) { vf f; std::memcpy(&f, &u, sizeof f); return f; }
+inline vu bits_of(vf f) { vu u; std::memcpy(&u, &f, sizeof u); return u; }
 
 // ---- storage types: load 16 values as float32, store one float32 ----------------------------
 struct F32 {
@@ -252,32 +255,111 @@ inline void vnni_queries(uint16_t* qv, const uint16_t* const* qrows, int RH, int
     for (int d = 0; d < D; ++d) qv[(d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + (d % 2)] = qrows[r][d];
 }
 inline bool amx_scores_usable() { return amx_usable(); }
+// tiles 0-2: the scores (scores_amx); 3-6: the value sum (values_amx): 3 a head's RH accumulator rows x
+// 16 columns, 4 / 6 its P rows (hi / lo parts) x 32 keys, 5 the V pairs of 32 keys x 16 columns
 inline void amx_configure(int RH) {
   TileConfig cfg;
   cfg.set(0, KB, RH * 4);
   cfg.set(1, KB, 64);
   cfg.set(2, 16, RH * 4);
+  cfg.set(3, RH, 64);
+  cfg.set(4, RH, 64);
+  cfg.set(5, 16, 64);
+  cfg.set(6, RH, 64);
   cfg.load();
 }
 inline void amx_done() { tile_release(); }
+
+constexpr int PVK = 32;  // keys per value-pass block (one tdpbf16ps: 16 pairs)
+// bf16 parts of P: hi + lo (P to ~2^-17 of itself, two products a tile). Measured against a float64
+// reference (bf16 decode, 1 request x 256 / 4096 keys, 32/8 heads): the same errors as the float32 value
+// pass (max 7.6e-4 / 2.0e-4, mean 1.1e-4 / 2.7e-5 of outputs up to 0.32 / 0.08); one part (P rounded to
+// bf16) raised the mean error 1.5x and the max 1.4x at 4096 keys, for no speed measurable here.
+constexpr int NPV = 2;
+
+// 32 probabilities (x0: keys 0-15) as NPV bf16 parts, rounded to nearest even: hi = bf16(p), lo =
+// bf16(p - hi) (the remainder exact in float32); returns what they add up to (float32)
+inline vf p_parts(vf x0, vf x1, uint16_t* hi, uint16_t* lo) {
+  const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)x1, (__m512)x0);
+  _mm512_storeu_si512(hi, h);
+  const vf h0 = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 0)), 16));
+  const vf h1 = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  if constexpr (NPV == 1) {
+    (void)lo;
+    return h0 + h1;
+  } else {
+    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh((__m512)(x1 - h1), (__m512)(x0 - h0)));
+    return x0 + x1;
+  }
+}
+
+// whether PVK bf16 rows of Dv (a multiple of 32) hold no inf or NaN (a lane with every exponent bit set)
+inline bool rows_finite(const uint16_t* const* vr, int Dv) {
+  __mmask32 bad = 0;
+  const __m512i e = _mm512_set1_epi16(0x7f80);
+  for (int j = 0; j < PVK; ++j)
+    for (int c = 0; c < Dv; c += 32) bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(vr[j] + c), e), e);
+  return bad == 0;
+}
+
+// acc[RH rows][Dv] += P[RH rows][PVK keys] . V[PVK keys][Dv] for one head through AMX: the PVK bf16 value
+// rows vr interleaved in pairs into vv ([PVK/2][Dv] uint32: key 2k in the low half, 2k+1 in the high;
+// the tile's right operand), then per 16 columns the accumulator tile loaded, multiplied by the NPV
+// parts of P (ph / pl: rows p_stride elements apart) and stored back. Dv a multiple of 32.
+inline void values_amx(float* acc, int Dv, const uint16_t* ph, const uint16_t* pl, int64_t p_stride,
+                       const uint16_t* const* vr, uint32_t* vv) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int k2 = 0; k2 < PVK / 2; ++k2) {
+    const uint16_t* ra = vr[2 * k2];
+    const uint16_t* rb = vr[2 * k2 + 1];
+    uint32_t* out = vv + size_t(k2) * Dv;
+    for (int c = 0; c < Dv; c += 32) {
+      const __m512i x = _mm512_loadu_si512(ra + c), y = _mm512_loadu_si512(rb + c);
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+  __asm__ volatile("" ::: "memory");  // the tile loads below read vv, P and acc (asm without memory operands)
+  _tile_loadd(4, ph, p_stride * 2);
+  if constexpr (NPV == 2) _tile_loadd(6, pl, p_stride * 2);
+  for (int c = 0; c < Dv; c += 16) {
+    _tile_loadd(3, acc + c, Dv * 4);
+    _tile_loadd(5, vv + c, Dv * 4);
+    _tile_dpbf16ps(3, 4, 5);
+    if constexpr (NPV == 2) _tile_dpbf16ps(3, 6, 5);
+    _tile_stored(3, acc + c, Dv * 4);
+  }
+  __asm__ volatile("" ::: "memory");
+}
 #else
+constexpr int PVK = 32;
+constexpr int NPV = 1;
 inline void scores_amx(vf*, int, const uint16_t* const*, int64_t, const uint16_t*, int, uint16_t*, float*) {}
 inline void vnni_queries(uint16_t*, const uint16_t* const*, int, int) {}
 inline bool amx_scores_usable() { return false; }
 inline void amx_configure(int) {}
 inline void amx_done() {}
+inline vf p_parts(vf, vf, uint16_t*, uint16_t*) { return vf{}; }
+inline void values_amx(float*, int, const uint16_t*, const uint16_t*, int64_t, const uint16_t* const*, uint32_t*) {}
+inline bool rows_finite(const uint16_t* const*, int) { return true; }
 #endif
 
-// Pointers to KB keys' bf16 rows of head h as stored (cache rows through slots, then new token
-// rows; zeros past the end), prefetching the same head's row KB keys on.
+// Pointers to NK keys' bf16 rows of head h as stored (cache rows through slots, then new token
+// rows; zeros past the end), prefetching the same head's row NK keys on. Measured (a scratch driver of
+// this file, one thread, bf16 32 x 1024, caches flushed, side by side): prefetching instead each block's
+// whole run of the cache (its keys x all the item's heads) in address order, 1, 2 or 4 blocks ahead,
+// was 5-7% slower; prefetcht1 / nta, a line per 4 KiB page or none at all within noise of this.
+template <int NK = KB>
 inline void bf16_rows(const uint16_t** out, const uint16_t* zeros, const uint16_t* cache, int64_t c_ss, int64_t c_sh,
                       const uint16_t* nw, int64_t n_st, int64_t n_sh, const int64_t* slots, int64_t j0, int64_t nc,
                       int64_t n, int h, int dim) {
   const int64_t row_bytes = int64_t(dim) * 2;
-  for (int j = 0; j < KB; ++j) {
+  for (int j = 0; j < NK; ++j) {
     const int64_t key = j0 + j;
-    if (key + KB < nc) {
-      const char* p = reinterpret_cast<const char*>(cache + slots[key + KB] * c_ss + h * c_sh);
+    if (key + NK < nc) {
+      const char* p = reinterpret_cast<const char*>(cache + slots[key + NK] * c_ss + h * c_sh);
       for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
     }
     out[j] = key >= n ? zeros : key < nc ? cache + slots[key] * c_ss + h * c_sh : nw + (key - nc) * n_st + h * n_sh;
@@ -469,21 +551,30 @@ int run(const DecodeArgs& a) {
     // per 32 dims in one tile multiply (measured below in docs/performance.md, issue 25).
     const bool amx = bf16_pair && D % 32 == 0 && RH <= 16 && !a.new_f32 && amx_scores_usable();
     const bool dp = !amx && bf16_pair && kNativeBF16 && D % 32 == 0 && G <= 4 && !a.new_f32;
+    // and the value sum too (P in NPV bf16 parts times V as stored), where the value rows are pairs of 16
+    const bool amx_pv = amx && Dv % 32 == 0;
+    const int64_t np32 = (npad + PVK - 1) / PVK * PVK;  // P's row stride (bf16 elements)
     const uint16_t* rp16[KB];
-    uint16_t* qv = nullptr;  // AMX: the queries of each head in the VNNI layout, then a block's K rows, C
-    uint16_t* kbuf = nullptr;
+    uint16_t* qv = nullptr;  // AMX: the queries of each head in the VNNI layout, then a block's K rows, C,
+    uint16_t* kbuf = nullptr;  // P's parts and a block's V pairs
     float* cbuf = nullptr;
+    uint16_t* pb = nullptr;
+    uint32_t* vv = nullptr;
     vf sv[16];
     if (amx) {
-      float* ab = tl_amx.get(size_t(nh) * D * 8 + size_t(KB) * D / 2 + KB * 16);
+      const size_t want = size_t(nh) * D * 8 + size_t(KB) * D / 2 + KB * 16 +
+                          (amx_pv ? size_t(R) * np32 * NPV / 2 + size_t(PVK / 2) * Dv : 0);
+      float* ab = tl_amx.get(want);
       if (ab == nullptr) {
-        fail(a, 4, b, -1, int64_t(size_t(nh) * D * 32));
+        fail(a, 4, b, -1, int64_t(want * 4));
         __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         return;
       }
       qv = reinterpret_cast<uint16_t*>(ab);
       kbuf = qv + size_t(nh) * D * 16;
       cbuf = reinterpret_cast<float*>(kbuf + size_t(KB) * D);
+      pb = reinterpret_cast<uint16_t*>(cbuf + KB * 16);         // NPV x [R][np32] bf16
+      vv = reinterpret_cast<uint32_t*>(pb + size_t(NPV) * R * np32);  // [PVK/2][Dv] V pairs
       for (int hh = 0; hh < nh; ++hh) {
         const uint16_t* qrows[16];
         for (int r = 0; r < RH; ++r)
@@ -537,7 +628,7 @@ int run(const DecodeArgs& a) {
         }
       }
     }
-    if (amx) amx_done();
+    if (amx && !amx_pv) amx_done();
     // softmax numerators and denominators (a sink adds exp(sink - m) to the denominator only); a
     // row that sees no key at all outputs zeros, sinks or not
     for (int r = 0; r < R; ++r) {
@@ -548,10 +639,19 @@ int run(const DecodeArgs& a) {
       if (std::isinf(m)) m = 0.0f;
       float* s = sc + r * npad;
       vf sum = vf{};
-      for (int64_t j = 0; j < npad; j += W) {
-        vf x = vexp(loadf(s + j) - m);
-        storef(s + j, x);
-        sum += x;
+      if (amx_pv) {  // P as bf16 parts (keys npad .. np32 - 1: 0); the sum is over what the parts add up to
+        uint16_t* ph = pb + size_t(r) * np32;
+        for (int64_t j = 0; j < np32; j += PVK) {
+          const vf x0 = vexp(loadf(s + j) - m);
+          const vf x1 = j + W < npad ? vexp(loadf(s + j + W) - m) : vf{};
+          sum += p_parts(x0, x1, ph + j, ph + size_t(R) * np32 + j);
+        }
+      } else {
+        for (int64_t j = 0; j < npad; j += W) {
+          vf x = vexp(loadf(s + j) - m);
+          storef(s + j, x);
+          sum += x;
+        }
       }
       den[r] = none ? 0.0f : hsum(sum) + (a.sinks ? std::exp(sink - m) : 0.0f);
     }
@@ -560,7 +660,36 @@ int run(const DecodeArgs& a) {
     // window) selects per row and key instead of multiplying by a zero probability
     std::memset(acc, 0, sizeof(float) * R * Dv);
     const int64_t lo_last = a.window >= 0 ? pos0 + nq - 1 - a.window : INT64_MIN;  // the last query's window
-    for (int64_t j0 = 0; j0 < n; j0 += KB) {
+    // AMX: blocks of PVK keys; a block that may hold a key hidden from some row goes through the tiles
+    // only when its value rows are all finite (a hidden key's P is 0, and 0 * NaN is NaN), else each
+    // row adds the rows of the keys whose P is not 0, one by one
+    for (int64_t j0 = 0; amx_pv && j0 < n; j0 += PVK) {
+      const bool hidden = j0 + PVK > nc || start + j0 < lo_last;
+      for (int h = h0; h < h1; ++h) {
+        const uint16_t* vr[PVK];
+        bf16_rows<PVK>(vr, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(V), a.v_ss,
+                       a.v_sh, reinterpret_cast<const uint16_t*>(vn), a.vn_st, a.vn_sh, slots, j0, nc, n, h, Dv);
+        const int hr = (h - h0) * RH;
+        const uint16_t* ph = pb + size_t(hr) * np32 + j0;
+        if (hidden) {
+          if (!rows_finite(vr, Dv)) {
+            for (int g = 0; g < RH; ++g)
+              for (int j = 0; j < PVK; ++j) {
+                float pj = 0.0f;
+                for (int i = 0; i < NPV; ++i) pj += BF16::one(ph + size_t(i) * R * np32 + size_t(g) * np32 + j);
+                if (pj == 0.0f) continue;
+                const vf pv = splat(pj);
+                float* ar = acc + size_t(hr + g) * Dv;
+                for (int c = 0; c < Dv; c += W) storef(ar + c, loadf(ar + c) + pv * BF16::load(vr[j] + c));
+              }
+            continue;
+          }
+        }
+        values_amx(acc + size_t(hr) * Dv, Dv, ph, ph + size_t(R) * np32, np32, vr, vv);
+      }
+    }
+    if (amx_pv) amx_done();
+    for (int64_t j0 = 0; !amx_pv && j0 < n; j0 += KB) {
       const bool hidden = j0 + KB > nc || start + j0 < lo_last;
       for (int h = h0; h < h1; ++h) {
         block_rows<Q, KV>(rp, rows, zeros, V, a.v_ss, a.v_sh, vn, a.vn_st, a.vn_sh, a.new_f32 != 0, slots, j0, nc,

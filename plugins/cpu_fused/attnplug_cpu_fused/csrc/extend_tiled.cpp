@@ -429,7 +429,33 @@ ET_TARGET void pv_select(float* acc, int Dv, const float* st, int MP, const type
   }
 }
 
-// one work item: request b, KV head h, queries i0 .. i1-1 of the request
+// What one work item (request b, KV head h, queries i0 .. i1 - 1 of the request) reads, built once per item
+// (both bodies): the queries, the cache's K and V, this forward's new K / V rows of head h from the request's
+// first new token, the request's slots from its first cached position read, its cached keys, its first query
+// token, and the keys its queries see: jbeg (the first query's window) .. jend - 1 (causal: the last
+// query's own key)
+template <class T>
+struct ItemSrc {
+  const T *Q, *K, *V, *KN, *VN;
+  const int64_t* slots;
+  int64_t nc, t0, jbeg, jend;
+};
+template <class T>
+ET_TARGET inline ItemSrc<T> item_src(const TiledArgs& a, int b, int h, int i0, int i1) {
+  const int64_t* pl = a.plan + PLAN * b;
+  const int64_t row = pl[0], start = pl[1], nc = pl[2], kn_t0 = pl[6];
+  return {static_cast<const T*>(a.q),
+          static_cast<const T*>(a.k),
+          static_cast<const T*>(a.v),
+          static_cast<const T*>(a.kn) + kn_t0 * a.kn_st + int64_t(h) * a.kn_sh,
+          static_cast<const T*>(a.vn) + kn_t0 * a.vn_st + int64_t(h) * a.vn_sh,
+          a.r2t + row * a.r2t_s + start,
+          nc,
+          pl[3],
+          a.window >= 0 ? (nc + i0 - a.window > 0 ? nc + i0 - a.window : 0) : 0,
+          nc + i1};
+}
+
 // the K and V rows of keys j0 .. j0 + ktp - 1 of one request and KV head (both bodies): a cached key's
 // through its slot, a key of this forward's in place, past the causal end the zero row
 template <class T>
@@ -472,17 +498,8 @@ template <class S>
 ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
   typedef typename S::T T;
   const int NVR = ((i1 - i0) * a.G + 15) / 16, MP = NVR * 16;  // row vectors (rows padded to 16s)
-  const int64_t* pl = a.plan + PLAN * b;
-  const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], kn_t0 = pl[6];
   const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
-  const T* Q = static_cast<const T*>(a.q);
-  const T* K = static_cast<const T*>(a.k);
-  const T* V = static_cast<const T*>(a.v);
-  const T* KN = static_cast<const T*>(a.kn) + kn_t0 * a.kn_st + int64_t(h) * a.kn_sh;
-  const T* VN = static_cast<const T*>(a.vn) + kn_t0 * a.vn_st + int64_t(h) * a.vn_sh;
-  const int64_t* slots = a.r2t + row * a.r2t_s + start;
-  const int64_t jend = nc + i1;  // the last query sees keys up to nc + i1 - 1 (causal)
-  const int64_t jbeg = a.window >= 0 ? (nc + i0 - a.window > 0 ? nc + i0 - a.window : 0) : 0;
+  const auto [Q, K, V, KN, VN, slots, nc, t0, jbeg, jend] = item_src<T>(a, b, h, i0, i1);
 #if ET_DP
   constexpr bool dp = std::is_same<S, BF16>::value;
 #else
@@ -785,16 +802,7 @@ ET_TARGET int item_amx(const TiledArgs& a, int b, int h, int i0, int i1, float* 
   constexpr int NQ = X3 ? 3 : 1, NV = X3 ? 3 : 1;
   const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
   const int MP = (M + 31) / 32 * 32, Dp = (D + 31) / 32 * 32;
-  const int64_t* pl = a.plan + PLAN * b;
-  const int64_t row = pl[0], start = pl[1], nc = pl[2], t0 = pl[3], kn_t0 = pl[6];
-  const T* Q = static_cast<const T*>(a.q);
-  const T* K = static_cast<const T*>(a.k);
-  const T* V = static_cast<const T*>(a.v);
-  const T* KN = static_cast<const T*>(a.kn) + kn_t0 * a.kn_st + int64_t(h) * a.kn_sh;
-  const T* VN = static_cast<const T*>(a.vn) + kn_t0 * a.vn_st + int64_t(h) * a.vn_sh;
-  const int64_t* slots = a.r2t + row * a.r2t_s + start;
-  const int64_t jend = nc + i1;
-  const int64_t jbeg = a.window >= 0 ? (nc + i0 - a.window > 0 ? nc + i0 - a.window : 0) : 0;
+  const auto [Q, K, V, KN, VN, slots, nc, t0, jbeg, jend] = item_src<T>(a, b, h, i0, i1);
   // scratch (64-byte aligned pieces; scratch_floats() sizes it for float32); each bf16 operand's parts
   // follow one another
   const int64_t QA = int64_t(AMROWS) * Dp, KTS = int64_t(Dp / 2) * AKT, PB = int64_t(AMROWS) * AKT,

@@ -79,6 +79,16 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "attnplug_cpu_fused::attend: ", name, " is on ", t.device(), " (CPU only)");
 }
 
+// the arguments both ops (`op`: attend, extend_tiled) take alike: the plan, the request-to-token table, err
+void check_plan_args(const char* op, const at::Tensor& plan, const at::Tensor& req_to_token, const at::Tensor& err) {
+  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 8 && plan.is_contiguous(),
+              "attnplug_cpu_fused::", op, ": plan must be a contiguous int64 [B, 8]");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "attnplug_cpu_fused::", op, ": req_to_token must be int64 [R, L] with a contiguous last dim");
+  TORCH_CHECK(err.scalar_type() == at::kLong && err.numel() >= 4 && err.is_contiguous(),
+              "attnplug_cpu_fused::", op, ": err must be a contiguous int64 tensor of 4");
+}
+
 // q [T, H, D]; k_new/v_new [T, Hkv, D/Dv] or None (cross-attention); k_cache/v_cache [slots, Hkv, D/Dv]
 // (last dim contiguous); req_to_token [R, L] int64; plan [B, 8] int64 (contiguous); mask [B, E, E]
 // bool/uint8 or None; sinks [H] float32 or None; out [T, H, Dv] written for the work rows' queries;
@@ -103,12 +113,7 @@ void attend(const at::Tensor& q, const std::optional<at::Tensor>& k_new, const s
               "attnplug_cpu_fused::attend: q, out, k_cache and v_cache need a contiguous last dim");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "attnplug_cpu_fused::attend: out is ", out.scalar_type(),
               ", q is ", q.scalar_type());
-  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 8 && plan.is_contiguous(),
-              "attnplug_cpu_fused::attend: plan must be a contiguous int64 [B, 8]");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "attnplug_cpu_fused::attend: req_to_token must be int64 [R, L] with a contiguous last dim");
-  TORCH_CHECK(err.scalar_type() == at::kLong && err.numel() >= 4 && err.is_contiguous(),
-              "attnplug_cpu_fused::attend: err must be a contiguous int64 tensor of 4");
+  check_plan_args("attend", plan, req_to_token, err);
   const int64_t Hkv = k_cache.size(1), G = group, D = q.size(2), Dv = out.size(2);
   TORCH_CHECK(G > 0 && q.size(1) == Hkv * G && out.size(1) == q.size(1) && k_cache.size(2) == D &&
                   v_cache.size(2) == Dv && v_cache.size(1) == Hkv && out.size(0) == q.size(0),
@@ -175,7 +180,8 @@ std::string isa() { return variant().name; }
 
 // The tiled extend kernel (extend_tiled.cpp: query tiles x key tiles with an online softmax) for long
 // extends: q [T, H, D]; k_new/v_new [T, Hkv, D/Dv] in q's dtype (float32 or bfloat16); plan [B, 8] with
-// each request whole; isa 0: the best this CPU runs (1 portable, 2 avx2, 3 avx512, 4 avx512bf16).
+// each request whole; isa 0: the best this CPU runs (1 portable, 2 avx2, 3 avx512, 4 avx512bf16, 5 amx:
+// AVX-512 BF16 + AMX tiles where Linux grants this process the tile data; kernel.TILED_ISAS names them).
 void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& req_to_token, const at::Tensor& plan,
                   const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& err, int64_t group,
@@ -191,12 +197,7 @@ void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_new, &v_new, &out, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnplug_cpu_fused::extend_tiled: every tensor must be in q's "
                 "dtype ", q.scalar_type(), ", got ", t->scalar_type());
-  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 8 && plan.is_contiguous(),
-              "attnplug_cpu_fused::extend_tiled: plan must be a contiguous int64 [B, 8]");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "attnplug_cpu_fused::extend_tiled: req_to_token must be int64 [R, L] with a contiguous last dim");
-  TORCH_CHECK(err.scalar_type() == at::kLong && err.numel() >= 4 && err.is_contiguous(),
-              "attnplug_cpu_fused::extend_tiled: err must be a contiguous int64 tensor of 4");
+  check_plan_args("extend_tiled", plan, req_to_token, err);
   const int64_t Hkv = k_cache.size(1), G = group, D = q.size(2), Dv = out.size(2);
   TORCH_CHECK(G > 0 && q.size(1) == Hkv * G && out.size(1) == q.size(1) && k_cache.size(2) == D &&
                   v_cache.size(2) == Dv && v_cache.size(1) == Hkv && out.size(0) == q.size(0) &&
