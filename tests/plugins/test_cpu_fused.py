@@ -417,6 +417,31 @@ def test_chunks_shrink_to_fit_the_scratch_aim(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+def test_the_scratch_counted_against_the_workspace_includes_the_amx_buffer_where_it_may_run(monkeypatch, dtype):
+    # a bf16 layer on an AMX process also fills the kernel's AMX buffer (VNNI queries, P's parts, V pairs):
+    # the scratch counted against max_workspace_bytes includes it there, and only there
+    seen: list[bool] = []
+    real = kernel.scratch_bytes
+
+    def spy(*args: Any) -> int:
+        seen.append(bool(args[7]) if len(args) > 7 else False)
+        return real(*args)
+
+    monkeypatch.setattr(kernel, "scratch_bytes", spy)
+    s = make(dtype=dtype, head_dim=64, seed=78)
+    run_and_check(s, decode_batch(s, [40, 7]))
+    on_amx = s.backend.tiled_body == "amx" and s.backend.isa == "avx512bf16"
+    assert seen and set(seen) == {dtype == BF16 and on_amx}
+    assert real(1, 2, 1, 4, 100, 64, 64, True) > real(1, 2, 1, 4, 100, 64, 64)
+    # the extra is the C++ buffer's size (attention.cpp, tl_amx): heads*D*8 + KB*D/2 + KB*16 floats, plus
+    # P's two bf16 parts over the keys rounded to 32 and one block's V pairs where dv is a multiple of 32
+    assert real(1, 2, 1, 4, 100, 64, 64, True) - real(1, 2, 1, 4, 100, 64, 64) == 4 * (
+        2 * 64 * 8 + 16 * 64 // 2 + 256 + 8 * 128 + 16 * 64)
+    assert real(1, 2, 1, 4, 100, 64, 48, True) - real(1, 2, 1, 4, 100, 64, 48) == 4 * (2 * 64 * 8 + 16 * 64 // 2 + 256)
+
+
+@needs_kernel
 def test_scratch_over_the_workspace_limit_is_refused(threads):
     # the kernel's scratch counts against max_workspace_bytes: one query per chunk over the limit
     # hands the layer to the eager extend, which needs more and refuses with the limit named
@@ -610,7 +635,9 @@ def test_workspace_limit_between_one_head_and_all_heads_runs_fused_with_fewer_he
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lo, hi = kernel.scratch_bytes(1, 1, 1, 2, 53, 32, 32), kernel.scratch_bytes(1, 4, 1, 2, 53, 32, 32)
+        probe_backend = make(dtype=BF16, head_dim=32, seed=53).backend  # does this process run bf16 on AMX?
+        amx = probe_backend.tiled_body == "amx" and probe_backend.isa == "avx512bf16"
+        lo, hi = (kernel.scratch_bytes(1, 1, 1, 2, 53, 32, 32, amx), kernel.scratch_bytes(1, 4, 1, 2, 53, 32, 32, amx))
         s = make(dtype=BF16, kv_heads=4, group=2, head_dim=32, seed=53, max_workspace_bytes=(lo + hi) // 2)
         run_and_check(s, decode_batch(s, LENS))
         assert_fused_ran(s)

@@ -286,6 +286,9 @@ class CpuFusedBackend(TorchNativeBackend):
         cross = layer.is_cross_attention
         window = None if cross else layer.sliding_window
         aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
+        # a bf16 layer may run its scores and value sum on AMX tiles, whose buffer counts too (over-counted
+        # where the kernel declines the tiles for a layer: the workspace limit is never under-counted)
+        amx = self.tiled_body == "amx" and self.isa == "avx512bf16" and self.cache.dtype == torch.bfloat16
         # work items are (chunk of a request's queries, KV heads): all heads unless that leaves
         # threads idle, then fewer heads and shorter chunks until the scratch is under the aim
         chunk = FUSED_QUERY_CHUNK
@@ -297,7 +300,7 @@ class CpuFusedBackend(TorchNativeBackend):
             per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
 
             def scratch(heads: int) -> int:
-                return kernel.scratch_bytes(threads, heads, most_q, G, most_keys, D, Dv)  # noqa: B023  # called in this iteration
+                return kernel.scratch_bytes(threads, heads, most_q, G, most_keys, D, Dv, amx)  # noqa: B023  # called in this iteration
 
             while per_item > 1 and scratch(per_item) > aim:
                 per_item = (per_item + 1) // 2

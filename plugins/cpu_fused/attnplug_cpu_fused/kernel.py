@@ -61,16 +61,21 @@ def library_path() -> str | None:
     return found[0] if found else None
 
 
-def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int) -> int:
+def scratch_bytes(threads: int, heads: int, queries: int, group: int, keys: int, d: int, dv: int,
+                  amx: bool = False) -> int:
     """Bytes of per-thread scratch ``attention.cpp`` allocates (all threads) for work items of
     ``heads`` KV heads and up to ``queries`` queries over up to ``keys`` keys: float32 scores
     for every key of every row, the rows' queries, accumulators and sums, one block of widened
-    rows. (A bf16 layer on AMX also keeps its queries as tiles, one block of key rows and a score
-    tile: 32 * heads * d + 32 * d + 1024 bytes a thread, and, where dv is a multiple of 32, P as two
-    bf16 parts and one block's V pairs: 4 * rows * keys (rounded up to 32) + 64 * dv bytes a thread,
-    not counted here: at most about twice the estimate.)"""
+    rows. ``amx``: a bf16 layer that may run on AMX tiles (its ``tl_amx`` buffer too: each head's queries
+    in the VNNI layout, one block of key rows and a score tile, and, where ``dv`` is a multiple of 32, P
+    as two bf16 parts over the keys rounded up to 32 and one block's V pairs)."""
     rows, npad = heads * queries * group, -(-max(keys, 1) // 16) * 16
-    return 4 * threads * (rows * (npad + d + dv + 2) + 17 * max(d, dv))
+    floats = rows * (npad + d + dv + 2) + 17 * max(d, dv)
+    if amx:
+        floats += heads * d * 8 + 16 * d // 2 + 16 * 16
+        if dv % 32 == 0:
+            floats += rows * (-(-npad // 32) * 32) + 16 * dv
+    return 4 * threads * floats
 
 
 def tiled_scratch_bytes(threads: int, d: int, dv: int) -> int:
