@@ -455,18 +455,9 @@ class PagedBackend(AttentionBackend):
         cache: PagedKVCache = self.kv_cache  # type: ignore[assignment]  # layer_plan found one
         loc = fwd.loc
         if plan.staged:  # the kernel reads the new K/V from the cache: write, compute, undo on error
-            layout = cache.layout
-            pages = layout.page_snapshot(plan.storage, cache.geometry, loc)  # ``_snapshot``, written out
-            undo = pages, (layout.read(plan.storage, cache.geometry, loc) if pages is None else None)
+            undo = self._snapshot(cache, plan, loc)
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
-            try:  # ``_compute_or_undo``, written out: this runs per layer
-                out = compute(q, k, v, layer, batch, meta)
-            except BaseException:
-                self._undo(cache, plan, loc, undo)
-                raise
-            if not save_kv_cache:
-                self._undo(cache, plan, loc, undo)
-            return out
+            return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, compute, q, k, v, layer, batch, meta)
         out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)

@@ -874,6 +874,16 @@ def test_every_isa_variant_matches_the_reference(isa):
 #: bf16 layers whose scores go through AMX tiles where the CPU has AMX (up to 16 query rows per KV
 #: head: decode at groups 1-8, verify of 3 drafts at group 4) and past it (verify at group 8: 24 rows);
 #: page size 1 makes every 16-key block a copy into the tile buffer, 16 loads it from the cache in place
+def _run_with_amx(script: str, amx: str) -> None:
+    """Run ``script`` (this file's directory as its argument) in a fresh process with ``$ATTNPLUG_CPU_FUSED_AMX``
+    set to ``amx`` (the tile permission is asked once per process); it must print ``ok`` last."""
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
+    proc = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "ok"
+
+
 _AMX_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
@@ -896,11 +906,7 @@ _AMX_SCRIPT = textwrap.dedent("""
 def test_bf16_scores_with_and_without_amx_match_the_reference(amx):
     # $ATTNPLUG_CPU_FUSED_AMX=0 makes the process behave as if Linux refused the tile data (asked once
     # per process, hence a subprocess): the vdpbf16ps / widening paths run instead
-    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
-    proc = subprocess.run([sys.executable, "-c", _AMX_SCRIPT, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "ok"
+    _run_with_amx(_AMX_SCRIPT, amx)
 
 
 def _cpu_has_amx() -> bool:
@@ -1005,11 +1011,7 @@ _HIDDEN_NAN_SCRIPT = textwrap.dedent("""
 @needs_kernel
 @pytest.mark.parametrize("amx", ["1", "0"], ids=["amx_where_usable", "amx_off"])
 def test_bf16_values_hidden_from_a_draft_never_reach_its_output(amx):
-    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX=amx)
-    proc = subprocess.run([sys.executable, "-c", _HIDDEN_NAN_SCRIPT, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "ok"
+    _run_with_amx(_HIDDEN_NAN_SCRIPT, amx)
 
 
 @needs_kernel
