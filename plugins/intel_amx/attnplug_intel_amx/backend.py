@@ -195,11 +195,17 @@ class IntelAmxBackend(PagedBackend):
                     is_cross_attention=False, sliding_window_size=window_arg(layer.sliding_window),
                     encoder_lens=None, sinks=sinks)
 
+    def _operands(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                  layer: LayerSpec) -> tuple[torch.Tensor, ...]:
+        """Both ops' tensors: this forward's K/V, a fresh output ``[tokens, heads, v_head_dim]`` and the layer's
+        K and V buffers."""
+        k, v = _new_kv(k, v)
+        kb, vb = self.cache.get_kv(layer.layer_id)
+        return k, v, q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim)), kb, vb
+
     def compute_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
                        batch: ForwardBatch, meta: AmxMetadata) -> torch.Tensor:
-        k, v = _new_kv(k, v)
-        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        k, v, out, kb, vb = self._operands(q, k, v, layer)
         self.ops.decode(dict(
             self._common(q, layer), query=q.contiguous(), k_cache=kb, v_cache=vb, output=out, key=k.to(kb.dtype),
             value=v.to(vb.dtype), loc=batch.out_cache_loc, attn_logits=meta.attn_logits(layer.num_heads, layer.v_head_dim),
@@ -208,9 +214,7 @@ class IntelAmxBackend(PagedBackend):
 
     def compute_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
                        batch: ForwardBatch, meta: AmxMetadata) -> torch.Tensor:
-        k, v = _new_kv(k, v)
-        out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        kb, vb = self.cache.get_kv(layer.layer_id)
+        k, v, out, kb, vb = self._operands(q, k, v, layer)
         self.ops.extend(dict(
             self._common(q, layer), q_extend=q.contiguous(), k_extend=k.contiguous(), v_extend=v.contiguous(),
             o_extend=out, k_buffer=kb, v_buffer=vb, req_pool_indices=meta.req_pool_indices, seq_lens=meta.seq_lens,
