@@ -136,11 +136,13 @@ class ForwardBatch:
         those ints (same objects), never written since (their write counters are the ones they had then),
         and its host copies ``req_pool_indices_cpu`` / ``seq_lens_cpu`` still equal them; else ``None``
         (read the tensors). The lists are the batch's private copies: do not change them."""
-        rec = self.__dict__.get("_host_ints")
+        d = self.__dict__
+        rec = d.get("_host_ints")
         if rec is None:
             return None
-        (req, seq_t, loc_t), ints = rec
-        d = self.__dict__
+        tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = rec[0]
+        ints: tuple[list[int], list[int], list[int]] = rec[1]
+        req, seq_t, loc_t = tensors
         if (d.get("req_pool_indices") is not req or d.get("seq_lens") is not seq_t or d.get("out_cache_loc") is not loc_t
                 or req._version or seq_t._version or loc_t._version
                 or ints[0] != self.req_pool_indices_cpu or ints[1] != self.seq_lens_cpu):
