@@ -56,6 +56,9 @@ _SLICED_CHECK_ROWS = 64
 #: up to this many values, a bounds check reads them as host ints (``tolist``, min and max in Python: one
 #: op) instead of ``aminmax`` and two syncs (three ops: a decode step's slots and a short prefix)
 _HOST_CHECK_VALUES = 256
+#: ``check_batch`` takes a host-made decode batch's ints (``ForwardBatch.host_ints``) instead of reading its
+#: tensors back (tests switch it off to run the tensor reads on the same batch)
+_USE_HOST_INTS = True
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -258,10 +261,18 @@ class PagedKVCache:
         req = b.req_pool_indices
         if req.dtype.is_floating_point or req.dtype == torch.bool:
             raise ShapeError(f"req_pool_indices has dtype {req.dtype}, expected an integer tensor")
-        rows = req.tolist()
         changed = getattr(b, "changed_since_validate", None)
-        if (rows != getattr(b, "req_pool_indices_cpu", rows) or b.seq_lens.tolist() != b.seq_lens_cpu
-                or (changed is not None and changed() is not None)):
+        # a decode batch made from host ints and unchanged since (``ForwardBatch.host_ints``): its rows, lengths
+        # and slots are those ints, so they are bounded here without reading the tensors back (the same checks
+        # below, on the same values); any other batch is read back and compared with its host copies
+        known = b.host_ints() if _USE_HOST_INTS and hasattr(b, "host_ints") else None
+        host_loc: list[int] | None = None
+        if known is not None:
+            rows, _, host_loc = known
+            if changed is not None and changed() is not None:  # another field (positions …) was changed
+                b.validate()
+        elif ((rows := req.tolist()) != getattr(b, "req_pool_indices_cpu", rows)
+              or b.seq_lens.tolist() != b.seq_lens_cpu or (changed is not None and changed() is not None)):
             # the tensors changed after validate() (an engine reusing a batch object): the host copies
             # backends read are stale, so derive and check them again rather than trust them
             b.validate()
@@ -271,7 +282,8 @@ class PagedKVCache:
                     f"req_pool_indices[{i}]={r} is out of range (expected 0 <= row < "
                     f"max_requests={self.max_requests} rows of req_to_token)"
                 )
-        self.check_slots(b.out_cache_loc, "out_cache_loc")
+        if host_loc is None or (host_loc and (min(host_loc) < 0 or max(host_loc) >= self.num_slots)):
+            self.check_slots(b.out_cache_loc, "out_cache_loc")  # reads the tensor; names a bad slot
         L = self.max_context_len
         for i, s in enumerate(b.seq_lens_cpu):
             if s > L:

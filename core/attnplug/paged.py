@@ -129,7 +129,7 @@ class _Forward:
             if loc.is_inference():
                 with torch.inference_mode(False):
                     loc = loc.to(torch.int64, copy=True)
-            else:
+            elif loc.dtype is not torch.int64:  # (``to`` of an int64 tensor is the tensor itself)
                 loc = loc.to(torch.int64)
         self.loc = loc
         self.has_encoder = batch.encoder_lens is not None

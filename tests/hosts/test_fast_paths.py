@@ -233,3 +233,45 @@ def test_decode_step_maps_what_extend_one_maps():
         assert slots == want and rows == [b.cache.row("x"), b.cache.row("y")]
         assert lens == [b.cache.length("x"), b.cache.length("y")] == [prefix["x"] + 1, prefix["y"] + 1]
         assert torch.equal(a.kv_cache.req_to_token, b.kv_cache.req_to_token)
+
+
+# -- the greedy pick (round 5) -------------------------------------------------------------------------
+class _ScriptedRunner:
+    """A runner stand-in whose forwards return given logits (no model): what ``generate`` picks from them."""
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows, self.steps, self.released = list(rows), [], []
+
+    def forward(self, chunks):
+        return torch.stack([self.rows.pop(0) for _ in chunks])
+
+    def release(self, rid):
+        self.released.append(rid)
+
+
+_NAN = float("nan")
+LOGITS = {
+    "a clear maximum": [0.1, 3.0, -1.0, 2.9],
+    "a tie: the first index": [1.0, 5.0, 5.0, 0.0],
+    "all equal": [2.0, 2.0, 2.0, 2.0],
+    "a NaN counts as the maximum": [1.0, _NAN, 7.0, 0.0],
+    "two NaNs: the first": [_NAN, 0.0, _NAN, 9.0],
+    "-inf and +inf": [float("-inf"), float("inf"), 1e30, float("inf")],
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_argmax_for_all_rows_picks_what_greedy_picks_row_by_row(monkeypatch, batch):
+    from attnplug.integrations.transformers import Request, generate
+    from attnplug.integrations.transformers import loop
+
+    rows = [torch.tensor(v) for v in LOGITS.values()]
+    new = len(rows)  # every scripted row is picked from once per request
+    script = [rows[(step + r) % len(rows)] for step in range(new) for r in range(batch)]
+    picked = {}
+    for one in (True, False):
+        monkeypatch.setattr(loop, "_ONE_ARGMAX", one)
+        res = generate(_ScriptedRunner(script), [Request([1], new) for _ in range(batch)], max_running=batch)
+        picked[one] = res.tokens
+    assert picked[True] == picked[False]
+    assert picked[True][0][:4] == [1, 1, 0, 1]

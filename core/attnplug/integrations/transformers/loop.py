@@ -59,6 +59,10 @@ class GenerationResult:
     forward_steps: list[int]
 
 
+#: ``generate`` with the ``greedy`` sampler takes every row's argmax at once (tests switch it off to compare)
+_ONE_ARGMAX = True
+
+
 def greedy(rid: Any, index: int, logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
@@ -111,9 +115,12 @@ def _generate(runner: TransformersRunner, requests: Sequence[Request], max_runni
             continue
         out = runner.forward(chunks)
         forward_steps.append(step)
+        # greedy: every row's argmax in one call and one read (``greedy`` per row takes a row view, the
+        # argmax and its read: three calls a request); the same first maximal index, NaN counted as the maximum
+        picked = torch.argmax(out, dim=-1).tolist() if sampler is greedy and _ONE_ARGMAX else None
         for row, chunk in enumerate(chunks):
             i = chunk.rid
-            tok = int(sampler(i, len(tokens[i]), out[row]))
+            tok = picked[row] if picked is not None else int(sampler(i, len(tokens[i]), out[row]))
             tokens[i].append(tok)
             if logits is not None:
                 logits[i].append(out[row].clone())
