@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    from attnplug_cpu_fused import backend as cf_backend
     from attnplug_cpu_fused.backend import CpuFusedBackend, FusedForward
 
     dt = getattr(torch, a.dtype)
@@ -63,7 +64,7 @@ def main() -> None:
     out = torch.empty(a.batch, H, D, dtype=dt)
     full = be._args(q, k, v, layer, fl, fw, out)
     empty = list(full)
-    empty[6] = torch.empty(0, 8, dtype=torch.int64)  # no work row
+    empty[7] = cf_backend.work_tensor(torch.empty(0, 8, dtype=torch.int64), None, fw.per_item)  # no work row
     op = torch.ops.attnplug_cpu_fused.attend.default
 
     def timed(args: tuple) -> float:

@@ -756,14 +756,24 @@ def _op_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, *
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["f32_decode", "bf16_decode_sinks_window", "f32_verify_mask"])
+@pytest.mark.parametrize("case", ["f32_decode", "bf16_decode_sinks_window", "f32_verify_mask",
+                                  "bf16_verify_mask_sinks_cap"])
 def test_opcheck_passes(case):
+    # every form the op's params and work take: sinks after the scalars, the mask's bytes after the plan (an fp8
+    # cache, whose scales the params carry per call, cannot go through opcheck: its schema test multiplies
+    # every tensor argument, which torch does not do for float8; tests/plugins' fp8 cases run it)
     if case == "f32_decode":
         args = _op_args()
     elif case == "bf16_decode_sinks_window":
         args = _op_args(BF16, sinks=torch.linspace(-1.0, 1.0, 8), sliding_window=9)
-    else:
+    elif case == "f32_verify_mask":
         args = _op_args(F32, ForwardMode.TARGET_VERIFY)
+    else:
+        args = _op_args(BF16, ForwardMode.TARGET_VERIFY, sinks=torch.linspace(-1.0, 1.0, 8), logit_cap=20.0)
+    if "sinks" in case:
+        assert args[6][kernel.PARAMS - 1] == 1.0 and args[6].numel() == kernel.PARAMS + 8
+    if "mask" in case:
+        assert int(args[7][0, 2]) == 3 and args[7].shape[0] > 1 + int(args[7][0, 0])
     torch.library.opcheck(torch.ops.attnplug_cpu_fused.attend.default, args)
 
 
@@ -771,17 +781,17 @@ def test_opcheck_passes(case):
 def test_op_schema_declares_out_and_err_mutated_and_nothing_else():
     schema = torch.ops.attnplug_cpu_fused.attend.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    assert mutated == ["out", "err"] and len(schema.returns) == 0
+    assert mutated == ["work", "out"] and len(schema.returns) == 0
 
 
 @needs_kernel
 @pytest.mark.parametrize("backend_name", ["aot_eager", "inductor"])
 def test_a_function_calling_the_kernel_compiles_fullgraph(backend_name):
     args = _op_args()
-    q, kn, vn, kc, vc, r2t, plan, mask, sinks, out, err, *scalars = args
+    q, kn, vn, kc, vc, r2t, params, work, out = args
 
     def f(q: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        torch.ops.attnplug_cpu_fused.attend(q * 1.0, kn, vn, kc, vc, r2t, plan, mask, sinks, out, err, *scalars)
+        torch.ops.attnplug_cpu_fused.attend(q * 1.0, kn, vn, kc, vc, r2t, params, work, out)
         return out + 0.0
 
     torch._dynamo.reset()
@@ -795,24 +805,78 @@ def test_a_function_calling_the_kernel_compiles_fullgraph(backend_name):
 @needs_kernel
 def test_op_errors_name_the_argument_at_fault():
     args = list(_op_args())
-    bad = list(args)
-    bad[6] = args[6].to(torch.int32)  # plan
-    with pytest.raises(RuntimeError, match=r"plan must be a contiguous int64 \[B, 8\]"):
-        torch.ops.attnplug_cpu_fused.attend(*bad)
-    bad = list(args)
-    bad[9] = args[9].to(BF16)  # out in another dtype
-    with pytest.raises(RuntimeError, match="out is BFloat16, q is Float"):
-        torch.ops.attnplug_cpu_fused.attend(*bad)
-    bad = list(args)
-    bad[11] = args[11].clone()
-    bad[11][0] = 3  # params: a group disagreeing with the heads
-    with pytest.raises(RuntimeError, match="shapes disagree"):
-        torch.ops.attnplug_cpu_fused.attend(*bad)
-    for params in (args[11].float(), args[11][:5], torch.zeros(2, 6, dtype=torch.float64)[:, 0]):
+    work = args[7]
+
+    def fails(index: int, value: Any, match: str) -> None:
         bad = list(args)
-        bad[11] = params  # the layer's scalars in another dtype, too few, not contiguous
-        with pytest.raises(RuntimeError, match=r"params must be a contiguous float64 CPU tensor of 6"):
+        bad[index] = value
+        with pytest.raises(RuntimeError, match=match):
             torch.ops.attnplug_cpu_fused.attend(*bad)
+
+    out = args[8]
+    fails(8, out.to(BF16), "out is BFloat16, q is Float")
+    params = args[6].clone()
+    params[0] = 3  # a group disagreeing with the heads
+    fails(6, params, "shapes disagree")
+    # the layer's scalars in another dtype, too few, not contiguous, 2-d
+    for params in (args[6].float(), args[6][:6], torch.zeros(2, 7, dtype=torch.float64)[:, 0],
+                   args[6].view(1, -1)):
+        fails(6, params, r"params must be a contiguous float64 CPU tensor of 7")
+    params = args[6].clone()
+    params[6] = 1.0  # sinks announced, none follow
+    fails(6, params, r"params has 7 values; with sinks 1 it needs 15 \(8 query heads\)")
+    fails(6, torch.cat([args[6], torch.zeros(3, dtype=torch.float64)]), r"params has 10 values; with sinks 0 it needs 7")
+    # the work tensor: another dtype, another width, not contiguous, a header the rows disagree with
+    for bad_work in (work.to(torch.int32), work[:, :4].contiguous(), work.t().contiguous().t()[:, :8],
+                     torch.zeros(0, 8, dtype=torch.int64)):
+        fails(7, bad_work, r"work must be a contiguous int64 CPU tensor \[1 \+ B \+ M, 8\]")
+    for column, value, match in ((0, int(work[0, 0]) + 1, r"work has \d+ rows; its header \(B=\d+, mask side E=0\) "
+                                  r"needs \d+"),
+                                 (2, 3, r"work has \d+ rows; its header \(B=\d+, mask side E=3\) needs \d+"),
+                                 (0, -1, r"work's header holds B=-1"), (1, 0, r"heads per item 0"),
+                                 (2, 5000, r"E=5000")):
+        bad_work = work.clone()
+        bad_work[0, column] = value
+        fails(7, bad_work, match)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sides", [(1, 1), (2, 3), (5, 4), (3, 8), (4, 9)], ids=str)
+def test_the_work_tensor_holds_the_header_the_plan_and_the_mask_bytes(sides):
+    # attend's work: row 0 (B, heads per item, the mask's side E, 0, the error record zeroed), the plan's B
+    # rows, then B x E x E mask bytes in whole rows of 64 (zero-padded); no mask: the plan alone
+    rows, side = sides
+    gen = torch.Generator().manual_seed(rows * 10 + side)
+    plan = torch.randint(0, 100, (rows, 8), generator=gen, dtype=torch.int64)
+    mask = torch.rand(rows, side, side, generator=gen) > 0.5
+    for m in (mask, mask.to(torch.uint8), None):  # a 0/1 uint8 mask reads as the bool one
+        work = cf_backend.work_tensor(plan, m, 3)
+        e = 0 if m is None else side
+        mask_rows = -(-rows * e * e // 64)
+        assert work.dtype == torch.int64 and work.is_contiguous() and tuple(work.shape) == (1 + rows + mask_rows, 8)
+        assert work[0].tolist() == [rows, 3, e, 0, 0, 0, 0, 0]
+        assert torch.equal(work[1:1 + rows], plan)
+        raw = work[1 + rows:].contiguous().view(torch.uint8).reshape(-1)
+        if m is not None:
+            assert torch.equal(raw[:rows * e * e], m.reshape(-1).to(torch.uint8))
+            assert not raw[rows * e * e:].any()
+        else:
+            assert raw.numel() == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,with_sinks", [(4, False), (8, True), (300, True)])
+def test_the_layer_params_hold_the_scalars_then_the_sinks(heads, with_sinks):
+    # attend's params: group, window, scale, cap, k_scale, v_scale, sinks 0/1, then the H sinks (float32 values
+    # exact in float64: the kernel reads them back as float32); more heads than the op's stack buffer (256) too
+    sinks = torch.linspace(-2.0, 3.0, heads) + 1e-3 if with_sinks else None
+    p = cf_backend.layer_params(2, 17, 0.125, 30.0, 0.5, 2.0, sinks)
+    assert p.dtype == torch.float64 and p.is_contiguous()
+    assert p[:kernel.PARAMS].tolist() == [2, 17, 0.125, 30.0, 0.5, 2.0, 1.0 if with_sinks else 0.0]
+    if sinks is None:
+        assert p.numel() == kernel.PARAMS
+    else:
+        assert torch.equal(p[kernel.PARAMS:].float(), sinks.float())
 
 
 # ---------------------------------------------------------------------------

@@ -84,6 +84,24 @@ class FusedForward:
     mask: torch.Tensor | None  # the target-verify mask per work row
     per_item: int  # KV heads per work item
     requests: list[int]  # the request of each work row (error messages name it)
+    #: the op's ``work`` (``kernel.WORK_COLS``): a header (B, per_item, the mask's side, the error record), the
+    #: plan's rows and the mask's bytes in one int64 tensor: one argument instead of four (each costs the op's
+    #: dispatch ~0.1 us per call); made by ``work_tensor``
+    work: torch.Tensor
+
+
+def work_tensor(plan: torch.Tensor, mask: torch.Tensor | None, per_item: int) -> torch.Tensor:
+    """``attend``'s ``work`` for the plan ``[B, 8]``, the mask ``[B, E, E]`` (or ``None``) and the KV heads per
+    work item: int64 ``[1 + B + M, 8]`` (``kernel.WORK_COLS``; the mask's bytes in M rows, zero-padded)."""
+    side = 0 if mask is None else int(mask.shape[-1])
+    parts = [torch.tensor([[plan.shape[0], per_item, side, 0, 0, 0, 0, 0]], dtype=torch.int64), plan]
+    if mask is not None and mask.numel():
+        raw = mask.to(torch.bool).contiguous().view(torch.uint8).reshape(-1)  # 1 byte a key: 1 seen, 0 hidden
+        pad = -raw.numel() % (8 * kernel.WORK_COLS)
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        parts.append(raw.view(torch.int64).view(-1, kernel.WORK_COLS))
+    return torch.cat(parts)
 
 
 #: what ``FusedMeta.work`` answers for one layer geometry
@@ -104,10 +122,18 @@ class FusedLayer:
     err: torch.Tensor  # int64 [4]: the kernel's first failure (code, work row, position, slot)
     geometry: tuple[Any, ...]
     bidirectional: bool = False  # the kernel masks causally: such a layer runs torch_native's paths
-    #: the op's ``params`` (float64 [6]: group, window, scale, cap, k_scale 1, v_scale 1), made once: one
-    #: tensor argument instead of six scalars (each costs the op's dispatch ~0.2 us per call); an fp8
-    #: cache's scales are read per call instead (``_args``)
-    params: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(6, dtype=torch.float64))
+    #: the op's ``params`` (``kernel.PARAMS``, float64: group, window, scale, cap, k_scale 1, v_scale 1, sinks
+    #: 0/1, then the sinks), made once: one tensor argument instead of six scalars and the sinks (each costs
+    #: the op's dispatch ~0.1 us per call); an fp8 cache's scales are read per call instead (``_args``)
+    params: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(kernel.PARAMS, dtype=torch.float64))
+
+
+def layer_params(group: int, window: int, scale: float, cap: float, k_scale: float, v_scale: float,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+    """``attend``'s ``params`` (``kernel.PARAMS`` values, then the sinks where the layer has them)."""
+    head = torch.tensor([group, window, scale, cap, k_scale, v_scale, 0.0 if sinks is None else 1.0],
+                        dtype=torch.float64)
+    return head if sinks is None else torch.cat([head, sinks.to(torch.float64)])
 
 
 class FusedMeta(ForwardMeta):
@@ -205,16 +231,16 @@ def _table(values: array.array) -> torch.Tensor:
 class FusedCall:
     """One layer's call in one forward, prepared on its first call (``FusedMeta.calls``): the work (what
     ``CpuFusedBackend._work`` answered), and for a ``FusedForward`` over an unquantized self-attention
-    cache the op's arguments around q, the new K/V and the output: ``head`` (the layer's caches,
-    ``req_to_token``, the work rows, mask, sinks) and ``tail`` (the error record, params, heads per item).
-    Found again only for the same layer object, query dtype and thread count."""
+    cache the op's arguments between q, the new K/V and the output: ``head`` (the layer's caches,
+    ``req_to_token``, the layer's params, the forward's work tensor). Found again only for the same layer
+    object, query dtype and thread count."""
 
-    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head", "tail")
+    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head")
 
     def __init__(self, layer: Any, dtype: torch.dtype, threads: int, fl: FusedLayer, work: Work,
-                 head: tuple[Any, ...] | None, tail: tuple[Any, ...] | None) -> None:
+                 head: tuple[Any, ...] | None) -> None:
         self.layer, self.dtype, self.threads, self.fl, self.work = layer, dtype, threads, fl, work
-        self.head, self.tail = head, tail
+        self.head = head
 
 
 class CpuFusedBackend(TorchNativeBackend):
@@ -268,7 +294,7 @@ class CpuFusedBackend(TorchNativeBackend):
         kc, vc = cache.get_kv(lid)
         geometry = (window, cross, layer.num_kv_heads, layer.gqa_group_size, layer.head_dim, layer.v_head_dim)
         win, scale, cap = -1 if window is None else int(window), float(layer.scaling), float(layer.logit_cap or 0.0)
-        params = torch.tensor([layer.gqa_group_size, win, scale, cap, 1.0, 1.0], dtype=torch.float64)
+        params = layer_params(layer.gqa_group_size, win, scale, cap, 1.0, 1.0, sinks)
         return FusedLayer(kc, vc, sinks, win, cross, scale, cap, torch.zeros(4, dtype=torch.int64), geometry,
                           bool(layer.uses_bidirectional), params)
 
@@ -312,7 +338,8 @@ class CpuFusedBackend(TorchNativeBackend):
             return Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
                             f"{self.max_workspace_bytes}")
         mask = None if cross else meta.mask(chunk)
-        return FusedForward(plan, mask, per_item, [i for i, _, _ in meta.chunks(chunk)])
+        return FusedForward(plan, mask, per_item, [i for i, _, _ in meta.chunks(chunk)],
+                            work_tensor(plan, mask, per_item))
 
     # -- the call -----------------------------------------------------------------
     def _args(self, q: torch.Tensor, k: Any, v: Any, layer: Any, fl: FusedLayer,
@@ -329,10 +356,8 @@ class CpuFusedBackend(TorchNativeBackend):
         params = fl.params
         if self.cache.quantized:  # the cache's current scales
             ks, vs = self.cache.kv_scales(layer.layer_id)
-            params = torch.tensor([layer.gqa_group_size, fl.window, fl.scale, fl.cap, float(ks), float(vs)],
-                                  dtype=torch.float64)
-        return (q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, fw.plan, fw.mask, fl.sinks, out, fl.err,
-                params, fw.per_item)
+            params = layer_params(layer.gqa_group_size, fl.window, fl.scale, fl.cap, float(ks), float(vs), fl.sinks)
+        return (q3, kn, vn, fl.k_cache, fl.v_cache, self.cache.req_to_token, params, fw.work, out)
 
     def _call(self, q: torch.Tensor, layer: Any, meta: FusedMeta) -> FusedCall:
         """``layer``'s prepared call in this forward (``FusedMeta.calls``), made on its first call."""
@@ -341,11 +366,10 @@ class CpuFusedBackend(TorchNativeBackend):
         if call is None or call.layer is not layer or call.dtype != q.dtype or call.threads != threads:
             fl = self.layer_plan(layer).kernel
             work: Work = BIDIRECTIONAL if fl.bidirectional else self._work(q, layer, meta, fl)
-            head = tail = None
+            head = None
             if isinstance(work, FusedForward) and not fl.cross and not self.cache.quantized:
-                head = (fl.k_cache, fl.v_cache, self.cache.req_to_token, work.plan, work.mask, fl.sinks)
-                tail = (fl.err, fl.params, work.per_item)
-            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head, tail)
+                head = (fl.k_cache, fl.v_cache, self.cache.req_to_token, fl.params, work.work)
+            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head)
         return call
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
@@ -359,7 +383,7 @@ class CpuFusedBackend(TorchNativeBackend):
             head = call.head
             if head is not None and k.dtype == q.dtype and v.dtype == q.dtype and q.stride(-1) == 1 \
                     and k.stride(-1) == 1 and v.stride(-1) == 1:  # the usual call: nothing to convert
-                self._op(q, k, v, *head, out, *call.tail)  # type: ignore[misc]  # tail is set with head
+                self._op(q, k, v, *head, out)
             else:
                 self._op(*self._args(q, k, v, layer, call.fl, fw, out))
         except RuntimeError as exc:
@@ -370,8 +394,8 @@ class CpuFusedBackend(TorchNativeBackend):
 
     def _failed(self, fl: FusedLayer, fw: FusedForward, layer: Any, meta: FusedMeta,
                 exc: Exception) -> None:  # pragma: no cover  (error paths: tests/plugins/test_forward_robustness.py)
-        """Raise the error the kernel's record ``fl.err`` stands for."""
-        code, work_row, pos, value = (int(x) for x in fl.err.tolist())
+        """Raise the error the kernel's record (``fw.work``'s header) stands for."""
+        code, work_row, pos, value = (int(x) for x in fw.work[0, kernel.WORK_ERR:].tolist())
         if code == kernel.RC_BAD_SLOT:
             i = fw.requests[work_row]
             raise ShapeError(
@@ -494,7 +518,7 @@ class CpuFusedBackend(TorchNativeBackend):
 
         def call() -> torch.Tensor:
             o = torch.empty(shape, dtype=dtype)
-            args[9] = o
+            args[8] = o
             op(*args)
             write()
             return o

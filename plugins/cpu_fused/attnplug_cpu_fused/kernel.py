@@ -4,7 +4,7 @@ The library ``attnplug_cpu_fused/_C*.so`` is compiled at install (``setup.py``: 
 once per instruction set, ``csrc/ops.cpp`` registering the op with ``TORCH_LIBRARY``); ``load()``
 hands it to ``torch.ops.load_library`` once per process and registers the fake (meta)
 implementation, so ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` see an op
-with a schema that mutates ``out`` and ``err`` and returns nothing. Which variant runs
+with a schema that mutates ``out`` and ``work`` (its error record) and returns nothing. Which variant runs
 (``avx512bf16``, ``avx512``, ``avx2``, ``portable``) is chosen inside the library from cpuid
 (``isa()``); ``$ATTNPLUG_CPU_FUSED_ISA`` asks for a lower one (tests, benchmarks).
 
@@ -43,8 +43,16 @@ ISA_FLAGS = {
     "portable": [],
 }
 
-#: the kernel's failure codes (kernel.h), recorded in the op's ``err`` tensor
+#: the kernel's failure codes (kernel.h), recorded in ``attend``'s ``work`` (``work[0, WORK_ERR:]``: code, work
+#: row, position, slot value) and in ``extend_tiled``'s ``err`` tensor
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
+#: ``attend``'s ``work`` tensor (ops.cpp): int64 ``[1 + B + M, 8]``, row 0 the header (B, KV heads per work item,
+#: the target-verify mask's side E (0: none), 0, then the error record from column ``WORK_ERR``), the plan's B
+#: rows, then the mask ``[B, E, E]`` as bytes in M = ceil(B E E / 64) rows; built once per forward
+WORK_COLS, WORK_ERR = 8, 4
+#: ``attend``'s ``params`` (float64, once per layer): group, window (-1: none), scale, cap (0: none), k_scale,
+#: v_scale, sinks (0 / 1), then the H sinks when that is 1
+PARAMS = 7
 #: the tiled extend kernel's instruction sets (``extend_tiled``'s ``isa``; 0: the best this CPU runs).
 #: ``amx``: AVX-512 BF16 + AMX-TILE + AMX-BF16 with the tile data granted by Linux (bf16 through
 #: ``tdpbf16ps`` tiles, float32 as three bf16 parts, six products); ``$ATTNPLUG_CPU_FUSED_AMX=0``
@@ -127,14 +135,15 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake(f"{LIBRARY}::attend")
-    def _attend_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, mask, sinks, out, err,  # type: ignore[no-untyped-def]
-                     params, heads_per_item):
-        """Shapes and dtypes only: the op writes rows of ``out`` and ``err`` in place, returns nothing."""
+    def _attend_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, params, work, out):  # type: ignore[no-untyped-def]
+        """Shapes and dtypes only: the op writes rows of ``out`` and ``work``'s error record in place, returns
+        nothing."""
         torch._check(q.dim() == 3 and out.dim() == 3, lambda: "attnplug_cpu_fused::attend: q and out must be 3-d")
         torch._check(out.dtype == q.dtype, lambda: f"attnplug_cpu_fused::attend: out is {out.dtype}, q is {q.dtype}")
-        torch._check(plan.dtype == torch.int64, lambda: "attnplug_cpu_fused::attend: plan must be int64")
-        torch._check(params.dtype == torch.float64 and params.numel() == 6,
-                     lambda: "attnplug_cpu_fused::attend: params must be float64 [6]")
+        torch._check(work.dtype == torch.int64 and work.dim() == 2 and work.shape[1] == WORK_COLS,
+                     lambda: "attnplug_cpu_fused::attend: work must be int64 [1 + B + M, 8]")
+        torch._check(params.dtype == torch.float64 and params.dim() == 1,
+                     lambda: "attnplug_cpu_fused::attend: params must be float64 [7] or [7 + H]")
         return None
 
     @torch.library.register_fake(f"{LIBRARY}::extend_tiled")

@@ -1,7 +1,8 @@
 // The op attnplug_cpu_fused::attend: the fused kernel (attention.cpp) behind a torch op schema.
 //
 // Tensors in (no pointers baked by Python); the output rows of the work rows are written in place
-// (`out` is declared mutated, so functionalization and torch.compile see the write). The kernel
+// (`out` is declared mutated, so functionalization and torch.compile see the write; so is `work`, whose
+// header holds the error record). The kernel
 // variant is chosen once per process from cpuid (`isa()`), and its work items run on torch's
 // intra-op pool through at::parallel_for: one OpenMP runtime in the process, torch's.
 #include <ATen/Parallel.h>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <string>
 
 #include "extend_tiled.h"
@@ -79,7 +81,7 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "attnplug_cpu_fused::attend: ", name, " is on ", t.device(), " (CPU only)");
 }
 
-// the arguments both ops (`op`: attend, extend_tiled) take alike: the plan, the request-to-token table, err
+// extend_tiled's plan, request-to-token table and error record
 void check_plan_args(const char* op, const at::Tensor& plan, const at::Tensor& req_to_token, const at::Tensor& err) {
   TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 8 && plan.is_contiguous(),
               "attnplug_cpu_fused::", op, ": plan must be a contiguous int64 [B, 8]");
@@ -89,91 +91,120 @@ void check_plan_args(const char* op, const at::Tensor& plan, const at::Tensor& r
               "attnplug_cpu_fused::", op, ": err must be a contiguous int64 tensor of 4");
 }
 
+// The op's per-forward and per-layer tensors. Each argument of the schema costs a call from Python
+// ~0.1 us of parsing (an int or a None more than a tensor), so what depends only on the forward is one
+// int64 tensor `work` and what depends only on the layer one float64 tensor `params`, each made once:
+//
+// work [1 + B + M, 8] int64 (contiguous): row 0 the header (B work rows, KV heads per work item, E: the
+// target-verify mask's side (0: none), 0, then the error record: code, work row, position, slot value,
+// the kernel's first failure, also raised as an error; the code is 0 after a call that succeeded); rows
+// 1 .. B the plan (kernel.h: DecodeArgs.plan); then, when E > 0, the mask [B, E, E] as bytes (1: the
+// query sees the draft key), M = ceil(B * E * E / 64) rows.
+constexpr int64_t WORK_COLS = 8, WORK_ERR = 4;
+// params [7] or [7 + H] float64: group, window (-1: none), scale, cap (0: none), k_scale, v_scale, sinks
+// (0: none; 1: the H query heads' sinks follow)
+constexpr int64_t PARAMS = 7;
+
 // q [T, H, D]; k_new/v_new [T, Hkv, D/Dv] or None (cross-attention); k_cache/v_cache [slots, Hkv, D/Dv]
-// (last dim contiguous); req_to_token [R, L] int64; plan [B, 8] int64 (contiguous); mask [B, E, E]
-// bool/uint8 or None; sinks [H] float32 or None; out [T, H, Dv] written for the work rows' queries;
-// err [4] int64: the first failure (code, work row, position, slot), also raised as an error;
-// params [6] float64: group, window (-1: none), scale, cap (0: none), k_scale, v_scale (the layer's
-// scalars in one tensor: each argument of the schema costs ~0.2 us of parsing per call from Python)
+// (last dim contiguous); req_to_token [R, L] int64; params, work: above; out [T, H, Dv] written for the
+// work rows' queries
 void attend(const at::Tensor& q, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
-            const at::Tensor& plan, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& sinks,
-            at::Tensor& out, at::Tensor& err, const at::Tensor& params, int64_t heads_per_item) {
+            const at::Tensor& params, at::Tensor& work, at::Tensor& out) {
   check_cpu(q, "q");
-  TORCH_CHECK(params.scalar_type() == at::kDouble && params.numel() == 6 && params.is_contiguous() &&
-                  params.device().is_cpu(),
-              "attnplug_cpu_fused::attend: params must be a contiguous float64 CPU tensor of 6 (group, window, "
-              "scale, cap, k_scale, v_scale)");
+  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 1 && params.numel() >= PARAMS &&
+                  params.is_contiguous() && params.device().is_cpu(),
+              "attnplug_cpu_fused::attend: params must be a contiguous float64 CPU tensor of 7 (group, window, "
+              "scale, cap, k_scale, v_scale, sinks 0/1) followed by the H sinks when sinks is 1");
   const double* pr = params.data_ptr<double>();
   const int64_t group = int64_t(pr[0]), window = int64_t(pr[1]);
   const double scale = pr[2], cap = pr[3], k_scale = pr[4], v_scale = pr[5];
+  const bool has_sinks = pr[6] != 0.0;
+  TORCH_CHECK(work.scalar_type() == at::kLong && work.dim() == 2 && work.sizes()[1] == WORK_COLS &&
+                  work.sizes()[0] >= 1 && work.is_contiguous() && work.device().is_cpu(),
+              "attnplug_cpu_fused::attend: work must be a contiguous int64 CPU tensor [1 + B + M, 8] (a header "
+              "row, the plan's B rows, the mask's M rows)");
+  int64_t* wk = work.data_ptr<int64_t>();
+  const int64_t B = wk[0], heads_per_item = wk[1], E = wk[2];
+  TORCH_CHECK(B >= 0 && B < (int64_t(1) << 31) && heads_per_item >= 1 && heads_per_item < (int64_t(1) << 31) &&
+                  E >= 0 && E <= 4096,
+              "attnplug_cpu_fused::attend: work's header holds B=", B, ", heads per item ", heads_per_item, ", E=", E,
+              " (expected 0 <= B < 2^31, 1 <= heads per item, 0 <= E <= 4096)");
+  const int64_t mask_rows = (B * E * E + 8 * WORK_COLS - 1) / (8 * WORK_COLS);
+  TORCH_CHECK(work.sizes()[0] == 1 + B + mask_rows, "attnplug_cpu_fused::attend: work has ", work.sizes()[0],
+              " rows; its header (B=", B, ", mask side E=", E, ") needs ", 1 + B + mask_rows);
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "attnplug_cpu_fused::attend: q, out, k_cache and v_cache must be 3-d");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+  // sizes and strides read once (TensorImpl::size(d) / stride(d) are out-of-line calls with a dim wrap)
+  const c10::IntArrayRef q_sz = q.sizes(), q_str = q.strides(), o_sz = out.sizes(), o_str = out.strides();
+  const c10::IntArrayRef k_sz = k_cache.sizes(), k_str = k_cache.strides(), v_sz = v_cache.sizes(), v_str = v_cache.strides();
+  TORCH_CHECK(q_str[2] == 1 && o_str[2] == 1 && k_str[2] == 1 && v_str[2] == 1,
               "attnplug_cpu_fused::attend: q, out, k_cache and v_cache need a contiguous last dim");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "attnplug_cpu_fused::attend: out is ", out.scalar_type(),
               ", q is ", q.scalar_type());
-  check_plan_args("attend", plan, req_to_token, err);
-  const int64_t Hkv = k_cache.size(1), G = group, D = q.size(2), Dv = out.size(2);
-  TORCH_CHECK(G > 0 && q.size(1) == Hkv * G && out.size(1) == q.size(1) && k_cache.size(2) == D &&
-                  v_cache.size(2) == Dv && v_cache.size(1) == Hkv && out.size(0) == q.size(0),
-              "attnplug_cpu_fused::attend: shapes disagree (q ", q.sizes(), ", k_cache ", k_cache.sizes(),
-              ", v_cache ", v_cache.sizes(), ", out ", out.sizes(), ", group ", G, ")");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.strides()[1] == 1,
+              "attnplug_cpu_fused::attend: req_to_token must be int64 [R, L] with a contiguous last dim");
+  const int64_t T = q_sz[0], H = q_sz[1], Hkv = k_sz[1], G = group, D = q_sz[2], Dv = o_sz[2];
+  TORCH_CHECK(G > 0 && H == Hkv * G && o_sz[1] == H && k_sz[2] == D && v_sz[2] == Dv && v_sz[1] == Hkv && o_sz[0] == T,
+              "attnplug_cpu_fused::attend: shapes disagree (q ", q_sz, ", k_cache ", k_sz, ", v_cache ", v_sz, ", out ", o_sz,
+              ", group ", G, ")");
+  TORCH_CHECK(params.numel() == (has_sinks ? PARAMS + H : PARAMS), "attnplug_cpu_fused::attend: params has ",
+              params.numel(), " values; with sinks ", has_sinks ? 1 : 0, " it needs ", has_sinks ? PARAMS + H : PARAMS,
+              " (", H, " query heads)");
   DecodeArgs a{};
-  a.q = q.data_ptr(); a.q_st = q.stride(0); a.q_sh = q.stride(1);
-  a.k = k_cache.data_ptr(); a.k_ss = k_cache.stride(0); a.k_sh = k_cache.stride(1);
-  a.v = v_cache.data_ptr(); a.v_ss = v_cache.stride(0); a.v_sh = v_cache.stride(1);
+  a.q = q.data_ptr(); a.q_st = q_str[0]; a.q_sh = q_str[1];
+  a.k = k_cache.data_ptr(); a.k_ss = k_str[0]; a.k_sh = k_str[1];
+  a.v = v_cache.data_ptr(); a.v_ss = v_str[0]; a.v_sh = v_str[1];
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), "attnplug_cpu_fused::attend: k_new and v_new: both or neither");
   if (k_new.has_value()) {
     const at::Tensor &kn = *k_new, &vn = *v_new;
-    TORCH_CHECK(kn.dim() == 3 && vn.dim() == 3 && kn.stride(2) == 1 && vn.stride(2) == 1 && kn.size(1) == Hkv &&
-                    vn.size(1) == Hkv && kn.size(2) == D && vn.size(2) == Dv && kn.size(0) == q.size(0) &&
-                    vn.size(0) == q.size(0),
+    TORCH_CHECK(kn.dim() == 3 && vn.dim() == 3, "attnplug_cpu_fused::attend: k_new/v_new must be 3-d");
+    const c10::IntArrayRef kn_sz = kn.sizes(), kn_str = kn.strides(), vn_sz = vn.sizes(), vn_str = vn.strides();
+    TORCH_CHECK(kn_str[2] == 1 && vn_str[2] == 1 && kn_sz[1] == Hkv && vn_sz[1] == Hkv && kn_sz[2] == D && vn_sz[2] == Dv &&
+                    kn_sz[0] == T && vn_sz[0] == T,
                 "attnplug_cpu_fused::attend: k_new/v_new must be [T, Hkv, D/Dv] with a contiguous last dim");
     TORCH_CHECK(kn.scalar_type() == vn.scalar_type() &&
                     (kn.scalar_type() == q.scalar_type() || kn.scalar_type() == at::kFloat),
                 "attnplug_cpu_fused::attend: k_new/v_new must be in q's dtype or float32");
-    a.kn = kn.data_ptr(); a.kn_st = kn.stride(0); a.kn_sh = kn.stride(1);
-    a.vn = vn.data_ptr(); a.vn_st = vn.stride(0); a.vn_sh = vn.stride(1);
+    a.kn = kn.data_ptr(); a.kn_st = kn_str[0]; a.kn_sh = kn_str[1];
+    a.vn = vn.data_ptr(); a.vn_st = vn_str[0]; a.vn_sh = vn_str[1];
     a.new_f32 = kn.scalar_type() == at::kFloat ? 1 : 0;
   }
-  a.r2t = req_to_token.data_ptr<int64_t>(); a.r2t_s = req_to_token.stride(0);
-  a.plan = plan.data_ptr<int64_t>();
-  if (mask.has_value()) {
-    const at::Tensor& m = *mask;
-    TORCH_CHECK((m.scalar_type() == at::kBool || m.scalar_type() == at::kByte) && m.dim() == 3 && m.stride(2) == 1 &&
-                    m.size(0) == plan.size(0),
-                "attnplug_cpu_fused::attend: mask must be bool/uint8 [B, E, E], one per plan row");
-    a.mask = static_cast<const uint8_t*>(m.data_ptr()); a.m_sb = m.stride(0); a.m_sq = m.stride(1);
+  a.r2t = req_to_token.data_ptr<int64_t>(); a.r2t_s = req_to_token.strides()[0];
+  a.plan = wk + WORK_COLS;
+  if (E > 0) {
+    a.mask = reinterpret_cast<const uint8_t*>(wk + WORK_COLS * (1 + B)); a.m_sb = E * E; a.m_sq = E;
   }
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
-                "attnplug_cpu_fused::attend: sinks must be contiguous float32 [H]");
-    a.sinks = sinks->data_ptr<float>();
+  float sinks[256];  // the sinks as float32 (the kernel's type); more heads than this: rare, on the heap
+  std::unique_ptr<float[]> more;
+  if (has_sinks) {
+    float* s = sinks;
+    if (H > 256) { more.reset(new float[H]); s = more.get(); }
+    for (int64_t h = 0; h < H; ++h) s[h] = float(pr[PARAMS + h]);
+    a.sinks = s;
   }
-  a.o = out.data_ptr(); a.o_st = out.stride(0); a.o_sh = out.stride(1);
+  a.o = out.data_ptr(); a.o_st = o_str[0]; a.o_sh = o_str[1];
   a.q_dtype = code_of(q.scalar_type());
   a.kv_dtype = code_of(k_cache.scalar_type());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "attnplug_cpu_fused::attend: k_cache and v_cache dtypes differ");
-  a.B = int32_t(plan.size(0)); a.Hkv = int32_t(Hkv); a.G = int32_t(G); a.D = int32_t(D); a.Dv = int32_t(Dv);
+  a.B = int32_t(B); a.Hkv = int32_t(Hkv); a.G = int32_t(G); a.D = int32_t(D); a.Dv = int32_t(Dv);
   a.window = int32_t(window);
   a.heads_per_item = int32_t(heads_per_item);
   a.nthreads = int32_t(at::get_num_threads());
   a.scale = float(scale); a.cap = float(cap); a.k_scale = float(k_scale); a.v_scale = float(v_scale);
-  a.num_slots = k_cache.size(0);
-  a.err = err.data_ptr<int64_t>();
-  a.parallel = run_parallel;
+  a.num_slots = k_sz[0];
+  int64_t* err = wk + WORK_ERR;
+  a.err = err;
   const int rc = variant().fn(&a);
   if (rc == RC_OK) return;
-  if (rc == RC_SHAPE || rc == RC_DTYPE) err.data_ptr<int64_t>()[0] = rc;
+  if (rc == RC_SHAPE || rc == RC_DTYPE) err[0] = rc;
   TORCH_CHECK(false, "attnplug_cpu_fused::attend failed with code ", rc,
               rc == RC_SHAPE ? " (a shape the kernel does not take: head dims must be multiples of 16)"
               : rc == RC_DTYPE ? " (a dtype pairing the kernel does not take)"
               : rc == RC_BAD_SLOT ? " (a slot read through req_to_token is out of range)"
               : rc == RC_NO_MEMORY ? " (scratch memory could not be allocated)"
                                    : " (a work row past the scratch sized for the call)",
-              "; record in err: ", err.data_ptr<int64_t>()[0], " ", err.data_ptr<int64_t>()[1], " ",
-              err.data_ptr<int64_t>()[2], " ", err.data_ptr<int64_t>()[3]);
+              "; record in work[0, 4:8]: ", err[0], " ", err[1], " ", err[2], " ", err[3]);
 }
 
 std::string isa() { return variant().name; }
@@ -250,8 +281,7 @@ int64_t tiled_isa() { return attnplug_extend_tiled_isa(); }
 TORCH_LIBRARY(attnplug_cpu_fused, m) {
   m.def(
       "attend(Tensor q, Tensor? k_new, Tensor? v_new, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-      "Tensor plan, Tensor? mask, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, Tensor params, "
-      "int heads_per_item) -> ()");
+      "Tensor params, Tensor(a!) work, Tensor(b!) out) -> ()");
   m.def("isa() -> str", &attnplug_cpu_fused::isa);
   m.def(
       "extend_tiled(Tensor q, Tensor k_new, Tensor v_new, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
