@@ -3,7 +3,8 @@ against the float64 reference.
 
 Requests with more than ``FUSED_MAX_QUERIES`` new tokens go through the tiled kernel where the layer
 fits it (``tiled_fits``): query tiles of ``128 // G`` queries (rows = queries x the KV head's group) x
-key tiles of 48 keys with an online softmax. The tile-edge tests lower ``FUSED_MAX_QUERIES`` to 0 so
+key tiles of 48 keys with an online softmax, ``ITEM_SUBS`` query tiles a work item sharing each key tile
+(the item-edge test puts lengths at an item minus one, an item and an item plus one). The tile-edge tests lower ``FUSED_MAX_QUERIES`` to 0 so
 that every request, one new token included, takes the tiled kernel, and put lengths at 1, a tile
 minus one, a tile and a tile plus one (queries and keys), over no prefix and prefixes that cross
 key tiles, in ragged batches, for GQA groups 1, 3, 4, 8, both dtypes and every instruction set this
@@ -80,6 +81,34 @@ def test_tile_edges_every_isa(group, dtype, isa, all_tiled):
         s = make(dtype=dtype, kv_heads=2, group=group, head_dim=32, seed=100 + group + prefix[0])
         s.backend.tiled_isa = isa
         run_and_check(s, extend_batch(s, ForwardMode.EXTEND, prefix, news))
+        assert_tiled_ran(s, dtype)
+
+
+#: query sub-tiles per work item of the FMA bodies (extend_tiled.cpp: ITEM_SUBS): each key tile is read and
+#: packed once for all of an item's sub-tiles, a sub-tile skips the key tiles past its own causal end or
+#: before its first query's window
+ITEM_SUBS = 4
+#: layers whose masks cut across an item's sub-tiles (a window ending inside the item, soft-cap, sinks)
+ITEM_LAYERS = ("plain", "window20", "softcap_window_sinks")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", isas(), ids=ISA_IDS.get)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("layer_kind", ITEM_LAYERS)
+def test_item_edges_across_sub_tiles(layer_kind, group, dtype, isa, all_tiled):
+    # work items of ITEM_SUBS sub-tiles (ITEM_SUBS x 128 // group queries): new tokens an item minus one, an
+    # item and an item plus one (capped by the cache's 160 positions), over no prefix and over prefixes ending
+    # inside a key tile; a request that ends inside its item's last sub-tile, one that fills it, one that
+    # spills one query into the next item
+    item = ITEM_SUBS * (ROWS // group)
+    for prefix, news in (([0, KEYS - 1], [item - 1, min(item + 1, 160 - KEYS + 1)]), ([5, 0], [item, item + 1])):
+        s = make(dtype=dtype, kv_heads=8 // group, group=group, head_dim=32, seed=140 + group + prefix[0],
+                 layer_kw=TILED_LAYERS[layer_kind])
+        s.backend.tiled_isa = isa
+        run_and_check(s, extend_batch(s, ForwardMode.EXTEND, prefix, news),
+                      q_gain=4.0 if "softcap" in layer_kind else 1.0)
         assert_tiled_ran(s, dtype)
 
 

@@ -1,20 +1,25 @@
 // Tiled paged attention for long extends (prefill, chunked prefill) on CPU; entry in extend_tiled.h.
 //
-// Work items are (request, KV head, query tile): a tile holds QT = 128 / G consecutive queries of one
-// request, and its rows are (query, head of the KV head's group), so the G query heads of a KV head
-// share every key tile (GQA: each K/V row is read once per tile, not once per query head). Per item:
-// the queries are packed once, transposed ([D][rows], rows padded to a multiple of 16), then key tiles
-// of KT = 48 keys from the first key the tile's first query sees (its window) to the last query's key
-// (causal: tiles past the diagonal are never visited) go through
+// Work items are (request, KV head, query range): a range holds ITEM_SUBS sub-tiles of QS = 128 / G
+// consecutive queries of one request, each sub-tile's rows (query, head of the KV head's group), so the G
+// query heads of a KV head share every key tile (GQA: each K/V row is read once per item, not once per query
+// head). Per item: each sub-tile's queries are packed once, transposed ([D][rows], rows padded to a multiple
+// of 16; through 16 x 16 register transposes under AVX-512), then key tiles of KT = 48 keys from the first
+// key the item's first query sees (its window) to the last query's key (causal: tiles past the diagonal are
+// never visited) are read once — without vdpbf16ps packed into contiguous float32 rows (bf16 widened: a
+// page's rows of one head are a head's stride apart) — and go through every sub-tile that sees one of their
+// keys (a sub-tile skips the tiles past its own last query's key and before its first query's window):
 //   scores S^T[key][row] = K . Q^T  — a register tile of RB keys x (rows / 16) vectors, each key's
-//     element broadcast straight from its row in the paged cache (no copy of K); bf16 under AVX-512
-//     BF16: pairs of elements through vdpbf16ps (exact products, float32 accumulation);
+//     element broadcast from its packed row; bf16 under AVX-512 BF16 pinned (isa 4): pairs of elements
+//     read in place through vdpbf16ps (exact products, float32 accumulation);
 //   masking only on tiles that cross the diagonal or the window's edge (select -inf, never add);
-//   online softmax vectorised across rows (running maximum, rescale of the accumulators);
-//   O += P V — register tiles of 4 rows x 4 vectors, V rows read in place (bf16 with vdpbf16ps:
-//     P rounded to bf16 to nearest even, two keys' V rows interleaved per tile); a tile holding a key
-//     hidden from some row adds a value row to a row only where its probability is not 0
-//     (0 * NaN is NaN: garbage in a later new token never reaches an earlier query).
+//   online softmax vectorised across rows (a running maximum that moves only when passed by more than 8,
+//     so most tiles leave the accumulators unscaled; exp through AVX-512's round and scale where it has
+//     them);
+//   O += P V — register tiles of 6 rows x 4 vectors (vdpbf16ps: 4 x 4, P rounded to bf16 to nearest
+//     even, two keys' V rows interleaved once per tile); a tile holding a key hidden from some row adds a
+//     value row to a row only where its probability is not 0 (0 * NaN is NaN: garbage in a later new
+//     token never reaches an earlier query).
 // Output rows are divided once by the softmax sum (plus exp(sink - max) with sinks; a row that sees
 // no key is zeros) and rounded once to the model dtype.
 //
@@ -55,7 +60,8 @@
 namespace {
 
 constexpr int KT = 48;     // keys per tile (a multiple of every register tile's key count: 24, 12, 8, 6)
-constexpr int MROWS = 128;  // rows per query tile at most (queries x G): each K/V row read serves them all
+constexpr int MROWS = 128;  // rows per query sub-tile at most (queries x G): each K/V row read serves them all
+constexpr int ITEM_SUBS = 4;  // sub-tiles of one work item: each key tile is read and packed once for all
 constexpr int AMROWS = 256;  // the same for the AMX tiles (measured 11% faster than 128: each key tile's
                              // K / V split, transposes and pairing serve twice the rows)
 constexpr int PLAN = 8;    // int64 fields per plan row
@@ -73,7 +79,7 @@ thread_local Scratch tl_tiled;
 // floats of scratch one item needs (see item() and item_amx(): their layouts; the larger of the two)
 size_t scratch_floats(int D, int Dv) {
   const size_t mp = MROWS;
-  const size_t fma = size_t(D) * mp + KT * mp + KT / 2 * mp + KT / 2 * size_t(Dv) + mp * Dv + 5 * mp +
+  const size_t fma = ITEM_SUBS * (size_t(D) * mp + mp * Dv + 5 * mp) + KT * mp + KT / 2 * mp + KT / 2 * size_t(Dv) +
                      size_t(D > Dv ? D : Dv) + size_t(KT) * (D + Dv) + 64;
   const size_t dp = (size_t(D) + 31) / 32 * 32, akt = 64, am = AMROWS;  // item_amx: D padded to 32, key tiles of 64
   const size_t amx = am * Dv + am * akt + 3 * am * akt / 2 + 3 * am * dp / 2 + 3 * dp * akt / 2 + 3 * akt * Dv / 2 +
@@ -105,18 +111,22 @@ size_t scratch_floats(int D, int Dv) {
 #define ET_NS et_avx512
 #define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define ET_DP 0
+#define ET_X512 1
 #include "extend_tiled.cpp"
 #undef ET_NS
 #undef ET_TARGET
 #undef ET_DP
+#undef ET_X512
 
 #define ET_NS et_avx512bf16
 #define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define ET_DP 1
+#define ET_X512 1
 #include "extend_tiled.cpp"
 #undef ET_NS
 #undef ET_TARGET
 #undef ET_DP
+#undef ET_X512
 
 #ifdef ATTNPLUG_ET_AMX
 // AMX (Sapphire Rapids and later): bf16 and float32 (as three bf16 parts) through tdpbf16ps tiles (item_amx)
@@ -124,11 +134,13 @@ size_t scratch_floats(int D, int Dv) {
 #define ET_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")))
 #define ET_DP 1
 #define ET_AMX 1
+#define ET_X512 1
 #include "extend_tiled.cpp"
 #undef ET_NS
 #undef ET_TARGET
 #undef ET_DP
 #undef ET_AMX
+#undef ET_X512
 #endif  // ATTNPLUG_ET_AMX
 #endif
 
@@ -235,9 +247,10 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
   int isa = a.isa == 0 ? avail : a.isa;
   if (isa < 1 || isa > avail) return 6;
   // bf16 by default widens each tile's K/V to float32 and runs the float32 tiles, also where vdpbf16ps
-  // exists: measured on a Xeon with AVX-512 BF16 and AMX (one thread, 512 new over 1024 cached, 32/8
-  // heads, d128) 85 ms widened against 117 ms through vdpbf16ps, which issues at half the rate of a
-  // float32 FMA there (same flops) and needs P rounded and V pairs interleaved; isa = 4 pins it
+  // exists: on a Xeon with AVX-512 BF16 and AMX vdpbf16ps zmm issues once per 2 cycles against two
+  // float32 FMAs a cycle (half the flops; docs/performance.md, "Non-AMX extend, third round"), and the
+  // mixed extend (32/8 heads, d128, one thread) measured 145 ms through it against 92-101 ms widened;
+  // isa = 4 pins it
   // Per CPU, with isa = 0 (the table in docs/performance.md, "The tiled extend kernel"):
   //   AMX usable (5)       float32: tdpbf16ps tiles, 3 bf16 parts an operand, 6 products; bf16: tdpbf16ps tiles
   //   AVX-512 BF16, no AMX float32: the avx512 FMA tiles;     bf16: widened to float32, FMA tiles (as above)
@@ -246,7 +259,7 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
   // vdpbf16ps, not measured on such a CPU yet)
   if (a.isa == 0 && isa == 4 && a.dtype == 1) isa = 3;
   const ItemFn fn = item_fn(isa, a.dtype);
-  const int QT = (isa == 5 ? AMROWS : MROWS) / a.G;
+  const int QT = isa == 5 ? AMROWS / a.G : MROWS / a.G * ITEM_SUBS;
   std::vector<int32_t> items;  // (request, KV head, first query) triples
   for (int b = 0; b < a.B; ++b) {
     const int64_t* pl = a.plan + PLAN * b;
@@ -320,9 +333,69 @@ ET_TARGET inline vu to_bf16(vf x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r;
 }
 
+// 16 output values in the model dtype (bf16: rounded as BF16::put rounds one)
+ET_TARGET inline void store16(float* p, vf x) { storef(p, x); }
+ET_TARGET inline void store16(uint16_t* p, vf x) {
+  const vh b = __builtin_convertvector(to_bf16(x), vh);
+  std::memcpy(p, &b, sizeof b);
+}
+
 #define ATTNPLUG_VEXP_ATTR ET_TARGET
 #include "vexp.h"
 #undef ATTNPLUG_VEXP_ATTR
+
+#if ET_X512
+// 16 x 16 uint32 transpose: row p of the result (16 lanes) is lane p of the rows r[0..15]
+ET_TARGET inline void tr16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g+3: u[4g + e] holds element 4L + e of each 128-bit lane L
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[0 + e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// exp as vexp (vexp.h: the same reduction and polynomial, 0 below -87, NaN kept) with AVX-512's round and
+// scale instructions in place of the floor and the exponent bits: the FMA tiles' softmax
+ET_TARGET inline vf vexp_x(vf xv) {
+  __m512 x;
+  std::memcpy(&x, &xv, sizeof x);
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // a NaN lane: -87 here, NaN again below
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 res = _mm512_scalef_ps(p, n);
+  res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), res, _mm512_setzero_ps());
+  res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), res, x);
+  vf out;
+  std::memcpy(&out, &res, sizeof out);
+  return out;
+}
+#define ET_EXP vexp_x
+#else
+#define ET_EXP vexp
+#endif
 
 // st[j][row] = sum over d of K_j[d] * qt[d][row], RB keys x NVR row vectors in registers; each key's
 // element broadcast from its row (qt already holds q * scale)
@@ -490,65 +563,111 @@ ET_TARGET inline void store_rows(const TiledArgs& a, int h, int i0, int G, int M
     const bool none = mx[r] == -INFINITY && ls[r] == 0.0f;
     const float inv = none ? 0.0f : 1.0f / den;
     T* orow = O + (t0 + qi) * a.o_st + int64_t(head) * a.o_sh;
-    for (int d = 0; d < Dv; ++d) S::put(orow + d, none ? 0.0f : acc[r * Dv + d] * inv);
+    const vf vinv = splat(inv);
+    for (int d = 0; d < Dv; d += 16) store16(orow + d, none ? vf{} : loadf(acc + r * Dv + d) * vinv);
   }
 }
 
 template <class S>
 ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr) {
   typedef typename S::T T;
-  const int NVR = ((i1 - i0) * a.G + 15) / 16, MP = NVR * 16;  // row vectors (rows padded to 16s)
-  const int G = a.G, D = a.D, Dv = a.Dv, M = (i1 - i0) * G;
+  // the item's queries i0 .. i1 - 1 go in sub-tiles of QS = MROWS / G queries (rows = queries x the group's
+  // heads, at most MROWS), each with its own queries, accumulators and softmax state; every key tile is read
+  // (and packed) once for all of them, and a sub-tile skips the tiles past its own causal end
+  const int G = a.G, D = a.D, Dv = a.Dv, QS = MROWS / G, nsub = (i1 - i0 + QS - 1) / QS;
   const auto [Q, K, V, KN, VN, slots, nc, t0, jbeg, jend] = item_src<T>(a, b, h, i0, i1);
 #if ET_DP
   constexpr bool dp = std::is_same<S, BF16>::value;
 #else
   constexpr bool dp = false;
 #endif
-  // bf16 without vdpbf16ps: each tile's K and V rows widened once into float32 (then the float32 tiles)
-  constexpr bool widen = std::is_same<S, BF16>::value && !dp;
-  typedef typename std::conditional<widen, F32, S>::type SC;
-  // scratch: queries, scores, P pairs, V pairs, accumulators, per-row max / sum / alpha / limits, zeros
-  float* qt = scr;                                                 // [D][MP] (dp: uint32 [D/2][MP])
-  float* st = qt + size_t(D) * MROWS;                              // [KT][MP]
+  // without vdpbf16ps each key tile's K and V rows are packed once into contiguous float32 rows (bf16
+  // widened): the tiles read them from there, not through a page's head stride
+  constexpr bool pack = !dp;
+  typedef typename std::conditional<pack, F32, S>::type SC;
+  // scratch (item_floats): per sub-tile its queries, accumulators, per-row max / sum / alpha / limits; then
+  // the scores, P pairs, V pairs, zeros and the packed key tile, shared
+  const size_t per_sub = size_t(D) * MROWS + size_t(MROWS) * Dv + 5 * MROWS;
+  float* st = scr + per_sub * nsub;                                 // [KT][MP]
   uint32_t* pp = reinterpret_cast<uint32_t*>(st + KT * MROWS);     // [KT/2][MP]
   uint32_t* vp = pp + KT / 2 * MROWS;                              // [KT/2][Dv]
-  float* acc = reinterpret_cast<float*>(vp + size_t(KT / 2) * Dv); // [MP][Dv]
-  float* mx = acc + size_t(MROWS) * Dv;
-  float* ls = mx + MROWS;
-  float* al = ls + MROWS;
-  int32_t* hi = reinterpret_cast<int32_t*>(al + MROWS);
-  int32_t* lo = hi + MROWS;
-  T* zeros = reinterpret_cast<T*>(lo + MROWS);
+  T* zeros = reinterpret_cast<T*>(vp + size_t(KT / 2) * Dv);        // [max(D, Dv)]
   std::memset(zeros, 0, sizeof(float) * (D > Dv ? D : Dv));
-  float* kw = reinterpret_cast<float*>(lo + MROWS) + (D > Dv ? D : Dv);  // [KT][D]: a bf16 tile's K widened
-  float* vw = kw + size_t(KT) * D;                                       // [KT][Dv]: and its V
-  for (int r = 0; r < MP; ++r) {
-    if (r < M) {
-      const int qi = i0 + r / G, g = r % G;
-      const T* qr = Q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
-      if (dp) {
-        uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
-        for (int d2 = 0; d2 < D / 2; ++d2) std::memcpy(qp + d2 * MP + r, qr + 2 * d2, 4);
-      } else {
-        for (int d = 0; d < D; ++d) qt[d * MP + r] = S::one(qr + d) * a.scale;
+  float* kw = reinterpret_cast<float*>(zeros) + (D > Dv ? D : Dv);  // [KT][D]: the key tile's K packed
+  float* vw = kw + size_t(KT) * D;                                  // [KT][Dv]: and its V
+  struct Sub {
+    float *qt, *acc, *mx, *ls, *al;
+    int32_t *hi, *lo;
+    int i0, i1, M, NVR, MP;
+    int64_t jbeg, jend;
+  };
+  Sub sub[ITEM_SUBS];
+  for (int s = 0; s < nsub; ++s) {
+    Sub& u = sub[s];
+    u.qt = scr + per_sub * s;                                       // [D][MP] (dp: uint32 [D/2][MP])
+    u.acc = u.qt + size_t(D) * MROWS;                               // [MP][Dv]
+    u.mx = u.acc + size_t(MROWS) * Dv;
+    u.ls = u.mx + MROWS;
+    u.al = u.ls + MROWS;
+    u.hi = reinterpret_cast<int32_t*>(u.al + MROWS);
+    u.lo = u.hi + MROWS;
+    u.i0 = i0 + s * QS;
+    u.i1 = u.i0 + QS < i1 ? u.i0 + QS : i1;
+    u.M = (u.i1 - u.i0) * G;
+    u.NVR = (u.M + 15) / 16;  // row vectors (rows padded to 16s)
+    u.MP = u.NVR * 16;
+    u.jbeg = a.window >= 0 ? (nc + u.i0 - a.window > 0 ? nc + u.i0 - a.window : 0) : 0;
+    u.jend = nc + u.i1;
+    // the queries transposed 16 rows at a time (each store fills a row vector of qt; padding rows are
+    // zeros, see nothing, and their output is never written)
+    const int M = u.M, MP = u.MP;
+    for (int r0 = 0; r0 < MP; r0 += 16) {
+      const T* qr[16];
+      for (int rr = 0; rr < 16; ++rr) {
+        const int r = r0 + rr;
+        if (r < M) {
+          const int qi = u.i0 + r / G, g = r % G;
+          qr[rr] = Q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
+          u.hi[r] = int32_t(nc + qi);
+          u.lo[r] = a.window >= 0 ? int32_t(nc + qi - a.window) : INT32_MIN;
+        } else {
+          qr[rr] = zeros;
+          u.hi[r] = -1;
+          u.lo[r] = 0;
+        }
+        u.mx[r] = -INFINITY;
+        u.ls[r] = 0.0f;
       }
-      hi[r] = int32_t(nc + qi);
-      lo[r] = a.window >= 0 ? int32_t(nc + qi - a.window) : INT32_MIN;
-    } else {  // padding rows see nothing; their output is never written
       if (dp) {
-        uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
-        for (int d2 = 0; d2 < D / 2; ++d2) qp[d2 * MP + r] = 0;
+        uint32_t* qp = reinterpret_cast<uint32_t*>(u.qt);
+        for (int d2 = 0; d2 < D / 2; ++d2)
+          for (int rr = 0; rr < 16; ++rr) std::memcpy(qp + d2 * MP + r0 + rr, qr[rr] + 2 * d2, 4);
       } else {
-        for (int d = 0; d < D; ++d) qt[d * MP + r] = 0.0f;
+#if ET_X512
+        const vf sc = splat(a.scale);
+        for (int d0 = 0; d0 < D; d0 += 16) {  // 16 x 16 blocks through registers (D is a multiple of 16)
+          __m512i blk[16];
+          for (int rr = 0; rr < 16; ++rr) {
+            const vf x = S::load(qr[rr] + d0);
+            std::memcpy(&blk[rr], &x, sizeof x);
+          }
+          tr16(blk);
+          for (int p = 0; p < 16; ++p) {
+            vf x;
+            std::memcpy(&x, &blk[p], sizeof x);
+            storef(u.qt + (d0 + p) * MP + r0, x * sc);
+          }
+        }
+#else
+        for (int d = 0; d < D; ++d) {
+          float* dst = u.qt + d * MP + r0;
+          for (int rr = 0; rr < 16; ++rr) dst[rr] = S::one(qr[rr] + d) * a.scale;
+        }
+#endif
       }
-      hi[r] = -1;
-      lo[r] = 0;
     }
-    mx[r] = -INFINITY;
-    ls[r] = 0.0f;
+    std::memset(u.acc, 0, sizeof(float) * MP * Dv);
   }
-  std::memset(acc, 0, sizeof(float) * MP * Dv);
   constexpr int KSTEP = 24;  // a multiple of every register tile's key count (24 / row vectors: 24, 12, 8, 6)
   const T* kr[KT];
   const T* vr[KT];
@@ -558,7 +677,7 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
     key_rows(a, h, slots, nc, jend, K, V, KN, VN, zeros, j0, ktp, kr, vr);
     const typename SC::T* kc[KT];
     const typename SC::T* vc[KT];
-    if constexpr (widen) {
+    if constexpr (pack) {
       for (int j = 0; j < ktp; ++j) {
         for (int c = 0; c < D; c += 16) storef(kw + j * D + c, S::load(kr[j] + c));
         for (int c = 0; c < Dv; c += 16) storef(vw + j * Dv + c, S::load(vr[j] + c));
@@ -571,96 +690,9 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
         vc[j] = reinterpret_cast<const typename SC::T*>(vr[j]);
       }
     }
-    // scores in passes of at most 4 row vectors (64 rows: 24 accumulators), then the rest
 #if ET_DP
-    if constexpr (dp) {
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
-      const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(kr);
-      int v0 = 0;
-      for (; v0 + 4 <= NVR; v0 += 4) qk_dp<4>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale);
-      switch (NVR - v0) {
-        case 3: qk_dp<3>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
-        case 2: qk_dp<2>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
-        case 1: qk_dp<1>(st + 16 * v0, MP, qp + 16 * v0, k16, ktp, D, a.scale); break;
-        default: break;
-      }
-    } else
-#endif
-    {
-      int v0 = 0;
-      for (; v0 + 4 <= NVR; v0 += 4) qk<SC, 4>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D);
-      switch (NVR - v0) {
-        case 3: qk<SC, 3>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
-        case 2: qk<SC, 2>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
-        case 1: qk<SC, 1>(st + 16 * v0, MP, qt + 16 * v0, kc, ktp, D); break;
-        default: break;
-      }
-    }
-    // every key of the tile visible to every real row: nothing to mask (and no padding key)
-    const bool full = kt == ktp && j0 + kt - 1 <= nc + i0 && (a.window < 0 || j0 >= nc + i1 - 1 - a.window);
-    for (int j = 0; j < ktp; ++j) {
-      float* sr = st + j * MP;
-      if (a.cap > 0.0f)
-        for (int r = 0; r < MP; ++r) sr[r] = a.cap * std::tanh(sr[r] / a.cap);
-      if (!full) {
-        const vi key = vi{} + int32_t(j0 + j);
-        for (int v = 0; v < NVR; ++v) {
-          const vi seen = (key <= loadi(hi + 16 * v)) & (key >= loadi(lo + 16 * v));
-          storef(sr + 16 * v, seen ? loadf(sr + 16 * v) : splat(-INFINITY));
-        }
-      }
-    }
-    // online softmax, vectorised across rows: running maximum (NaN scores do not move it), the
-    // accumulators' rescale factor, probabilities in place of the scores, running sums
-    for (int v = 0; v < NVR; ++v) {
-      const vf m_old = loadf(mx + 16 * v);
-      vf m = m_old;
-      for (int j = 0; j < ktp; ++j) {
-        const vf x = loadf(st + j * MP + 16 * v);
-        m = x > m ? x : m;
-      }
-      const vf mu = m == splat(-INFINITY) ? splat(0.0f) : m;  // a row that saw nothing yet: any finite shift
-      const vf alpha = vexp(m_old - mu);
-      vf sum = vf{};
-      for (int j = 0; j < ktp; ++j) {
-        const vf p = vexp(loadf(st + j * MP + 16 * v) - mu);
-        storef(st + j * MP + 16 * v, p);
-        sum += p;
-      }
-      storef(ls + 16 * v, loadf(ls + 16 * v) * alpha + sum);
-      storef(mx + 16 * v, m);
-      storef(al + 16 * v, alpha);
-    }
-    for (int r = 0; r < M; ++r) {
-      if (al[r] == 1.0f) continue;
-      const vf f = splat(al[r]);
-      for (int c = 0; c < Dv; c += 16) storef(acc + r * Dv + c, loadf(acc + r * Dv + c) * f);
-    }
-    if (!full) {
-      // a hidden key's probability is exactly 0, which the register tiles may multiply only by a finite
-      // value row: a tile whose value rows are all finite goes through them, else the select path
-      bool finite = true;
-      for (int j = 0; j < ktp && finite; ++j) {
-        vi bad = vi{};
-        for (int c = 0; c < Dv; c += 16) {
-          const vu u = ubits(SC::load(vc[j] + c));
-          bad |= (vi)((u & 0x7f800000u) == 0x7f800000u);
-        }
-        for (int l = 0; l < 16; ++l) finite = finite && bad[l] == 0;
-      }
-      if (!finite) {
-        pv_select<SC>(acc, Dv, st, MP, vc, ktp, M);
-        continue;
-      }
-    }
-#if ET_DP
-    if constexpr (dp) {
-      const int kp = ktp / 2;
-      for (int jp = 0; jp < kp; ++jp) {
-        for (int v = 0; v < NVR; ++v) {
-          const vu w = to_bf16(loadf(st + (2 * jp) * MP + 16 * v)) | (to_bf16(loadf(st + (2 * jp + 1) * MP + 16 * v)) << 16);
-          std::memcpy(pp + jp * MP + 16 * v, &w, sizeof w);
-        }
+    if constexpr (dp) {  // the tile's V rows interleaved in pairs once for every sub-tile
+      for (int jp = 0; jp < ktp / 2; ++jp) {
         const uint16_t* ra = reinterpret_cast<const uint16_t*>(vr[2 * jp]);
         const uint16_t* rb = reinterpret_cast<const uint16_t*>(vr[2 * jp + 1]);
         for (int c = 0; c < Dv; c += 16) {
@@ -671,47 +703,146 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
           std::memcpy(vp + jp * Dv + c, &w, sizeof w);
         }
       }
-      for (int r0 = 0; r0 < MP; r0 += 4) {
-        int c0 = 0;
-        for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<4, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
-        for (; c0 < Dv; c0 += 16) pv_dp_block<4, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
-      }
-      continue;
     }
 #endif
-    for (int r0 = 0; r0 < MP; r0 += 4) {
-      int c0 = 0;
-      for (; c0 + 64 <= Dv; c0 += 64) pv_block<SC, 4, 4>(acc, Dv, st, MP, vc, ktp, r0, c0);
-      for (; c0 < Dv; c0 += 16) pv_block<SC, 4, 1>(acc, Dv, st, MP, vc, ktp, r0, c0);
+    for (int s = 0; s < nsub; ++s) {
+      const Sub& u = sub[s];
+      // a tile past this sub-tile's last key (causal) or before its first query's window: nothing it sees
+      if (j0 >= u.jend || j0 + kt <= u.jbeg) continue;
+      const int NVR = u.NVR, MP = u.MP, M = u.M;
+      float* const qt = u.qt;
+      float* const acc = u.acc;
+      float* const mx = u.mx;
+      float* const ls = u.ls;
+      float* const al = u.al;
+      const int32_t* const hi = u.hi;
+      const int32_t* const lo = u.lo;
+      const int kts = int(u.jend - j0 < kt ? u.jend - j0 : kt);  // keys up to this sub-tile's causal end
+      const int ktps = (kts + KSTEP - 1) / KSTEP * KSTEP;
+      // scores in passes of at most 4 row vectors (64 rows: 24 accumulators), then the rest
+#if ET_DP
+      if constexpr (dp) {
+        const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
+        const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(kr);
+        int v0 = 0;
+        for (; v0 + 4 <= NVR; v0 += 4) qk_dp<4>(st + 16 * v0, MP, qp + 16 * v0, k16, ktps, D, a.scale);
+        switch (NVR - v0) {
+          case 3: qk_dp<3>(st + 16 * v0, MP, qp + 16 * v0, k16, ktps, D, a.scale); break;
+          case 2: qk_dp<2>(st + 16 * v0, MP, qp + 16 * v0, k16, ktps, D, a.scale); break;
+          case 1: qk_dp<1>(st + 16 * v0, MP, qp + 16 * v0, k16, ktps, D, a.scale); break;
+          default: break;
+        }
+      } else
+#endif
+      {
+        int v0 = 0;
+        for (; v0 + 4 <= NVR; v0 += 4) qk<SC, 4>(st + 16 * v0, MP, qt + 16 * v0, kc, ktps, D);
+        switch (NVR - v0) {
+          case 3: qk<SC, 3>(st + 16 * v0, MP, qt + 16 * v0, kc, ktps, D); break;
+          case 2: qk<SC, 2>(st + 16 * v0, MP, qt + 16 * v0, kc, ktps, D); break;
+          case 1: qk<SC, 1>(st + 16 * v0, MP, qt + 16 * v0, kc, ktps, D); break;
+          default: break;
+        }
+      }
+      // every key of the tile visible to every real row of the sub-tile: nothing to mask (and no padding key)
+      const bool full = kts == ktps && j0 + kts - 1 <= nc + u.i0 && (a.window < 0 || j0 >= nc + u.i1 - 1 - a.window);
+      for (int j = 0; j < ktps; ++j) {
+        float* sr = st + j * MP;
+        if (a.cap > 0.0f)
+          for (int r = 0; r < MP; ++r) sr[r] = a.cap * std::tanh(sr[r] / a.cap);
+        if (!full) {
+          const vi key = vi{} + int32_t(j0 + j);
+          for (int v = 0; v < NVR; ++v) {
+            const vi seen = (key <= loadi(hi + 16 * v)) & (key >= loadi(lo + 16 * v));
+            storef(sr + 16 * v, seen ? loadf(sr + 16 * v) : splat(-INFINITY));
+          }
+        }
+      }
+      // online softmax, vectorised across rows: running maximum (NaN scores do not move it), the
+      // accumulators' rescale factor, probabilities in place of the scores, running sums
+      for (int v = 0; v < NVR; ++v) {
+        const vf m_old = loadf(mx + 16 * v);
+        vf m = m_old;
+        for (int j = 0; j < ktps; ++j) {
+          const vf x = loadf(st + j * MP + 16 * v);
+          m = x > m ? x : m;
+        }
+        // the running maximum moves only when a score passes it by more than 8 (or the row saw nothing
+        // yet): probabilities stay below e^8 and most tiles leave the accumulators unscaled (the output
+        // divides by the sum over the same shift, so any shift gives the same result; as item_amx)
+        m = (m > m_old) & ((m_old == splat(-INFINITY)) | (m - m_old > 8.0f)) ? m : m_old;
+        const vf mu = m == splat(-INFINITY) ? splat(0.0f) : m;  // a row that saw nothing yet: any finite shift
+        const vf alpha = m == m_old ? splat(1.0f) : ET_EXP(m_old - mu);
+        vf sum = vf{};
+        for (int j = 0; j < ktps; ++j) {
+          const vf p = ET_EXP(loadf(st + j * MP + 16 * v) - mu);
+          storef(st + j * MP + 16 * v, p);
+          sum += p;
+        }
+        storef(ls + 16 * v, loadf(ls + 16 * v) * alpha + sum);
+        storef(mx + 16 * v, m);
+        storef(al + 16 * v, alpha);
+      }
+      for (int r = 0; r < M; ++r) {
+        if (al[r] == 1.0f) continue;
+        const vf f = splat(al[r]);
+        for (int c = 0; c < Dv; c += 16) storef(acc + r * Dv + c, loadf(acc + r * Dv + c) * f);
+      }
+      if (!full) {
+        // a hidden key's probability is exactly 0, which the register tiles may multiply only by a finite
+        // value row: a tile whose value rows are all finite goes through them, else the select path
+        bool finite = true;
+        for (int j = 0; j < ktps && finite; ++j) {
+          vi bad = vi{};
+          for (int c = 0; c < Dv; c += 16) {
+            const vu w = ubits(SC::load(vc[j] + c));
+            bad |= (vi)((w & 0x7f800000u) == 0x7f800000u);
+          }
+          for (int l = 0; l < 16; ++l) finite = finite && bad[l] == 0;
+        }
+        if (!finite) {
+          pv_select<SC>(acc, Dv, st, MP, vc, ktps, M);
+          continue;
+        }
+      }
+#if ET_DP
+      if constexpr (dp) {
+        const int kp = ktps / 2;
+        for (int jp = 0; jp < kp; ++jp)
+          for (int v = 0; v < NVR; ++v) {
+            const vu w = to_bf16(loadf(st + (2 * jp) * MP + 16 * v)) | (to_bf16(loadf(st + (2 * jp + 1) * MP + 16 * v)) << 16);
+            std::memcpy(pp + jp * MP + 16 * v, &w, sizeof w);
+          }
+        for (int r0 = 0; r0 < MP; r0 += 4) {
+          int c0 = 0;
+          for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<4, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
+          for (; c0 < Dv; c0 += 16) pv_dp_block<4, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
+        }
+        continue;
+      }
+#endif
+      // P V in blocks of 6 rows x 64 columns (24 accumulators; rows padded to 16s: a last block of 2 or 4)
+      int r0 = 0;
+      for (; r0 + 6 <= MP; r0 += 6) {
+        int c0 = 0;
+        for (; c0 + 64 <= Dv; c0 += 64) pv_block<SC, 6, 4>(acc, Dv, st, MP, vc, ktps, r0, c0);
+        for (; c0 < Dv; c0 += 16) pv_block<SC, 6, 1>(acc, Dv, st, MP, vc, ktps, r0, c0);
+      }
+      for (; r0 < MP; r0 += 2) {
+        int c0 = 0;
+        for (; c0 + 64 <= Dv; c0 += 64) pv_block<SC, 2, 4>(acc, Dv, st, MP, vc, ktps, r0, c0);
+        for (; c0 < Dv; c0 += 16) pv_block<SC, 2, 1>(acc, Dv, st, MP, vc, ktps, r0, c0);
+      }
     }
   }
-  store_rows<S>(a, h, i0, G, M, Dv, t0, mx, ls, acc);
+  for (int s = 0; s < nsub; ++s) {
+    const Sub& u = sub[s];
+    store_rows<S>(a, h, u.i0, G, u.M, Dv, t0, u.mx, u.ls, u.acc);
+  }
   return 0;
 }
 
 #if ET_AMX
-// 16 x 16 uint32 transpose: row p of the result (16 lanes) is lane p of the rows r[0..15]
-ET_TARGET inline void tr16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g+3: u[4g + e] holds element 4L + e of each 128-bit lane L
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-    r[0 + e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
 
 
 // bf16 pairs of 16 lanes <-> float32: lanes 16k .. 16k+15 of 32 bf16 widened
