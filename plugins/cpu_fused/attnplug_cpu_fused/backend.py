@@ -207,14 +207,16 @@ class FusedCall:
     ``CpuFusedBackend._work`` answered), and for a ``FusedForward`` over an unquantized self-attention
     cache the op's arguments around q, the new K/V and the output: ``head`` (the layer's caches,
     ``req_to_token``, the work rows, mask, sinks) and ``tail`` (the error record, params, heads per item).
-    Found again only for the same layer object, query dtype and thread count."""
+    ``whole``: ``head`` is set and the op takes every request of the forward (so ``attend_write`` gives the
+    whole output: ``compute_and_write``). Found again only for the same layer object, query dtype and thread
+    count."""
 
-    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head", "tail")
+    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head", "tail", "whole")
 
     def __init__(self, layer: Any, dtype: torch.dtype, threads: int, fl: FusedLayer, work: Work,
-                 head: tuple[Any, ...] | None, tail: tuple[Any, ...] | None) -> None:
+                 head: tuple[Any, ...] | None, tail: tuple[Any, ...] | None, whole: bool = False) -> None:
         self.layer, self.dtype, self.threads, self.fl, self.work = layer, dtype, threads, fl, work
-        self.head, self.tail = head, tail
+        self.head, self.tail, self.whole = head, tail, whole
 
 
 class CpuFusedBackend(TorchNativeBackend):
@@ -233,6 +235,11 @@ class CpuFusedBackend(TorchNativeBackend):
             raise BackendUnavailableError(NAME, [str(why)], "pip install attnplug-cpu-fused with a C++ compiler")
         self._op: Callable[..., Any] = op
         self._tiled_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.extend_tiled.default
+        #: ``attend_write``: the op and the K/V write of the skeleton in one call (``compute_and_write``)
+        self._write_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.attend_write.default
+        #: a forward whose every request goes through the op, over an unquantized ``nhd`` cache of the model
+        #: dtype, attends and writes its new K/V with ``attend_write`` (tests switch it off to compare)
+        self.fused_write = True
         #: long extends (more than ``FUSED_MAX_QUERIES`` new tokens) through the tiled kernel where the
         #: layer fits it (``tiled_fits``), else torch_native's SDPA path
         self.tiled = True
@@ -342,11 +349,34 @@ class CpuFusedBackend(TorchNativeBackend):
             fl = self.layer_plan(layer).kernel
             work: Work = BIDIRECTIONAL if fl.bidirectional else self._work(q, layer, meta, fl)
             head = tail = None
+            whole = False
             if isinstance(work, FusedForward) and not fl.cross and not self.cache.quantized:
                 head = (fl.k_cache, fl.v_cache, self.cache.req_to_token, work.plan, work.mask, fl.sinks)
                 tail = (fl.err, fl.params, work.per_item)
-            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head, tail)
+                whole = len(meta.fused_requests()) == len(meta.rows)
+            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head, tail, whole)
         return call
+
+    def compute_and_write(self, compute: Callable[..., torch.Tensor], cache: Any, plan: Any, loc: torch.Tensor,
+                          q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
+                          meta: Any) -> torch.Tensor:
+        """The skeleton's compute and KV write (``PagedBackend.compute_and_write``): where every request of the
+        forward goes through the op (``FusedCall.whole``) and the new K/V are stored as they are (an unquantized
+        ``nhd`` cache in q's dtype, ``write_new_kv``'s two index copies), one ``attend_write`` call attends,
+        allocates the output and, once the attention returned, writes the rows at ``loc``; anything else (and
+        ``fused_write = False``) computes and then writes as the skeleton does. The op checks every argument
+        and slot before it writes, so a call that raises writes nothing."""
+        if self.fused_write and plan.nhd and k.dtype == q.dtype and v.dtype == q.dtype and q.dtype == cache.dtype:
+            call = self._call(q, layer, meta)
+            if call.whole and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+                try:
+                    out: torch.Tensor = self._write_op(q, k, v, *call.head, *call.tail, loc)  # type: ignore[misc]
+                    return out
+                except RuntimeError as exc:
+                    if "attnplug_cpu_fused::attend failed" not in str(exc):
+                        raise
+                    self._failed(call.fl, call.work, layer, meta, exc)  # type: ignore[arg-type]  # whole: a FusedForward
+        return super().compute_and_write(compute, cache, plan, loc, q, k, v, layer, batch, meta)
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
                       out: torch.Tensor) -> Work:
@@ -480,7 +510,8 @@ class CpuFusedBackend(TorchNativeBackend):
     def kernel_call(self, q: Any, k: Any, v: Any, layer: Any,
                     batch: Any) -> Any:  # pragma: no cover  (bench --overhead's hook: tests/fast/test_hot_path.py)
         """The op with this forward's prepared arguments (only the output made per call) and the two
-        index copies of the K/V write, when every request goes through the kernel; else the default."""
+        index copies of the K/V write, when every request goes through the kernel (``attend_write`` alone where
+        a forward calls it: ``compute_and_write``); else the default."""
         meta = self.forward_metadata(batch)
         fl = self.layer_plan(layer).kernel
         out = self.empty_output(q, layer)
@@ -488,6 +519,11 @@ class CpuFusedBackend(TorchNativeBackend):
         if layer.is_cross_attention or self.cache.quantized or fl.bidirectional or not isinstance(fw, FusedForward) or \
                 len(meta.fused_requests()) != len(meta.rows):
             return super().kernel_call(q, k, v, layer, batch)
+        if self.fused_write and self.layer_plan(layer).nhd and k.dtype == q.dtype == v.dtype == self.cache.dtype:
+            a = self._args(q, k, v, layer, fl, fw, out)
+            wargs = (*a[:9], *a[10:], batch.out_cache_loc.to(torch.int64).contiguous())
+            wop = self._write_op
+            return lambda: wop(*wargs)
         args = list(self._args(q, k, v, layer, fl, fw, out))
         op, write = self._op, self.raw_write(layer, batch, k, v)
         shape, dtype = tuple(out.shape), out.dtype
