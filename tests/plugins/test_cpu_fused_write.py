@@ -304,3 +304,35 @@ def test_attend_write_refuses_bad_arguments_before_writing_naming_them():
         with pytest.raises(RuntimeError, match=message):
             torch.ops.attnplug_cpu_fused.attend_write(*bad)
         assert same_bytes(kc, before[0]) and same_bytes(vc, before[1]), f"argument {i}: the caches changed"
+
+
+# ---------------------------------------------------------------------------
+# a decode forward's work rows (FusedMeta._decode_plan) against the general loop over chunks
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 0, 5, 40], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("lens", [[1], LENS, [40], [3, 70, 1, 2]], ids=["one_token", "ragged", "batch1", "four"])
+def test_the_decode_work_rows_are_the_general_loops(lens, window, monkeypatch):
+    from attnplug_cpu_fused import backend as cf_backend
+
+    s = make(dtype=F32, head_dim=16, seed=5, layer_kw=dict(sliding_window=window))
+    batch = decode_batch(s, lens)
+    s.backend.init_forward_metadata(batch)
+    for chunk in (16, 1):
+        fast = s.backend.build_metadata(batch)
+        monkeypatch.setattr(cf_backend, "_DECODE_PLAN", False)
+        general = s.backend.build_metadata(batch)
+        want = general.plan(window, False, chunk)
+        monkeypatch.setattr(cf_backend, "_DECODE_PLAN", True)
+        got = fast.plan(window, False, chunk)
+        assert torch.equal(got[0], want[0]) and got[1:] == want[1:], (got, want)
+        assert list(range(len(lens))) == [i for i, _, _ in general.chunks(chunk)]  # _prepare's work requests
+    # and a forward through each gives the same output bits
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(cf_backend, "_DECODE_PLAN", on)
+        s2 = make(dtype=F32, head_dim=16, seed=5, layer_kw=dict(sliding_window=window))
+        outs.append(run_and_check(s2, decode_batch(s2, lens)))
+    assert same_bytes(outs[0], outs[1])

@@ -176,6 +176,8 @@ class FusedMeta(ForwardMeta):
         most keys and the most queries of any row."""
         key = (window, cross, chunk)
         got = self._plan.get(key)
+        if got is None and self.mode is ForwardMode.DECODE and not cross and _DECODE_PLAN:
+            got = self._plan[key] = self._decode_plan(window)
         if got is None:
             rows = array.array("q")  # the table's values, row after row (one buffer: no nested list to convert)
             most_keys = most_q = 0
@@ -192,6 +194,24 @@ class FusedMeta(ForwardMeta):
                 most_keys, most_q = max(most_keys, cached + new), max(most_q, nq)
             got = self._plan[key] = (_table(rows), most_keys, most_q)
         return got
+
+
+    def _decode_plan(self, window: int | None) -> tuple[torch.Tensor, int, int]:
+        """``plan`` of a DECODE forward's self-attention: one work row per request holding its one new token,
+        whatever the chunk (what the general loop gives, without the chunk list): ``(row, start, cached, i, 1,
+        p, i, 0)`` for request ``i`` with ``p`` cached tokens, ``start`` the window's first."""
+        rows = array.array("q")
+        most = 0
+        for i, (r, p) in enumerate(zip(self.rows, self.prefix)):
+            start = 0 if window is None else min(p, max(0, p - window))
+            rows.extend((r, start, p - start, i, 1, p, i, 0))
+            if p - start + 1 > most:
+                most = p - start + 1
+        return _table(rows), most, 1 if self.rows else 0
+
+
+#: a DECODE forward's work rows through ``FusedMeta._decode_plan`` (tests switch it off to compare)
+_DECODE_PLAN = True
 
 
 def _table(values: array.array) -> torch.Tensor:
@@ -319,7 +339,9 @@ class CpuFusedBackend(TorchNativeBackend):
             return Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
                             f"{self.max_workspace_bytes}")
         mask = None if cross else meta.mask(chunk)
-        return FusedForward(plan, mask, per_item, [i for i, _, _ in meta.chunks(chunk)])
+        # a decode forward's work rows are its requests in order (one query each), whatever the chunk
+        requests = list(range(B)) if meta.mode is ForwardMode.DECODE else [i for i, _, _ in meta.chunks(chunk)]
+        return FusedForward(plan, mask, per_item, requests)
 
     # -- the call -----------------------------------------------------------------
     def _args(self, q: torch.Tensor, k: Any, v: Any, layer: Any, fl: FusedLayer,
