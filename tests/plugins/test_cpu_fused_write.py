@@ -103,7 +103,7 @@ def _both_ways(name: str, nthreads: int = 1, save: bool = True,
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_attend_write_gives_the_output_and_cache_of_the_op_then_the_write(name, threads):
+def test_attend_write_gives_the_output_and_cache_of_the_op_then_the_write(name, threads):  # noqa: F811  (the fixture)
     on, off, on_calls, off_calls = _both_ways(name, threads)
     assert on_calls[0] == 1 and off_calls[0] == 0, (on_calls, off_calls)
 

@@ -23,6 +23,11 @@ What each layer's call needs is prepared in three named pieces:
   ``NO_REQUESTS`` (no request of this forward is the kernel's) or a ``Declined`` saying why the
   eager paths run instead;
 - the call: q, the new K/V and the output are passed as tensors each time.
+
+Where every request of a forward goes through the op and the cache stores the new K/V as they are (an
+unquantized ``nhd`` cache in the model dtype), ``compute_and_write`` (the skeleton's hook) calls
+``torch.ops.attnplug_cpu_fused.attend_write`` instead: the attention into a fresh output, then the new rows
+written at ``out_cache_loc``, in one call (the skeleton's write after the kernel: two index copies a layer).
 """
 
 from __future__ import annotations
@@ -369,7 +374,9 @@ class CpuFusedBackend(TorchNativeBackend):
         call = meta.calls.get(id(layer))
         if call is None or call.layer is not layer or call.dtype != q.dtype or call.threads != threads:
             fl = self.layer_plan(layer).kernel
-            work: Work = BIDIRECTIONAL if fl.bidirectional else self._work(q, layer, meta, fl)
+            work: Work | None = BIDIRECTIONAL if fl.bidirectional else meta.work.get((q.dtype, threads, fl.geometry))
+            if work is None:  # ``_work``'s answer, made on the first layer of this geometry in the forward
+                work = meta.work[(q.dtype, threads, fl.geometry)] = self._prepare(layer, meta, threads)
             head = tail = None
             whole = False
             if isinstance(work, FusedForward) and not fl.cross and not self.cache.quantized:
