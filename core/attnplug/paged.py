@@ -458,9 +458,21 @@ class PagedBackend(AttentionBackend):
             undo = self._snapshot(cache, plan, loc)
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, compute, q, k, v, layer, batch, meta)
-        out = compute(q, k, v, layer, batch, meta)
         if save_kv_cache:
-            self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
+            return self.compute_and_write(compute, cache, plan, loc, q, k, v, layer, batch,  # type: ignore[arg-type]
+                                          meta)  # (v is given with k: check_qkv)
+        return compute(q, k, v, layer, batch, meta)
+
+    def compute_and_write(self, compute: Callable[..., torch.Tensor], cache: PagedKVCache, plan: LayerPlan,
+                          loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                          batch: ForwardBatch, meta: Any) -> torch.Tensor:
+        """A planned self-attention layer of a ``new_kv_source = "args"`` backend with ``save_kv_cache`` on:
+        ``compute(q, k, v, layer, batch, meta)`` (the forward's ``compute_decode`` / ``compute_extend``), then
+        ``write_new_kv``; a compute that raises writes nothing. A backend whose kernel can write the new K/V
+        itself once its attention returned overrides it (cpu_fused: one op for both); the override returns what
+        ``compute`` returns, writes exactly what ``write_new_kv`` writes, and nothing when it raises."""
+        out = compute(q, k, v, layer, batch, meta)
+        self.write_new_kv(cache, plan, loc, k, v)
         return out
 
     def _checked_plan(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,

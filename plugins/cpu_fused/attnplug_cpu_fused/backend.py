@@ -23,6 +23,11 @@ What each layer's call needs is prepared in three named pieces:
   ``NO_REQUESTS`` (no request of this forward is the kernel's) or a ``Declined`` saying why the
   eager paths run instead;
 - the call: q, the new K/V and the output are passed as tensors each time.
+
+Where every request of a forward goes through the op and the cache stores the new K/V as they are (an
+unquantized ``nhd`` cache in the model dtype), ``compute_and_write`` (the skeleton's hook) calls
+``torch.ops.attnplug_cpu_fused.attend_write`` instead: the attention into a fresh output, then the new rows
+written at ``out_cache_loc``, in one call (the skeleton's write after the kernel: two index copies a layer).
 """
 
 from __future__ import annotations
@@ -202,6 +207,8 @@ class FusedMeta(ForwardMeta):
         most keys and the most queries of any row."""
         key = (window, cross, chunk)
         got = self._plan.get(key)
+        if got is None and self.mode is ForwardMode.DECODE and not cross and _DECODE_PLAN:
+            got = self._plan[key] = self._decode_plan(window)
         if got is None:
             rows = array.array("q")  # the table's values, row after row (one buffer: no nested list to convert)
             most_keys = most_q = 0
@@ -220,6 +227,24 @@ class FusedMeta(ForwardMeta):
         return got
 
 
+    def _decode_plan(self, window: int | None) -> tuple[torch.Tensor, int, int]:
+        """``plan`` of a DECODE forward's self-attention: one work row per request holding its one new token,
+        whatever the chunk (what the general loop gives, without the chunk list): ``(row, start, cached, i, 1,
+        p, i, 0)`` for request ``i`` with ``p`` cached tokens, ``start`` the window's first."""
+        rows = array.array("q")
+        most = 0
+        for i, (r, p) in enumerate(zip(self.rows, self.prefix)):
+            start = 0 if window is None else min(p, max(0, p - window))
+            rows.extend((r, start, p - start, i, 1, p, i, 0))
+            if p - start + 1 > most:
+                most = p - start + 1
+        return _table(rows), most, 1 if self.rows else 0
+
+
+#: a DECODE forward's work rows through ``FusedMeta._decode_plan`` (tests switch it off to compare)
+_DECODE_PLAN = True
+
+
 def _table(values: array.array) -> torch.Tensor:
     """int64 ``[n, 8]`` from ``values`` (row after row), through the array's buffer (~1 µs; ``torch.tensor`` of
     a nested list costs ~6 µs for one row). The tensor keeps the array alive."""
@@ -232,15 +257,16 @@ class FusedCall:
     """One layer's call in one forward, prepared on its first call (``FusedMeta.calls``): the work (what
     ``CpuFusedBackend._work`` answered), and for a ``FusedForward`` over an unquantized self-attention
     cache the op's arguments between q, the new K/V and the output: ``head`` (the layer's caches,
-    ``req_to_token``, the layer's params, the forward's work tensor). Found again only for the same layer
-    object, query dtype and thread count."""
+    ``req_to_token``, the layer's params, the forward's work tensor). ``whole``: ``head`` is set and the op
+    takes every request of the forward (so ``attend_write`` gives the whole output: ``compute_and_write``).
+    Found again only for the same layer object, query dtype and thread count."""
 
-    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head")
+    __slots__ = ("layer", "dtype", "threads", "fl", "work", "head", "whole")
 
     def __init__(self, layer: Any, dtype: torch.dtype, threads: int, fl: FusedLayer, work: Work,
-                 head: tuple[Any, ...] | None) -> None:
+                 head: tuple[Any, ...] | None, whole: bool = False) -> None:
         self.layer, self.dtype, self.threads, self.fl, self.work = layer, dtype, threads, fl, work
-        self.head = head
+        self.head, self.whole = head, whole
 
 
 class CpuFusedBackend(TorchNativeBackend):
@@ -259,6 +285,11 @@ class CpuFusedBackend(TorchNativeBackend):
             raise BackendUnavailableError(NAME, [str(why)], "pip install attnplug-cpu-fused with a C++ compiler")
         self._op: Callable[..., Any] = op
         self._tiled_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.extend_tiled.default
+        #: ``attend_write``: the op and the K/V write of the skeleton in one call (``compute_and_write``)
+        self._write_op: Callable[..., Any] = torch.ops.attnplug_cpu_fused.attend_write.default
+        #: a forward whose every request goes through the op, over an unquantized ``nhd`` cache of the model
+        #: dtype, attends and writes its new K/V with ``attend_write`` (tests switch it off to compare)
+        self.fused_write = True
         #: long extends (more than ``FUSED_MAX_QUERIES`` new tokens) through the tiled kernel where the
         #: layer fits it (``tiled_fits``), else torch_native's SDPA path
         self.tiled = True
@@ -338,8 +369,9 @@ class CpuFusedBackend(TorchNativeBackend):
             return Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
                             f"{self.max_workspace_bytes}")
         mask = None if cross else meta.mask(chunk)
-        return FusedForward(plan, mask, per_item, [i for i, _, _ in meta.chunks(chunk)],
-                            work_tensor(plan, mask, per_item))
+        # a decode forward's work rows are its requests in order (one query each), whatever the chunk
+        requests = list(range(B)) if meta.mode is ForwardMode.DECODE else [i for i, _, _ in meta.chunks(chunk)]
+        return FusedForward(plan, mask, per_item, requests, work_tensor(plan, mask, per_item))
 
     # -- the call -----------------------------------------------------------------
     def _args(self, q: torch.Tensor, k: Any, v: Any, layer: Any, fl: FusedLayer,
@@ -365,12 +397,37 @@ class CpuFusedBackend(TorchNativeBackend):
         call = meta.calls.get(id(layer))
         if call is None or call.layer is not layer or call.dtype != q.dtype or call.threads != threads:
             fl = self.layer_plan(layer).kernel
-            work: Work = BIDIRECTIONAL if fl.bidirectional else self._work(q, layer, meta, fl)
+            work: Work | None = BIDIRECTIONAL if fl.bidirectional else meta.work.get((q.dtype, threads, fl.geometry))
+            if work is None:  # ``_work``'s answer, made on the first layer of this geometry in the forward
+                work = meta.work[(q.dtype, threads, fl.geometry)] = self._prepare(layer, meta, threads)
             head = None
+            whole = False
             if isinstance(work, FusedForward) and not fl.cross and not self.cache.quantized:
                 head = (fl.k_cache, fl.v_cache, self.cache.req_to_token, fl.params, work.work)
-            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head)
+                whole = len(meta.fused_requests()) == len(meta.rows)
+            call = meta.calls[id(layer)] = FusedCall(layer, q.dtype, threads, fl, work, head, whole)
         return call
+
+    def compute_and_write(self, compute: Callable[..., torch.Tensor], cache: Any, plan: Any, loc: torch.Tensor,
+                          q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, batch: Any,
+                          meta: Any) -> torch.Tensor:
+        """The skeleton's compute and KV write (``PagedBackend.compute_and_write``): where every request of the
+        forward goes through the op (``FusedCall.whole``) and the new K/V are stored as they are (an unquantized
+        ``nhd`` cache in q's dtype, ``write_new_kv``'s two index copies), one ``attend_write`` call attends,
+        allocates the output and, once the attention returned, writes the rows at ``loc``; anything else (and
+        ``fused_write = False``) computes and then writes as the skeleton does. The op checks every argument
+        and slot before it writes, so a call that raises writes nothing."""
+        if self.fused_write and plan.nhd and k.dtype == q.dtype and v.dtype == q.dtype and q.dtype == cache.dtype:
+            call = self._call(q, layer, meta)
+            if call.whole and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+                try:
+                    out: torch.Tensor = self._write_op(q, k, v, *call.head, loc)  # type: ignore[misc]
+                    return out
+                except RuntimeError as exc:
+                    if "attnplug_cpu_fused::attend failed" not in str(exc):
+                        raise
+                    self._failed(call.fl, call.work, layer, meta, exc)  # type: ignore[arg-type]  # whole: a FusedForward
+        return super().compute_and_write(compute, cache, plan, loc, q, k, v, layer, batch, meta)
 
     def _attend_fused(self, q: torch.Tensor, k: Any, v: Any, layer: Any, meta: FusedMeta,
                       out: torch.Tensor) -> Work:
@@ -504,7 +561,8 @@ class CpuFusedBackend(TorchNativeBackend):
     def kernel_call(self, q: Any, k: Any, v: Any, layer: Any,
                     batch: Any) -> Any:  # pragma: no cover  (bench --overhead's hook: tests/fast/test_hot_path.py)
         """The op with this forward's prepared arguments (only the output made per call) and the two
-        index copies of the K/V write, when every request goes through the kernel; else the default."""
+        index copies of the K/V write, when every request goes through the kernel (``attend_write`` alone where
+        a forward calls it: ``compute_and_write``); else the default."""
         meta = self.forward_metadata(batch)
         fl = self.layer_plan(layer).kernel
         out = self.empty_output(q, layer)
@@ -512,6 +570,11 @@ class CpuFusedBackend(TorchNativeBackend):
         if layer.is_cross_attention or self.cache.quantized or fl.bidirectional or not isinstance(fw, FusedForward) or \
                 len(meta.fused_requests()) != len(meta.rows):
             return super().kernel_call(q, k, v, layer, batch)
+        if self.fused_write and self.layer_plan(layer).nhd and k.dtype == q.dtype == v.dtype == self.cache.dtype:
+            a = self._args(q, k, v, layer, fl, fw, out)
+            wargs = (*a[:8], batch.out_cache_loc.to(torch.int64).contiguous())
+            wop = self._write_op
+            return lambda: wop(*wargs)
         args = list(self._args(q, k, v, layer, fl, fw, out))
         op, write = self._op, self.raw_write(layer, batch, k, v)
         shape, dtype = tuple(out.shape), out.dtype

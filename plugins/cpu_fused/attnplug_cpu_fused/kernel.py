@@ -1,10 +1,13 @@
-"""The cpu_fused kernel library: the op ``torch.ops.attnplug_cpu_fused.attend`` and its fake.
+"""The cpu_fused kernel library: the ops ``torch.ops.attnplug_cpu_fused.attend`` (and ``attend_write``) and their fakes.
 
 The library ``attnplug_cpu_fused/_C*.so`` is compiled at install (``setup.py``: ``csrc/attention.cpp``
 once per instruction set, ``csrc/ops.cpp`` registering the op with ``TORCH_LIBRARY``); ``load()``
 hands it to ``torch.ops.load_library`` once per process and registers the fake (meta)
 implementation, so ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` see an op
-with a schema that mutates ``out`` and ``work`` (its error record) and returns nothing. Which variant runs
+with a schema that mutates ``out`` and ``work`` (its error record) and returns nothing. ``attend_write`` is
+``attend`` into a fresh output it returns, then, once the attention returned, the forward's new K/V rows
+written into the caches at the given slots (its schema declares ``k_cache``, ``v_cache`` and ``work``
+mutated): the skeleton's write after the kernel in the same call. Which variant runs
 (``avx512bf16``, ``avx512``, ``avx2``, ``portable``) is chosen inside the library from cpuid
 (``isa()``); ``$ATTNPLUG_CPU_FUSED_ISA`` asks for a lower one (tests, benchmarks).
 
@@ -145,6 +148,20 @@ def _register_fake() -> None:
         torch._check(params.dtype == torch.float64 and params.dim() == 1,
                      lambda: "attnplug_cpu_fused::attend: params must be float64 [7] or [7 + H]")
         return None
+
+    @torch.library.register_fake(f"{LIBRARY}::attend_write")
+    def _attend_write_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, params, work, slots):  # type: ignore[no-untyped-def]
+        """Shapes and dtypes only: a fresh ``[T, H, Dv]`` output in q's dtype; the op writes the new rows into
+        ``k_cache`` / ``v_cache`` (and ``work``'s error record) in place."""
+        torch._check(q.dim() == 3 and k_cache.dim() == 3 and v_cache.dim() == 3,
+                     lambda: "attnplug_cpu_fused::attend_write: q, k_cache and v_cache must be 3-d")
+        torch._check(k_new.dtype == k_cache.dtype and v_new.dtype == v_cache.dtype,
+                     lambda: "attnplug_cpu_fused::attend_write: k_new/v_new must be in the caches' dtype")
+        torch._check(slots.dtype == torch.int64 and slots.dim() == 1,
+                     lambda: "attnplug_cpu_fused::attend_write: slots must be int64 [T]")
+        torch._check(work.dtype == torch.int64 and work.dim() == 2 and work.shape[1] == WORK_COLS,
+                     lambda: "attnplug_cpu_fused::attend_write: work must be int64 [1 + B + M, 8]")
+        return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[2]))
 
     @torch.library.register_fake(f"{LIBRARY}::extend_tiled")
     def _extend_tiled_fake(q, k_new, v_new, k_cache, v_cache, req_to_token, plan, sinks, out, err,  # type: ignore[no-untyped-def]

@@ -6,6 +6,7 @@
 // variant is chosen once per process from cpuid (`isa()`), and its work items run on torch's
 // intra-op pool through at::parallel_for: one OpenMP runtime in the process, torch's.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -275,6 +276,52 @@ void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
 
 int64_t tiled_isa() { return attnplug_extend_tiled_isa(); }
 
+// attend_write: `attend` into a fresh output, then -- only once the attention returned -- this forward's new
+// K/V rows written into the caches at `slots` (k_cache[slots[i]] = k_new[i], the same for V): what the
+// skeleton's write after the kernel does with two index_copy_ calls, in the same call. k_new/v_new [T, Hkv,
+// D/Dv] in the caches' dtype; slots int64 [T], each in [0, slots of the cache). Every check runs before
+// anything is written: a call that raises (a bad argument, a slot out of range, the kernel's own failure
+// record) leaves the caches as they were. Returns the output [T, H, Dv] in q's dtype (every row the work
+// rows cover is written; the caller passes work rows covering every token).
+at::Tensor attend_write(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& req_to_token, const at::Tensor& params,
+                        at::Tensor& work, const at::Tensor& slots) {
+  check_cpu(q, "q");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3,
+              "attnplug_cpu_fused::attend_write: k_new, v_new, k_cache and v_cache must be 3-d");
+  TORCH_CHECK(k_new.scalar_type() == k_cache.scalar_type() && v_new.scalar_type() == v_cache.scalar_type(),
+              "attnplug_cpu_fused::attend_write: k_new/v_new are ", k_new.scalar_type(), "/", v_new.scalar_type(),
+              ", the caches ", k_cache.scalar_type(), "/", v_cache.scalar_type(),
+              " (the rows are written as they are: convert them first)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k_new.size(0) &&
+                  slots.device().is_cpu(),
+              "attnplug_cpu_fused::attend_write: slots must be an int64 CPU tensor [T] (one per new token), got ",
+              slots.scalar_type(), " ", slots.sizes());
+  const int64_t n = slots.size(0), num_slots = k_cache.size(0), s_st = slots.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i * s_st] >= 0 && sp[i * s_st] < num_slots && sp[i * s_st] < v_cache.size(0),
+                "attnplug_cpu_fused::attend_write: slots[", i, "]=", sp[i * s_st],
+                " is out of range (expected 0 <= slot < ", num_slots, "); nothing was written");
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(2)}, q.options());
+  attend(q, k_new, v_new, k_cache, v_cache, req_to_token, params, work, out);
+  // attend returned (it raises on any failure, before this point): it checked k_new/v_new against the caches
+  // (shapes [T, Hkv, D/Dv], a contiguous last dim), so each head's row is one contiguous run in both
+  const int64_t Hkv = k_cache.size(1);
+  const auto put = [&](const at::Tensor& src, at::Tensor& dst) {
+    const int64_t es = dst.element_size(), row = dst.size(2) * es;
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* d = static_cast<char*>(dst.data_ptr());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(d + (sp[i * s_st] * dst.stride(0) + h * dst.stride(1)) * es,
+                    s + (i * src.stride(0) + h * src.stride(1)) * es, size_t(row));
+  };
+  put(k_new, k_cache);
+  put(v_new, v_cache);
+  return out;
+}
+
 }  // namespace
 }  // namespace attnplug_cpu_fused
 
@@ -288,9 +335,13 @@ TORCH_LIBRARY(attnplug_cpu_fused, m) {
       "Tensor plan, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, int group, int window, int isa, float scale, "
       "float cap) -> ()");
   m.def("tiled_isa() -> int", &attnplug_cpu_fused::tiled_isa);
+  m.def(
+      "attend_write(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor req_to_token, Tensor params, Tensor(c!) work, Tensor slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnplug_cpu_fused, CPU, m) {
   m.impl("attend", &attnplug_cpu_fused::attend);
   m.impl("extend_tiled", &attnplug_cpu_fused::extend_tiled);
+  m.impl("attend_write", &attnplug_cpu_fused::attend_write);
 }
