@@ -278,7 +278,6 @@ class Group:
         self.specs = {i.spec.layer_id: dataclasses.replace(i.spec, layer_id=j) for j, i in enumerate(impls)}
         self.backend: Any = None
         self.kv_cache: PagedKVCache | None = None
-        self._page_offsets: torch.Tensor | None = None  # arange(block size), for req_to_token from block tables
         #: scheduled batches this group's metadata was built for, and attention-layer calls served
         self.builds = 0
         self.layer_calls = 0
@@ -331,21 +330,15 @@ class Group:
         seq = cm.seq_lens[:n].tolist()
         qlens = [b - a for a, b in zip(qsl, qsl[1:])]
         prefix = [s - q for s, q in zip(seq, qlens)]
-        ps = cache.page_size
-        width = max(seq, default=0)
-        if width:  # rows 0..n-1: each position's slot from the block table, whole pages at a time
-            pages = -(-width // ps)
-            ar = self._page_offsets
-            if ar is None or ar.numel() != ps:
-                ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=cache.device)
-            dst = cache.req_to_token[:n, :pages * ps].view(n, pages, ps)
-            dst.copy_(cm.block_table_tensor[:n, :pages, None])
-            dst.mul_(ps).add_(ar)
+        # rows 0..n-1: each position's slot from the block table, whole pages at a time; the used block ids are
+        # checked in range and the fill recorded, so the per-forward checks and the page table take those
+        # entries as written (``PagedKVCache.page_fill``) instead of reading each one back
+        cache.fill_from_page_table(cm.block_table_tensor, seq)
         rows = list(range(n))
-        loc = cm.slot_mapping[:t].to(torch.int64)
         decode = [q == 1 and p > 0 for q, p in zip(qlens, prefix)]
-        if n and all(decode):
-            return ForwardBatch.decode(rows, seq, loc)
+        if n and all(decode):  # from host ints: the batch's tensors are made from them, nothing read back
+            return ForwardBatch.decode(rows, seq, cm.slot_mapping[:t].tolist())
+        loc = cm.slot_mapping[:t].to(torch.int64)
         mode = ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
         return ForwardBatch.extend(rows, prefix, qlens, loc, mode=mode)
 
