@@ -719,9 +719,12 @@ class PagedKVCache:
             ar = self._page_offsets
             if ar is None or ar.device != dev:
                 ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=dev)
-            dst = self.req_to_token[:n, :width * ps].view(n, width, ps)
-            dst.copy_(pt[:, :, None])
-            dst.mul_(ps).add_(ar)
+            # slot = block * page_size + offset, written straight into the rows (one op); a row shorter than its
+            # last page (max_context_len not a multiple of page_size) takes that page's first positions
+            if width * ps <= L:
+                torch.add(ar, pt[:, :, None], alpha=ps, out=self.req_to_token[:n, :width * ps].view(n, width, ps))
+            else:
+                self.req_to_token[:n, :L].copy_(torch.add(ar, pt[:, :, None], alpha=ps).view(n, width * ps)[:, :L])
         self._fill = rec = PageFill(self.req_to_token, lens, pages, blocks, pt)
         return rec
 

@@ -150,6 +150,18 @@ def test_the_fill_writes_each_used_page_and_records_its_table(lens, host, monkey
         assert torch.equal(got, cache.page_table(batch))
 
 
+@pytest.mark.parametrize("max_len,lens", [(63, [63, 1, 61]), (62, [62, 60]), (3, [3, 1])])
+def test_a_row_shorter_than_its_last_page_is_filled_up_to_its_end(max_len, lens):
+    cache = PagedKVCache(num_layers=1, num_pages=NUM_PAGES, num_kv_heads=1, head_dim=8, page_size=PAGE,
+                         max_requests=ROWS, max_context_len=max_len)
+    table = _table(lens, width=16)
+    cache.fill_from_page_table(table, lens)
+    for i, x in enumerate(lens):
+        pos = torch.arange(x)
+        assert torch.equal(cache.req_to_token[i, :x], table[i].long()[pos // PAGE] * PAGE + pos % PAGE)
+    assert cache.page_fill(list(range(len(lens))), lens) is not None
+
+
 @pytest.mark.parametrize("value", [-1, -7, NUM_PAGES, 10 ** 9])
 @pytest.mark.parametrize("request_i", [0, 1, 2], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("column", ["first", "last_used"])
