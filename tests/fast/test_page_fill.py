@@ -334,3 +334,65 @@ def test_a_new_token_slot_other_than_its_mapping_gets_the_same_error_with_and_wi
             return ForwardBatch.decode([0, 1, 2], LENS, torch.as_tensor(loc).clamp(min=0))
     ans = _same(make, True, expect_record=True)
     assert ans[0][0] == "error", ans
+
+
+# -- a fill of the same pages (a decode step that opened no page) writes nothing ---------------------------------
+def _entries_ok(cache, table, lens):
+    for i, x in enumerate(lens):
+        pos = torch.arange(x)
+        assert torch.equal(cache.req_to_token[i, :x], table[i].long()[pos // PAGE] * PAGE + pos % PAGE)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_a_fill_of_the_same_pages_writes_nothing_and_covers_the_new_lengths(inference):
+    cache = _cache()
+    table = _table()
+    with torch.inference_mode(inference):
+        first = cache.fill_from_page_table(table, LENS)
+        version = cache.req_to_token._version
+        longer = [6, 20, 8]  # each request still within its pages
+        rec = cache.fill_from_page_table(table, longer)
+    assert cache.req_to_token._version == version and rec.table is first.table
+    assert cache.page_fill([0, 1, 2], longer) is rec
+    _entries_ok(cache, table, longer)
+
+
+CHANGES = {
+    "a request opens a page": lambda t, lens: (_with(t, 0, 2, 39), [9, 17, 8]),
+    "another block id in the first request": lambda t, lens: (_with(t, 0, 1, 39), lens),
+    "another block id in the last request": lambda t, lens: (_with(t, 2, 0, 38), lens),
+    "one request fewer": lambda t, lens: (t, lens[:2]),
+}
+
+
+def _with(table, i, j, value):
+    table = table.clone()
+    table[i, j] = value
+    return table
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_fill_of_other_pages_writes_them(change):
+    cache = _cache()
+    cache.fill_from_page_table(_table(), LENS)
+    version = cache.req_to_token._version
+    table, lens = CHANGES[change](_table(), LENS)
+    rec = cache.fill_from_page_table(table, lens)
+    assert cache.req_to_token._version > version and cache.page_fill(list(range(len(lens))), lens) is rec
+    _entries_ok(cache, table, lens)
+
+
+@pytest.mark.parametrize("write", ["req_to_token", "the recorded table"])
+def test_a_fill_after_a_write_writes_again_even_for_the_same_pages(write):
+    cache = _cache()
+    table = _table()
+    rec = cache.fill_from_page_table(table, LENS)
+    if write == "req_to_token":
+        cache.req_to_token[0, 0] = 10 ** 9  # a covered entry spoiled: the next fill must rewrite it
+    else:
+        rec.table.add_(0)  # a consumer wrote the recorded table in place: the record is void
+    assert cache.page_fill() is None
+    version = cache.req_to_token._version
+    again = cache.fill_from_page_table(table, LENS)
+    assert cache.req_to_token._version > version and again.table is not rec.table
+    _entries_ok(cache, table, LENS)

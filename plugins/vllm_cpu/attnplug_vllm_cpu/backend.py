@@ -140,7 +140,11 @@ class ForwardMeta:
         self.rows = list(batch.req_pool_indices_cpu)
         qsl = batch.qo_indptr(dev)
         self.num_tokens = batch.num_tokens
-        self.q_off = qsl.tolist()
+        q_off, total = [0], 0  # qsl's values, from the host lengths it was made from (no read back)
+        for e in batch.extend_seq_lens_cpu:
+            total += e
+            q_off.append(total)
+        self.q_off = q_off
         if table is None:  # else the check's one pass made it from the same entries
             table = cache.page_table(batch)
         self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), table.contiguous(),
