@@ -707,10 +707,10 @@ class PagedKVCache:
                    prev: PageFill | None) -> PageFill:
         ps, L = self.page_size, self.max_context_len
         dev, P = self.req_to_token.device, self.num_pages
-        used = table[:n, :width]
         blocks: list[list[int]] | None = None
         if n * width <= _FILL_HOST_ENTRIES:  # read once as ints: checked, kept, and the table made from them
-            host = used.tolist()
+            # (a short table is read whole, one op, no slice: vLLM's is [max_num_seqs, max pages per request])
+            host = table.tolist()[:n] if table.numel() <= 2 * n * width + 64 else table[:n, :width].tolist()
             blocks, flat = [], []
             for i, (ids, u) in enumerate(zip(host, pages)):
                 ids = ids[:u]
@@ -728,6 +728,7 @@ class PagedKVCache:
             pt = _int32_tensor(flat, dev).view(n, width) if flat else torch.zeros(n, width, dtype=torch.int32,
                                                                                  device=dev)
         else:
+            used = table[:n, :width]
             cols = torch.arange(width, device=used.device)
             unused = cols[None, :] >= torch.as_tensor(pages, device=used.device)[:, None]
             masked = used.masked_fill(unused, 0)
