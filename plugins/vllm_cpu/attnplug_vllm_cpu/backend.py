@@ -49,7 +49,10 @@ Two things the op does not guarantee are done here:
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
 table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
-``_host_pass``); any failure runs the core's checks one by one, which raise as before.
+``_host_pass``); rows the cache filled from a host's page table and that nothing wrote since
+(``PagedKVCache.page_fill``, the vLLM integration's rows) are in range and page-aligned by construction: only
+the new tokens' slots are compared, as host ints, and the page table is the recorded one (``_filled_pass``).
+Any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
