@@ -32,6 +32,7 @@ the K scale, with the V scale kept equal).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import operator
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # batch.py imports this module: annotations only
     from .batch import ForwardBatch
     from .layer import LayerSpec
 
-__all__ = ["FP8_DTYPES", "UNASSIGNED", "PageAllocator", "PagedKVCache", "indptr", "quantize"]
+__all__ = ["FP8_DTYPES", "UNASSIGNED", "PageAllocator", "PageFill", "PagedKVCache", "indptr", "quantize"]
 
 #: ``req_to_token`` value of a position that has no slot yet
 UNASSIGNED = -1
@@ -77,6 +78,93 @@ def _positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name}={value!r} (expected a positive integer)")
     return value
+
+
+#: ``fill_from_page_table`` reads up to this many page-table entries as host ints (the used block ids kept
+#: for the host-side checks that consult the record); a larger table is checked and recorded with tensor ops
+_FILL_HOST_ENTRIES = 8192
+
+
+class PageFill:
+    """What ``PagedKVCache.fill_from_page_table`` wrote: rows ``0 .. n-1`` of ``req_to_token`` filled whole pages
+    at a time from a host's page table, each request's used block ids checked in ``[0, num_pages)``.
+
+    While it is valid (``PagedKVCache.page_fill``: the same ``req_to_token`` object, its in-place write
+    counter unmoved since the fill) the positions ``0 .. lens[r]-1`` of row ``r`` hold
+    ``blocks[r][p // page_size] * page_size + p % page_size``: every entry a real slot, every page of positions
+    one page of consecutive slots. So the per-entry passes (bounds, page alignment) have nothing to find
+    there, and the page table is ``table``. A write through torch voids it; a write around torch's counter
+    (through ``.numpy()``, a raw pointer) is not seen: a host that writes ``req_to_token`` that way must not
+    call ``fill_from_page_table`` (docs/reliability.md)."""
+
+    __slots__ = ("tensor", "version", "lens", "pages", "blocks", "table", "table_version")
+
+    def __init__(self, tensor: torch.Tensor, lens: list[int], pages: list[int], blocks: list[list[int]] | None,
+                 table: torch.Tensor) -> None:
+        self.tensor = tensor
+        #: ``req_to_token``'s write counter after the fill
+        self.version = int(tensor._version)
+        #: per row ``0 .. n-1``, the positions the fill covers, and the pages they take (``ceil(len / page_size)``)
+        self.lens, self.pages = lens, pages
+        #: per row, its used block ids (host ints; ``None`` for a fill too large to read back)
+        self.blocks = blocks
+        #: int32 ``[n, max(pages)]``: the used block ids, 0 past each row's last page (``PagedKVCache.page_table``'s
+        #: form, what vllm_cpu's op takes) and its write counter (a consumer writing it in place voids the record)
+        self.table = table
+        self.table_version = int(table._version)
+
+    def covers(self, rows: Sequence[int], lens: Sequence[int]) -> bool:
+        """Whether every ``rows[i]`` is a filled row whose first ``lens[i]`` positions the fill wrote."""
+        mine, n = self.lens, len(self.lens)
+        for r, x in zip(rows, lens):
+            if not 0 <= r < n or x > mine[r]:
+                return False
+        return True
+
+    def slot(self, row: int, pos: int, page_size: int) -> int:
+        """The slot the fill mapped ``(row, pos)`` to (a covered position; ``blocks`` known)."""
+        assert self.blocks is not None
+        return self.blocks[row][pos // page_size] * page_size + pos % page_size
+
+    def table_for(self, rows: Sequence[int], lens: Sequence[int], page_size: int) -> torch.Tensor:
+        """int32 ``[len(rows), ceil(max(lens) / page_size)]``: the page table of covered ``rows`` / ``lens``, 0
+        past each request's last page (``PagedKVCache.page_table``'s answer, without reading ``req_to_token``).
+        The recorded table itself when the rows are ``0 .. n-1`` and each takes the pages it was filled with."""
+        ps = page_size
+        need = [-(-int(x) // ps) for x in lens]
+        width = max(need, default=0)
+        n = len(self.lens)
+        if len(rows) == n and need == self.pages and list(rows) == list(range(n)):
+            return self.table
+        dev = self.table.device
+        if not rows or width == 0:
+            return torch.zeros(len(rows), width, dtype=torch.int32, device=dev)
+        if self.blocks is None:
+            idx = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+            out = self.table.index_select(0, idx)[:, :width].clone()
+            cols = torch.arange(width, device=dev)
+            out.masked_fill_(cols[None, :] >= torch.as_tensor(need, device=dev)[:, None], 0)
+            return out.contiguous()
+        flat: list[int] = []
+        for r, u in zip(rows, need):
+            flat.extend(self.blocks[r][:u])
+            flat.extend([0] * (width - u))
+        return _int32_tensor(flat, dev).view(len(rows), width)
+
+
+def _int32_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int32 tensor of host ints through an ``array`` buffer (on CPU; ``torch.tensor`` elsewhere)."""
+    if device.type == "cpu" and values:
+        return torch.frombuffer(array.array("i", values), dtype=torch.int32)
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _not_inference() -> Any:
+    """``torch.inference_mode(False)`` as torch's own guard (what that context manager's ``__enter__`` makes),
+    entered directly: ~0.3 µs against ~1.1 µs for the Python context manager; the latter where a torch build
+    has no such guard. Tensors made under it keep write counters even when a host runs under inference mode."""
+    guard = getattr(torch._C, "_InferenceMode", None)
+    return torch.inference_mode(False) if guard is None else guard(False)
 
 
 class PagedKVCache:
@@ -138,10 +226,16 @@ class PagedKVCache:
             self._storage = [self.layout.allocate(self.geometry, self.dtype, self.device) for _ in range(num_layers)]
         else:
             self._storage = self._adopt(buffers)
-        #: ``[max_requests, max_context_len]`` int64: slot of (request row, position); ``UNASSIGNED`` where none
-        self.req_to_token = torch.full(
-            (max_requests, max_context_len), UNASSIGNED, dtype=torch.int64, device=self.device
-        )
+        #: ``[max_requests, max_context_len]`` int64: slot of (request row, position); ``UNASSIGNED`` where none.
+        #: A normal tensor even when the cache is made under ``torch.inference_mode`` (as hosts build it): its
+        #: in-place write counter is what voids a ``PageFill`` record and what the per-layer guard reads
+        with torch.inference_mode(False):
+            self.req_to_token = torch.full(
+                (max_requests, max_context_len), UNASSIGNED, dtype=torch.int64, device=self.device
+            )
+        #: the last ``fill_from_page_table`` (``None``: none, or voided); read it through ``page_fill``
+        self._fill: PageFill | None = None
+        self._page_offsets: torch.Tensor | None = None  # arange(page_size), for the fill's write
 
     def _adopt(self, buffers: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
         buffers = list(buffers)
@@ -302,6 +396,11 @@ class PagedKVCache:
             read = [max(p, e) for p, e in zip(read, enc)]
         upto = [s if new_tokens_mapped else p for s, p in zip(b.seq_lens_cpu, read)]
         width = max(upto, default=0)
+        # rows filled from a host's page table and not written since (``page_fill``): every entry they cover is
+        # a real slot by construction (block ids checked in range at the fill), nothing to read
+        fill = self.page_fill(rows, upto) if width else None
+        if fill is not None:
+            width = 0
         if width and len(rows) <= _SLICED_CHECK_ROWS:
             # few requests: their entries as slices of req_to_token, one cat and one min/max (a handful of
             # ops whatever the batch); the vectorised pass below runs only to name a bad entry
@@ -331,6 +430,8 @@ class PagedKVCache:
                     f"request {i} (req_to_token row {rows[i]}): position {pos} < seq/prefix length {upto[i]} "
                     f"maps to slot {val}, which {what}; assign pages for every position a forward reads"
                 )
+        if new_tokens_mapped and b.num_tokens and self._new_tokens_filled(b, rows, host_loc):
+            return
         if new_tokens_mapped and b.num_tokens:
             starts = [0]
             for e in b.extend_seq_lens_cpu:
@@ -347,6 +448,27 @@ class PagedKVCache:
                     f"req_to_token maps its position to slot {int(mapped[t])}; this backend reads new tokens "
                     f"through req_to_token, so map them before the forward"
                 )
+
+    def _new_tokens_filled(self, b: Any, rows: list[int], host_loc: list[int] | None) -> bool:
+        """Whether every new token's position maps to its ``out_cache_loc``, answered on host ints from a valid
+        ``page_fill`` covering the batch (``False``: not known that way; the tensor comparison runs and names
+        a mismatch)."""
+        fill = self.page_fill(rows, b.seq_lens_cpu)
+        if fill is None or fill.blocks is None:
+            return False
+        loc = host_loc
+        if loc is None:
+            if b.num_tokens > _HOST_CHECK_VALUES or b.out_cache_loc.device.type != "cpu":
+                return False
+            loc = b.out_cache_loc.tolist()
+        ps, t = self.page_size, 0
+        for r, p, s in zip(rows, b.extend_prefix_lens_cpu, b.seq_lens_cpu):
+            ids = fill.blocks[r]
+            for pos in range(p, s):
+                if loc[t] != ids[pos // ps] * ps + pos % ps:
+                    return False
+                t += 1
+        return t == len(loc)
 
     # -- access --------------------------------------------------------------------
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,6 +665,113 @@ class PagedKVCache:
         page_ids = torch.as_tensor(list(pages), dtype=torch.int64, device=self.device)
         self.req_to_token[req_index, start:length] = page_ids[pos // ps] * ps + pos % ps
 
+    def fill_from_page_table(self, table: torch.Tensor, lens: Sequence[int]) -> PageFill:
+        """Point rows ``0 .. n-1`` of ``req_to_token`` (``n = len(lens)``) at a host's page table, whole pages at a
+        time: position ``p`` of row ``i`` -> ``table[i, p // page_size] * page_size + p % page_size`` for the
+        ``ceil(lens[i] / page_size)`` pages request ``i`` uses (vLLM's block table, ``slot_mapping``'s pages).
+
+        The used block ids (each request's first ``ceil(lens[i] / page_size)`` columns; later columns are not
+        read, whatever they hold) are checked in ``[0, num_pages)`` first: a bad one is a ``ShapeError`` naming
+        the request, the column, the id and the bound, and nothing is written. The fill is recorded
+        (``PageFill``, returned and read through ``page_fill``): while ``req_to_token`` is not written again
+        through torch, the per-forward checks (``check_batch``, ``check_page_aligned``, a backend's page
+        table) take the covered entries as in range and page-aligned by construction instead of reading each
+        one. Positions past ``lens[i]`` of a filled row point into page 0 (never read by a forward the fill
+        covers). A host that writes ``req_to_token`` around torch (``.numpy()``, a raw pointer) must not use
+        the fill: such a write does not move the counter that voids the record."""
+        prev, self._fill = self.page_fill(), None
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype.is_floating_point \
+                or table.dtype.is_complex or table.dtype == torch.bool:
+            got = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+            raise ShapeError(f"fill_from_page_table: the page table is {got}, expected a 2-D integer tensor "
+                             f"[requests, pages]")
+        lens = [operator.index(x) for x in lens]
+        n, ps, L = len(lens), self.page_size, self.max_context_len
+        if n > self.max_requests or n > table.shape[0]:
+            raise ShapeError(f"fill_from_page_table: {n} requests, but req_to_token has {self.max_requests} rows "
+                             f"and the page table {table.shape[0]}")
+        for i, x in enumerate(lens):
+            if not 0 <= x <= L:
+                raise ShapeError(f"fill_from_page_table: request {i}: length {x} is out of range (expected 0 <= "
+                                 f"length <= max_context_len={L})")
+        pages = [-(-x // ps) for x in lens]
+        width = max(pages, default=0)
+        if width > table.shape[1]:
+            i = pages.index(width)
+            raise ShapeError(f"fill_from_page_table: request {i} needs {width} pages for {lens[i]} positions, but "
+                             f"the page table has {table.shape[1]} columns")
+        with _not_inference():  # the recorded table keeps a write counter (see ``PageFill.table_version``)
+            return self._fill_rows(table, lens, n, pages, width, prev)
+
+    def _fill_rows(self, table: torch.Tensor, lens: list[int], n: int, pages: list[int], width: int,
+                   prev: PageFill | None) -> PageFill:
+        ps, L = self.page_size, self.max_context_len
+        dev, P = self.req_to_token.device, self.num_pages
+        blocks: list[list[int]] | None = None
+        if n * width <= _FILL_HOST_ENTRIES:  # read once as ints: checked, kept, and the table made from them
+            # (a short table is read whole, one op, no slice: vLLM's is [max_num_seqs, max pages per request])
+            host = table.tolist()[:n] if table.numel() <= 2 * n * width + 64 else table[:n, :width].tolist()
+            blocks, flat = [], []
+            for i, (ids, u) in enumerate(zip(host, pages)):
+                ids = ids[:u]
+                if ids and (min(ids) < 0 or max(ids) >= P):
+                    self._bad_block(i, ids, P)
+                blocks.append(ids)
+                flat.extend(ids)
+                flat.extend([0] * (width - u))
+            if prev is not None and prev.blocks == blocks:
+                # the same requests on the same pages as the last fill, which nothing has written over since (a
+                # decode step that opened no page): every position below each request's pages already holds
+                # its slot, so nothing is written and the record covers the new lengths
+                self._fill = rec = PageFill(self.req_to_token, lens, pages, blocks, prev.table)
+                return rec
+            pt = _int32_tensor(flat, dev).view(n, width) if flat else torch.zeros(n, width, dtype=torch.int32,
+                                                                                 device=dev)
+        else:
+            used = table[:n, :width]
+            cols = torch.arange(width, device=used.device)
+            unused = cols[None, :] >= torch.as_tensor(pages, device=used.device)[:, None]
+            masked = used.masked_fill(unused, 0)
+            lo, hi = (int(x) for x in torch.aminmax(masked))
+            if lo < 0 or hi >= P:
+                i = int(((masked < 0) | (masked >= P)).any(1).nonzero()[0, 0])
+                self._bad_block(i, masked[i, :pages[i]].tolist(), P)
+            pt = masked.to(device=dev, dtype=torch.int32).contiguous()
+        if width:
+            ar = self._page_offsets
+            if ar is None or ar.device != dev:
+                ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=dev)
+            # slot = block * page_size + offset, written straight into the rows (one op); a row shorter than its
+            # last page (max_context_len not a multiple of page_size) takes that page's first positions
+            if width * ps <= L:
+                torch.add(ar, pt[:, :, None], alpha=ps, out=self.req_to_token[:n, :width * ps].view(n, width, ps))
+            else:
+                self.req_to_token[:n, :L].copy_(torch.add(ar, pt[:, :, None], alpha=ps).view(n, width * ps)[:, :L])
+        self._fill = rec = PageFill(self.req_to_token, lens, pages, blocks, pt)
+        return rec
+
+    @staticmethod
+    def _bad_block(i: int, ids: list[int], num_pages: int) -> None:
+        j = next(j for j, x in enumerate(ids) if not 0 <= x < num_pages)
+        raise ShapeError(f"fill_from_page_table: request {i}: page table column {j} holds block {ids[j]}, which is "
+                         f"out of range (expected 0 <= block < num_pages={num_pages}); nothing was written")
+
+    def page_fill(self, rows: Sequence[int] | None = None, lens: Sequence[int] | None = None) -> PageFill | None:
+        """The last ``fill_from_page_table``'s record while it holds: ``req_to_token`` is the tensor it wrote and its
+        write counter has not moved since (any torch write into it, anywhere, voids the record), and it covers
+        ``rows`` / ``lens`` (each row filled, its first ``lens[i]`` positions written by the fill). Else
+        ``None``: read the entries."""
+        rec = self._fill
+        if rec is None:
+            return None
+        r2t = self.req_to_token
+        if rec.tensor is not r2t or r2t._version != rec.version or rec.table._version != rec.table_version:
+            self._fill = None
+            return None
+        if rows is not None and not rec.covers(rows, lens if lens is not None else [0] * len(rows)):
+            return None
+        return rec
+
     def release(self, req_index: int) -> None:
         """Forget every slot of request row ``req_index`` (its positions become ``UNASSIGNED``)."""
         self._check_row(req_index)
@@ -575,6 +804,9 @@ class PagedKVCache:
         n = len(b.seq_lens_cpu)
         if n == 0 or pages == 0:
             return torch.zeros(n, pages, dtype=torch.int32, device=dev)
+        fill = self.page_fill(b.req_pool_indices_cpu, b.seq_lens_cpu)
+        if fill is not None:  # the rows were filled from this table and not written since
+            return fill.table_for(b.req_pool_indices_cpu, b.seq_lens_cpu, ps)
         rows = self.req_to_token.index_select(0, b.req_pool_indices.to(device=dev, dtype=torch.int64))
         rows = rows[:, :pages * ps:ps]  # column j: the slot of position j * page_size
         table = torch.div(rows, ps, rounding_mode="floor")
@@ -597,6 +829,8 @@ class PagedKVCache:
         width = max(lens, default=0)
         if not rows or width == 0:
             return
+        if self.page_fill(rows, lens) is not None:
+            return  # filled whole pages from checked block ids and not written since: aligned by construction
         dev = self.req_to_token.device
         if len(rows) <= _SLICED_CHECK_ROWS and self._aligned_slices(rows, lens):
             return  # the vectorised pass below runs only to name the first bad entry
@@ -642,6 +876,11 @@ def indptr(lengths: Sequence[int] | torch.Tensor, device: torch.device | str | N
         for n in lengths:
             total += int(n)
             offsets.append(total)
+        if device is None or torch.device(device).type == "cpu":  # through an ``array`` buffer: ~0.7 µs, not ~2.3
+            try:
+                return torch.frombuffer(array.array("i", offsets), dtype=torch.int32)
+            except OverflowError:
+                pass  # a total past int32: torch.tensor's own error below
         return torch.tensor(offsets, dtype=torch.int32, device=device)
     lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
     out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)

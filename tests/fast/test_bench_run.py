@@ -244,7 +244,7 @@ def test_runtime_notes_say_which_path_a_backend_took(tmp_path, capsys):
 def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
     """--overhead: per backend, forward and kernel_call side by side, warm and flushed, and the
     per-forward metadata; the goal verdicts follow from the numbers in the row."""
-    from attnplug.bench.overhead import INIT_GOAL_US, OVERHEAD_GOAL_US, init_goal_us
+    from attnplug.bench.overhead import OVERHEAD_GOAL_US, init_goal_us
 
     assert main(["bench", *TINY, "--overhead", "--backend", "torch,template", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -256,7 +256,8 @@ def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
             r = row[caches]
             assert r["forward_us"] > 0 and r["kernel_us"] > 0 and r["init_forward_metadata_us"] > 0
             assert r["overhead_us"] == pytest.approx(r["forward_us"] - r["kernel_us"])
-            assert r["init_goal_us"] == init_goal_us(r["forward_us"]) >= INIT_GOAL_US
+            tokens = res["problem"]["batch"] * res["problem"]["context"]
+            assert r["init_goal_us"] == init_goal_us(r["forward_us"], tokens, caches)
             assert r["init_goal_met"] == (r["init_forward_metadata_us"] <= r["init_goal_us"])
         assert row["warm"]["overhead_goal_met"] == (row["warm"]["overhead_us"] <= OVERHEAD_GOAL_US)
         assert row["flushed"]["overhead_goal_met"] is None  # the goal is stated for warm caches
@@ -264,6 +265,24 @@ def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
     table = capsys.readouterr().out
     assert "per-layer overhead above each backend's own kernel" in table
     assert "torch_native     warm" in table and "flushed" not in table.split("per-layer overhead")[1].split("\n\n")[1]
+
+
+@pytest.mark.parametrize("forward_us,tokens,caches,goal", [
+    (200.0, 128, "warm", 50.0),  # 1 x 128 warm: 50 us whatever the forward costs (2% x 32 would give 128)
+    (20.0, 128, "warm", 50.0),
+    (200.0, 64, "warm", 50.0),  # smaller than 1 x 128: the same absolute bound
+    (200.0, 128, "flushed", 128.0),  # flushed: proportionate (2% of 32 forwards)
+    (20.0, 128, "flushed", 50.0),  # ... never below 50
+    (150.0, 4 * 256, "warm", 96.0),  # the rows between: proportionate
+    (10.0, 4 * 256, "warm", 50.0),  # ... never stricter than the small problem's
+    (40000.0, 32 * 1024, "warm", 25600.0),  # 32 x 1024: 2% of 32 layers' forwards
+])
+def test_the_init_goal_is_absolute_at_1x128_warm_and_proportionate_above(forward_us, tokens, caches, goal):
+    """Issue 30: init_forward_metadata <= 50 us at 1 x 128 (warm: an absolute bound, not "or 2% of 32 forwards,
+    whichever is larger", which passed 75 us), proportionate at 32 x 1024 (<= 2% of one layer's forward x 32)."""
+    from attnplug.bench.overhead import init_goal_us
+
+    assert init_goal_us(forward_us, tokens, caches) == pytest.approx(goal)
 
 
 MLA_TINY = ["--mla", "--batch", "1,3", "--context", "20", "--heads", "4", "--repeats", "1", "--warmup", "0",

@@ -6,6 +6,11 @@ and draws every slot through a float32 temporary), while bench needs batch 128
 x context 8192 caches of several GiB built in place. So this module keeps the
 one builder bench needs: the same pieces (``PagedKVCache``, ``PageAllocator``
 with pages scattered at random, ``ForwardBatch``), sized for measurement.
+The batch is made the way a paged host engine makes one (vLLM through
+``attnplug.integrations.vllm``): the pages as one page table filled into
+``req_to_token`` (``PagedKVCache.fill_from_page_table``, recorded), a decode
+step from host ints (``ForwardBatch.decode`` of lists); extend, verify and
+mixed batches from tensors.
 
 Rows measured for each problem:
 
@@ -74,15 +79,19 @@ class PagedProblem:
                 buf.normal_(generator=gen)  # in place: no float32 temporary of a multi-GiB cache
         #: the cache in other KV layouts, for backends that do not read ``nhd`` (``cache_for``)
         self._layouts: dict[str, PagedKVCache] = {self.cache.layout.name: self.cache}
+        # the pages mapped the way a paged host engine maps them: one page table for the batch (pages scattered),
+        # rows 0..batch-1 filled from it (``fill_from_page_table``: the used block ids checked, the fill recorded)
         alloc = PageAllocator(num_pages, shuffle=True, seed=seed + 1)
-        for r, (s, n) in enumerate(zip(self.seq, pages)):
-            self.cache.assign_pages(r, s, alloc.alloc(n))
-        rows = torch.arange(p.batch, device=self.device)
+        width = max(pages)
+        self.page_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in (alloc.alloc(n) for n in pages)],
+                                     dtype=torch.int32, device=self.device)
+        self.cache.fill_from_page_table(self.page_ids, self.seq)
         loc = torch.cat([self.cache.req_to_token[r, c:s] for r, (c, s) in enumerate(zip(self.prefix, self.seq))])
         mode = _MODES[p.mode]
-        if mode is ForwardMode.DECODE:
-            self.batch = ForwardBatch.decode(rows, torch.tensor(self.seq, device=self.device), loc)
+        if mode is ForwardMode.DECODE:  # from host ints, as a host's scheduler makes a decode step
+            self.batch = ForwardBatch.decode(list(range(p.batch)), list(self.seq), loc.tolist())
         else:
+            rows = torch.arange(p.batch, device=self.device)
             kw = {"spec_num_draft_tokens": p.draft} if mode is ForwardMode.TARGET_VERIFY else {}
             self.batch = ForwardBatch.extend(rows, torch.tensor(self.prefix, device=self.device),
                                              torch.tensor(self.extend, device=self.device), loc, mode=mode, **kw)
@@ -102,7 +111,7 @@ class PagedProblem:
             other = PagedKVCache(1, base.num_pages, base.num_kv_heads, base.head_dim, page_size=base.page_size,
                                  dtype=base.dtype, device=base.device, max_requests=base.max_requests,
                                  max_context_len=base.max_context_len, layout=layout)
-            other.req_to_token.copy_(base.req_to_token)
+            other.fill_from_page_table(self.page_ids, self.seq)  # the same mapping, filled (and recorded) alike
             step = 1 << 15
             for s0 in range(0, base.num_slots, step):
                 idx = torch.arange(s0, min(s0 + step, base.num_slots), device=base.device)

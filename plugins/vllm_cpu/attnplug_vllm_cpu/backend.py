@@ -49,7 +49,10 @@ Two things the op does not guarantee are done here:
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
 table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
-``_host_pass``); any failure runs the core's checks one by one, which raise as before.
+``_host_pass``); rows the cache filled from a host's page table and that nothing wrote since
+(``PagedKVCache.page_fill``, the vLLM integration's rows) are in range and page-aligned by construction: only
+the new tokens' slots are compared, as host ints, and the page table is the recorded one (``_filled_pass``).
+Any failure runs the core's checks one by one, which raise as before.
 
 Per layer (``plan_layer``, once per layer object): the layer's storage and the op's views of it,
 the window as the op counts it, the sinks as float32, the scaling and soft-cap as floats. A call
@@ -140,7 +143,11 @@ class ForwardMeta:
         self.rows = list(batch.req_pool_indices_cpu)
         qsl = batch.qo_indptr(dev)
         self.num_tokens = batch.num_tokens
-        self.q_off = qsl.tolist()
+        q_off, total = [0], 0  # qsl's values, from the host lengths it was made from (no read back)
+        for e in batch.extend_seq_lens_cpu:
+            total += e
+            q_off.append(total)
+        self.q_off = q_off
         if table is None:  # else the check's one pass made it from the same entries
             table = cache.page_table(batch)
         self.self_keys = _Keys(qsl, batch.seq_lens_int32(dev), table.contiguous(),
@@ -365,14 +372,23 @@ class VllmCpuBackend(PagedBackend):
         if b.forward_mode is not ForwardMode.DECODE or b.encoder_lens is not None or not 0 < n <= 64:
             return False
         req, loc = b.req_pool_indices, b.out_cache_loc
-        if req.dtype.is_floating_point or req.dtype == torch.bool or not isinstance(loc, torch.Tensor) or \
-                loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+        # a decode batch made from host ints and unchanged since (``ForwardBatch.host_ints``): its rows, lengths
+        # and slots are those ints, nothing to read back; any other batch's tensors are read and compared
+        known = b.host_ints() if hasattr(b, "host_ints") else None
+        if known is None:
+            if req.dtype.is_floating_point or req.dtype == torch.bool or not isinstance(loc, torch.Tensor) or \
+                    loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool:
+                return False
+            if req.tolist() != rows or b.seq_lens.tolist() != seq:
+                return False  # stale host copies: the full checks re-validate the batch
+        if b.changed_since_validate() is not None:
             return False
-        if req.tolist() != rows or b.seq_lens.tolist() != seq or b.changed_since_validate() is not None:
-            return False  # stale host copies: the full checks re-validate the batch
         L, R = cache.max_context_len, cache.max_requests
         if any(not 0 <= r < R for r in rows) or any(not 0 < x <= L for x in seq):
             return False
+        fill = cache.page_fill(rows, seq)
+        if fill is not None:
+            return self._filled_pass(batch, rows, seq, loc, fill, None if known is None else known[2])
         r2t, ps = cache.req_to_token, cache.page_size
         if n <= _HOST_PASS_REQUESTS and sum(seq) <= _HOST_PASS_ENTRIES:
             return self._host_pass(batch, rows, seq, loc)
@@ -405,6 +421,32 @@ class VllmCpuBackend(PagedBackend):
         first = torch.cat([y, y.new_zeros(1)])[torch.as_tensor(index, device=r2t.device)]
         table = first.div_(ps, rounding_mode="floor").view(n, pages).to(_INT32)
         self._one_pass_table = (batch, table)
+        return True
+
+    def _filled_pass(self, batch: Any, rows: list[int], seq: list[int], loc: torch.Tensor, fill: Any,
+                     new: list[int] | None) -> bool:
+        """``_one_pass`` for rows the cache filled from a host's page table and that nothing wrote since
+        (``PagedKVCache.page_fill``): their entries are real slots, page-aligned, by construction (the block
+        ids were checked in range at the fill), so only the new token's slot is compared, as host ints from
+        the recorded block ids (the slot of position ``seq - 1``); the page table is the recorded one."""
+        cache = self.cache
+        ps = cache.page_size
+        if fill.blocks is not None and (new is not None or loc.numel() <= 4096):
+            new = loc.tolist() if new is None else new
+            if len(new) != len(rows):
+                return False
+            blocks = fill.blocks
+            for r, x, slot in zip(rows, seq, new):
+                p = x - 1
+                if slot != blocks[r][p // ps] * ps + p % ps:
+                    return False
+        else:
+            r2t = cache.req_to_token
+            dev = r2t.device
+            last = r2t[torch.as_tensor(rows, device=dev), torch.as_tensor(seq, device=dev) - 1]
+            if loc.shape != last.shape or not torch.equal(last, loc.to(device=dev, dtype=torch.int64)):
+                return False
+        self._one_pass_table = (batch, fill.table_for(rows, seq, ps))
         return True
 
     def _host_pass(self, batch: Any, rows: list[int], seq: list[int], loc: torch.Tensor) -> bool:

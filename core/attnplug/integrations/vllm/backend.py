@@ -278,13 +278,15 @@ class Group:
         self.specs = {i.spec.layer_id: dataclasses.replace(i.spec, layer_id=j) for j, i in enumerate(impls)}
         self.backend: Any = None
         self.kv_cache: PagedKVCache | None = None
-        self._page_offsets: torch.Tensor | None = None  # arange(block size), for req_to_token from block tables
         #: scheduled batches this group's metadata was built for, and attention-layer calls served
         self.builds = 0
         self.layer_calls = 0
+        #: per forward mode, the ``EngineState.served`` key of the built backend (cleared with it)
+        self.served_keys: dict[Any, tuple[str, str]] = {}
 
     def reset(self) -> None:
         self.backend, self.kv_cache = None, None
+        self.served_keys = {}
         self.builds = self.layer_calls = 0
 
     def ensure_built(self) -> None:
@@ -327,27 +329,29 @@ class Group:
         n, t = cm.num_reqs, cm.num_actual_tokens
         # the per-request vectors are a few host integers: read them once as lists (one tensor op each
         # would cost more than the list work)
-        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
-        seq = cm.seq_lens[:n].tolist()
+        qsl = _head(cm.query_start_loc_cpu, n + 1)
+        seq = _head(cm.seq_lens, n)
         qlens = [b - a for a, b in zip(qsl, qsl[1:])]
         prefix = [s - q for s, q in zip(seq, qlens)]
-        ps = cache.page_size
-        width = max(seq, default=0)
-        if width:  # rows 0..n-1: each position's slot from the block table, whole pages at a time
-            pages = -(-width // ps)
-            ar = self._page_offsets
-            if ar is None or ar.numel() != ps:
-                ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=cache.device)
-            dst = cache.req_to_token[:n, :pages * ps].view(n, pages, ps)
-            dst.copy_(cm.block_table_tensor[:n, :pages, None])
-            dst.mul_(ps).add_(ar)
+        # rows 0..n-1: each position's slot from the block table, whole pages at a time; the used block ids are
+        # checked in range and the fill recorded, so the per-forward checks and the page table take those
+        # entries as written (``PagedKVCache.page_fill``) instead of reading each one back
+        cache.fill_from_page_table(cm.block_table_tensor, seq)
         rows = list(range(n))
-        loc = cm.slot_mapping[:t].to(torch.int64)
         decode = [q == 1 and p > 0 for q, p in zip(qlens, prefix)]
-        if n and all(decode):
-            return ForwardBatch.decode(rows, seq, loc)
+        if n and all(decode):  # from host ints: the batch's tensors are made from them, nothing read back
+            return ForwardBatch.decode(rows, seq, _head(cm.slot_mapping, t))
+        loc = cm.slot_mapping[:t].to(torch.int64)
         mode = ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
         return ForwardBatch.extend(rows, prefix, qlens, loc, mode=mode)
+
+
+def _head(t: torch.Tensor, k: int) -> list[int]:
+    """The first ``k`` values of a 1-D host tensor as ints: the whole tensor read when it is short (one op, no
+    slice), else its slice."""
+    if t.shape[0] <= 2 * k + 16:
+        return t.tolist()[:k]
+    return t[:k].tolist()
 
 
 class AttnplugVllmMetadataBuilder(AttentionMetadataBuilder[AttnplugVllmMetadata]):
@@ -376,8 +380,11 @@ class AttnplugVllmMetadataBuilder(AttentionMetadataBuilder[AttnplugVllmMetadata]
         batch = g.batch(common_attn_metadata)
         g.backend.init_forward_metadata(batch)  # once per scheduled batch; every layer of the group reuses it
         g.builds += 1
-        served = backend_name_for_mode(batch.forward_mode, g.ctx.config, g.backend)
-        self.state.served[batch.forward_mode.value, str(served)] += 1
+        mode = batch.forward_mode
+        key = g.served_keys.get(mode)
+        if key is None:  # the name the selector answers for this mode, once per built backend
+            key = g.served_keys[mode] = (mode.value, str(backend_name_for_mode(mode, g.ctx.config, g.backend)))
+        self.state.served[key] += 1
         return AttnplugVllmMetadata(batch, g, common_attn_metadata.num_actual_tokens)
 
 
