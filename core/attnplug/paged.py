@@ -119,7 +119,10 @@ class _Forward:
         mode = batch.forward_mode
         self.idle = mode is ForwardMode.IDLE
         self.num_tokens = batch.num_tokens
-        self.compute = backend.compute_decode if mode is ForwardMode.DECODE else backend.compute_extend
+        #: the compute this forward's mode runs; a backend keeping the default ``compute_decode`` (which only calls
+        #: ``compute_extend``) gets ``compute_extend`` itself (one Python frame less a layer)
+        self.compute = backend.compute_decode if mode is ForwardMode.DECODE and \
+            type(backend).compute_decode is not PagedBackend.compute_decode else backend.compute_extend
         #: the write slots as int64 (what the cache's writes index with), converted once per forward; a host
         #: running under ``torch.inference_mode`` (vLLM, the transformers runner) hands inference tensors, which
         #: keep no write counter: their int64 copy is made outside inference mode, so it keeps one and what a
