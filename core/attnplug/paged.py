@@ -111,15 +111,18 @@ class LayerPlan:
 class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
 
-    __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "r2t",
-                 "r2t_version")
+    __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "fields", "snap",
+                 "watch", "r2t", "r2t_version")
 
     def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
         mode = batch.forward_mode
         self.idle = mode is ForwardMode.IDLE
         self.num_tokens = batch.num_tokens
-        self.compute = backend.compute_decode if mode is ForwardMode.DECODE else backend.compute_extend
+        #: the compute this forward's mode runs; a backend keeping the default ``compute_decode`` (which only calls
+        #: ``compute_extend``) gets ``compute_extend`` itself (one Python frame less a layer)
+        self.compute = backend.compute_decode if mode is ForwardMode.DECODE and \
+            type(backend).compute_decode is not PagedBackend.compute_decode else backend.compute_extend
         #: the write slots as int64 (what the cache's writes index with), converted once per forward; a host
         #: running under ``torch.inference_mode`` (vLLM, the transformers runner) hands inference tensors, which
         #: keep no write counter: their int64 copy is made outside inference mode, so it keeps one and what a
@@ -136,6 +139,15 @@ class _Forward:
         #: ``ForwardBatch.changed_since_validate`` (a version-counter read per field, no sync): run per
         #: layer, so an index field changed after ``init_forward_metadata`` is refused at every layer
         self.changed = getattr(batch, "changed_since_validate", None)
+        #: the same test without its call, for the per-layer check (``PagedBackend._forward``): the batch's
+        #: ``__dict__``, the validation record ``changed_since_validate`` compares with (``ForwardBatch.validate``
+        #: replaces it: then the per-layer check asks ``changed_since_validate`` itself), and that record's
+        #: ``(field, tensor, version)`` entries; ``None`` where the batch keeps no record (never "changed")
+        d = getattr(batch, "__dict__", None)
+        snap = None if self.changed is None or d is None else d.get("_validated")
+        self.fields, self.snap = d, snap
+        self.watch: tuple[tuple[str, Any, int | None], ...] | None = None if snap is None else tuple(
+            (f, t, ver if t is not None else None) for f, (t, ver) in snap.items())
         #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
         #: tensor, which keeps none, or no cache: a backend built to be inspected may still run an IDLE
         #: forward): a write into it before a layer runs re-checks that layer's call
@@ -176,6 +188,14 @@ class PagedBackend(AttentionBackend):
         #: this forward's record (``_Forward``), set by ``init_forward_metadata``
         self._fwd: _Forward | None = None
         self._device_type = None if self.kv_cache is None else self.kv_cache.device.type
+        #: the cache is on the CPU: the per-call device check reads ``Tensor.is_cpu`` (one flag) instead of
+        #: ``Tensor.device.type`` (a device object and a string made per read: ~10 µs a layer with cold caches)
+        self._on_cpu = self._device_type == "cpu"
+        #: ``forward_decode`` / ``forward_extend`` are the skeleton's own (not overridden): ``forward`` goes
+        #: straight to ``_forward`` (two Python frames less a layer)
+        cls = type(self)
+        self._direct = cls.forward_decode is PagedBackend.forward_decode and \
+            cls.forward_extend is PagedBackend.forward_extend
         #: the caller's output buffer during a ``forward_into`` call (``None`` otherwise): a compute whose kernel
         #: writes its output in place may take it (``output_buffer``) instead of allocating
         self._into: torch.Tensor | None = None
@@ -402,6 +422,17 @@ class PagedBackend(AttentionBackend):
         self._into = None
         return out
 
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
+        batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """``AttentionBackend.forward`` (dispatch by mode), straight into the skeleton when this class keeps the
+        skeleton's ``forward_decode`` / ``forward_extend`` (both run ``_forward``, which picks the compute by the
+        batch's mode); an IDLE batch or an overriding subclass takes the base dispatch."""
+        if self._direct and batch.forward_mode is not ForwardMode.IDLE:
+            return self._forward(q, k, v, layer, batch, save_kv_cache)
+        return super().forward(q, k, v, layer, batch, save_kv_cache)
+
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
         batch: ForwardBatch, save_kv_cache: bool = True,
@@ -433,10 +464,12 @@ class PagedBackend(AttentionBackend):
         plan = self._layer_plans.get(id(layer))
         # the per-call checks against what the plan and the forward recorded; anything unexpected
         # (or a layer without a plan) runs the full check_forward, which raises the precise error
+        cpu = self._on_cpu
         if plan is None or plan.layer is not layer or q.dtype not in self._claimed_torch \
-                or (fwd.changed is not None and fwd.changed() is not None) \
+                or not self._unchanged(fwd) \
                 or (fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version) \
-                or q.device.type != self._device_type or (plan.cross and not fwd.has_encoder):
+                or not (q.is_cpu if cpu else q.device.type == self._device_type) \
+                or (plan.cross and not fwd.has_encoder):
             plan = self._checked_plan(q, k, v, layer, batch)
         else:
             shapes = plan.shapes
@@ -444,7 +477,8 @@ class PagedBackend(AttentionBackend):
                 shapes = plan.shapes = (T, (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest)
             if q.shape != shapes[1] or not (
                     (k is not None and v is not None and k.shape == shapes[2] and v.shape == shapes[3]
-                     and k.dtype == q.dtype and v.dtype == q.dtype and k.device.type == self._device_type)
+                     and k.dtype == q.dtype and v.dtype == q.dtype
+                     and (k.is_cpu if cpu else k.device.type == self._device_type))
                     or (k is None and v is None and plan.cross)):
                 plan = self._checked_plan(q, k, v, layer, batch)
         if T == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
@@ -474,6 +508,23 @@ class PagedBackend(AttentionBackend):
         out = compute(q, k, v, layer, batch, meta)
         self.write_new_kv(cache, plan, loc, k, v)
         return out
+
+    @staticmethod
+    def _unchanged(fwd: _Forward) -> bool:
+        """``fwd.batch.changed_since_validate() is None`` (no index field replaced or written in place since the
+        validation this forward was checked with), read from what ``_Forward`` recorded: the same comparisons,
+        field by field, without the call. ``False`` also where the batch was validated again since: then
+        ``check_forward`` asks ``changed_since_validate`` itself (the precise answer and words)."""
+        watch = fwd.watch
+        if watch is None:
+            return fwd.changed is None or fwd.changed() is None
+        d = fwd.fields
+        if d.get("_validated") is not fwd.snap:  # type: ignore[union-attr]  # set with watch
+            return False
+        for field, tensor, version in watch:
+            if d.get(field) is not tensor or (version is not None and tensor._version != version):  # type: ignore[union-attr]
+                return False
+        return True
 
     def _checked_plan(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
                       batch: ForwardBatch) -> LayerPlan:
@@ -518,7 +569,12 @@ class PagedBackend(AttentionBackend):
         when it checks the written values itself right after (vllm_cpu: one sum over the pages the
         forward's new tokens and unowned tails lie in); the override must then do that check on every
         call it skips the verdict for."""
-        self._write(cache, plan, plan.layer_id, loc, k, v)
+        if plan.nhd and k.dtype == cache.dtype:  # ``_write``'s usual case, one frame less: two index copies
+            kb, vb = plan.storage
+            kb.index_copy_(0, loc, k)
+            vb.index_copy_(0, loc, v)
+        else:
+            self._write(cache, plan, plan.layer_id, loc, k, v)
 
     @staticmethod
     def _write(cache: PagedKVCache, plan: LayerPlan, lid: int, loc: torch.Tensor, k: torch.Tensor,

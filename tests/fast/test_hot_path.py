@@ -45,6 +45,10 @@ def _bad_calls():
         "k and v None": ((q, None, None), ShapeError, r"k and v are None for self-attention layer 1"),
         "v None": ((q, k, None), ShapeError, r"k and v must both be given"),
         "k None": ((q, None, v), ShapeError, r"k and v must both be given"),
+        # the per-call device test reads Tensor.is_cpu for a CPU cache (round 5): a tensor on another device
+        # ("meta": no data, any machine) still takes the full check and its words
+        "q device": ((q.to("meta"), k, v), ShapeError, r"q/k/v are on meta, the KV cache of layer 1 on cpu"),
+        "k device": ((q, k.to("meta"), v.to("meta")), ShapeError, r"q/k/v are on cpu, the KV cache of layer 1 on cpu"),
     }
 
 
@@ -315,3 +319,57 @@ def test_a_forward_under_inference_mode_writes_through_a_private_copy_of_the_slo
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got2, want)
     assert same(cache, written)
+
+
+# -- round 5: the per-layer "batch unchanged" test without the call (PagedBackend._unchanged) ----------------
+_TENSOR_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens", "extend_seq_lens",
+                  "positions")
+
+
+@pytest.mark.parametrize("field", _TENSOR_FIELDS)
+@pytest.mark.parametrize("how", ["in_place", "replaced", "replaced_equal", "revalidated", "none"])
+def test_the_per_layer_unchanged_test_answers_as_changed_since_validate(field, how):
+    """``PagedBackend._unchanged(fwd)`` (what each layer asks) is ``changed_since_validate() is None`` whenever
+    that says a field changed, for every index field and every way to change it; after a re-validation it
+    answers False (the full check then asks ``changed_since_validate`` itself), and a forward then runs or
+    refuses exactly as before: the same error words naming the field."""
+    from attnplug import PagedBackend
+
+    backend, cache, batch = _planned()
+    fwd = backend._fwd
+    assert PagedBackend._unchanged(fwd) and batch.changed_since_validate() is None
+    t = getattr(batch, field)
+    if how == "in_place":
+        t.add_(0)  # the same values: the write counter moves
+    elif how in ("replaced", "replaced_equal"):
+        setattr(batch, field, t.clone() if how == "replaced_equal" else t + 0)
+    elif how == "revalidated":
+        t.add_(0)
+        batch.validate()
+    changed = batch.changed_since_validate()
+    fast = PagedBackend._unchanged(fwd)
+    if changed is not None:
+        assert changed == field and not fast
+    elif how == "none":
+        assert fast
+    else:  # re-validated: the cheap test is conservative, the full check decides
+        assert not fast
+    if changed is not None:
+        with pytest.raises(ShapeError, match=rf"ForwardBatch\.{field} changed after init_forward_metadata"):
+            backend.forward(*qkv(2), LAYER, batch)
+    else:
+        backend.forward(*qkv(2), LAYER, batch)
+
+
+def test_the_unchanged_test_of_a_batch_without_a_validation_record_is_the_call_s():
+    """A batch-like object with no ``_validated`` record: ``_unchanged`` asks ``changed_since_validate`` (or has
+    nothing to ask), as the skeleton did."""
+    from attnplug import PagedBackend
+    from attnplug.paged import _Forward
+
+    backend, cache, batch = _planned()
+    batch.__dict__.pop("_validated")
+    fwd = _Forward(backend, batch, backend._fwd.meta)
+    assert fwd.watch is None and PagedBackend._unchanged(fwd)
+    fwd.changed = lambda: "seq_lens"
+    assert not PagedBackend._unchanged(fwd)

@@ -397,6 +397,40 @@ def test_the_page_snapshot_is_taken_for_a_long_prefill_and_not_for_a_decode_step
         assert sparse is None or sparse[0] is None  # one slot a page: rows are cheaper
 
 
+@pytest.mark.parametrize("change", ["none", "in_place", "new_tensor", "strided_raw",
+                                    "other_dtype_raw"])
+def test_the_kept_flat_index_is_the_one_built_afresh(change):
+    """Round 5: a kept flat index (the undo copy's and ``read``'s) is answered from its memo with only raw's
+    dtype and contiguity read per call; it must be exactly the index built afresh for the same slots and
+    geometry, rebuilt after an in-place change of the slots, and refused (``None``) for a raw the take cannot
+    read, memo or not."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+
+    cache, batch, backend, qkv, rows = _problem(DECODE_PREFIX, [1] * 4, decode=True, dtype=torch.float32)
+    lay, st, g = cache.layout, cache.layer_storage(0), cache.geometry
+    assert isinstance(lay, VllmCpuLayout)
+    slots = batch.out_cache_loc.to(torch.int64).clone()
+    raw = st[0]
+    first = lay._flat_index(raw, g, slots)
+    assert first is not None and lay._flat_index(raw, g, slots) is first  # kept
+    if change == "in_place":
+        slots[0], slots[1] = slots[1].clone(), slots[0].clone()
+    elif change == "new_tensor":
+        slots = slots.flip(0)
+    elif change == "strided_raw":
+        raw = torch.zeros(raw.shape[:-1] + (2 * raw.shape[-1],), dtype=raw.dtype)[..., ::2]
+    elif change == "other_dtype_raw":
+        raw = raw.to(torch.float64)
+    got = lay._flat_index(raw, g, slots)
+    if change in ("strided_raw", "other_dtype_raw"):
+        assert got is None
+        return
+    fresh = VllmCpuLayout()._flat_index(raw, g, slots.clone())  # a layout with no memo, other slots object
+    assert fresh is not None and torch.equal(got, fresh)
+    if change == "none":
+        assert got is first
+
+
 # ---- forward_into: the output in the caller's buffer (vLLM's ``output``; issue 23/30) -----------------
 
 

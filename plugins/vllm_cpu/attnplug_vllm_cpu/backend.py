@@ -538,10 +538,12 @@ class VllmCpuBackend(PagedBackend):
             plan = self._layer_plans.get(id(layer))
             la = None if plan is None or plan.layer is not layer else plan.kernel
             if la is not None and la.plain and q.dtype == la.raw.dtype and q.shape[0] == meta.num_tokens \
-                    and q.stride(-1) == 1 and q.stride(-2) == la.head_dim:
+                    and q.stride()[1:] == (la.head_dim, 1):
                 keys = meta.self_keys
-                shape = (q.shape[0], la.num_heads, la.head_dim)
-                out = self._output(q, shape)
+                shape = (meta.num_tokens, la.num_heads, la.head_dim)
+                out = self.output_buffer(q, shape) if self._into is not None else None
+                if out is None:
+                    out = q.new_empty(shape)  # (q's dtype and device: no device object made per call)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
                 _attend(ops(), q, la, keys, out, sched)
                 if self._decode_check(out, k, v):
@@ -744,8 +746,8 @@ class VllmCpuBackend(PagedBackend):
         if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
                 and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
             layout = cache.layout
-            if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and k.stride(-1) == 1 and \
-                    v.stride(-1) == 1 and k.stride(-2) == la.raw.shape[-1] // 2 == v.stride(-2):
+            if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and \
+                    k.stride()[1:] == (la.head_dim, 1) == v.stride()[1:]:  # (a planned layer's head_dim is the cache's)
                 # what ``layout.write(verdict=False)`` runs for a call the skeleton checked (k/v of the plan's
                 # rows and the cache dtype, one of the writer's; the slots int64, bounded per forward)
                 ops().cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, la.isa)
@@ -760,7 +762,7 @@ class VllmCpuBackend(PagedBackend):
     def _output(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
         """The op's output: the caller's ``forward_into`` buffer where it fits (``output_buffer``), else fresh."""
         out = self.output_buffer(q, shape) if self._into is not None else None
-        return torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out
+        return q.new_empty(shape) if out is None else out
 
     @staticmethod
     def _decode_check(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -120,17 +120,18 @@ class VllmCpuLayout(KVLayout):
         writer lacks, a non-contiguous buffer, more than ``_TAKE_MAX_ELEMENTS`` elements). A forward's layers
         read the same slots: the index is built once per slot tensor (and version: an in-place change rebuilds
         it); an inference tensor keeps no version counter, so its index is built every time, never kept."""
-        n, H, d = slots.numel(), geometry.num_kv_heads, geometry.head_dim
-        if geometry.v_head_dim == 0 or n * H * 2 * d > _TAKE_MAX_ELEMENTS or raw.dtype not in CACHE_DTYPES or \
-                not raw.is_contiguous():
-            return None
         memos = self._memo
         if memos is None:
             memos = self._memo = {}
         memo = memos.get(id(slots))
-        if memo is not None and memo[0] is slots and memo[2] is geometry and not slots.is_inference() and \
-                memo[1] == slots._version:
-            return memo[3]  # type: ignore[no-any-return]
+        # a kept index: these slots (kept only with a write counter, so not an inference tensor) unchanged, the
+        # same geometry (its conditions below held when it was kept); raw is checked per call
+        if memo is not None and memo[0] is slots and memo[2] is geometry and memo[1] == slots._version:
+            return memo[3] if raw.dtype in CACHE_DTYPES and raw.is_contiguous() else None  # type: ignore[no-any-return]
+        n, H, d = slots.numel(), geometry.num_kv_heads, geometry.head_dim
+        if geometry.v_head_dim == 0 or n * H * 2 * d > _TAKE_MAX_ELEMENTS or raw.dtype not in CACHE_DTYPES or \
+                not raw.is_contiguous():
+            return None
         version = _version(slots)
         if memo is None or memo[0] is not slots or version is None or memo[1] != version or memo[2] != geometry:
             ps = geometry.page_size
@@ -182,10 +183,10 @@ class VllmCpuLayout(KVLayout):
         ``take``; ``read`` would also split them into K and V). ``None`` (rows through ``read``) where
         neither applies."""
         raw = storage[0]
-        n = slots.shape[0]
-        if raw.dtype not in CACHE_DTYPES or not raw.is_contiguous():
-            return None
-        if n >= self.page_snapshot_min_slots:
+        if slots.numel() >= self.page_snapshot_min_slots:  # (a short write: ``_flat_index`` checks raw itself)
+            if raw.dtype not in CACHE_DTYPES or not raw.is_contiguous():
+                return None
+            n = slots.shape[0]
             # the pages of a slot tensor are found once per forward (its layers write the same slots), like
             # ``read``'s index; an inference tensor or an in-place change finds them again
             memo, version, ps = self._pages_memo, _version(slots), geometry.page_size
