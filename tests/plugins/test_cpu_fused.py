@@ -738,7 +738,11 @@ def test_registry_ranks_cpu_fused_above_torch_native_and_vllm_cpu_on_cpu():
 # ---------------------------------------------------------------------------
 
 
-def _op_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, **layer_kw: Any) -> tuple[Any, ...]:
+def op_setup(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE,
+             **layer_kw: Any) -> tuple[Setup, Any, Any, Any, Any, Any]:
+    """One forward ready for a direct op call (the opcheck / compile tests of ``attend`` and ``attend_write``):
+    the setup, the batch (decode over ``LENS``, or a 2-request extend with a verify mask), q, k, v and the
+    forward's metadata."""
     s = make(dtype=dtype, head_dim=32, seed=90, layer_kw=layer_kw)
     if mode is ForwardMode.DECODE:
         batch = decode_batch(s, LENS)
@@ -747,7 +751,11 @@ def _op_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, *
         batch = extend_batch(s, mode, [4, 20], [3, 3], mask=mask)
     s.backend.init_forward_metadata(batch)
     q, k, v = inputs(s, batch.num_tokens)
-    meta = s.backend.forward_metadata(batch)
+    return s, batch, q, k, v, s.backend.forward_metadata(batch)
+
+
+def _op_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, **layer_kw: Any) -> tuple[Any, ...]:
+    s, batch, q, k, v, meta = op_setup(dtype, mode, **layer_kw)
     fl = s.backend.layer_plan(s.layer).kernel
     fw = s.backend._work(q, s.layer, meta, fl)
     assert isinstance(fw, cf_backend.FusedForward)

@@ -23,7 +23,7 @@ from attnplug import ForwardMode, ShapeError
 from attnplug.testing.suite.harness import same_bytes
 
 from test_cpu_fused import (  # noqa: F401  (threads: a fixture)
-    BF16, DTYPE_IDS, E4M3, F16, F32, LENS, Setup, decode_batch, extend_batch, inputs, make, needs_kernel,
+    BF16, DTYPE_IDS, E4M3, F16, F32, LENS, Setup, decode_batch, extend_batch, inputs, make, needs_kernel, op_setup,
     run_and_check, threads,
 )
 
@@ -233,15 +233,7 @@ def test_the_checks_catch_a_broken_write(kind, monkeypatch):
 
 
 def _write_args(dtype: torch.dtype = F32, mode: ForwardMode = ForwardMode.DECODE, **layer_kw: Any) -> tuple[Any, ...]:
-    s = make(dtype=dtype, head_dim=32, seed=90, layer_kw=layer_kw)
-    if mode is ForwardMode.DECODE:
-        batch = decode_batch(s, LENS)
-    else:
-        mask = (torch.rand(2, 3, 3, generator=s.gen) > 0.5) | torch.eye(3, dtype=torch.bool)
-        batch = extend_batch(s, mode, [4, 20], [3, 3], mask=mask)
-    s.backend.init_forward_metadata(batch)
-    q, k, v = inputs(s, batch.num_tokens)
-    meta = s.backend.forward_metadata(batch)
+    s, batch, q, k, v, meta = op_setup(dtype, mode, **layer_kw)
     call = s.backend._call(q, s.layer, meta)
     assert call.whole
     return (q, k, v, *call.head, batch.out_cache_loc.to(torch.int64))
