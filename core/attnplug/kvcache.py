@@ -126,6 +126,19 @@ class PageFill:
         assert self.blocks is not None
         return self.blocks[row][pos // page_size] * page_size + pos % page_size
 
+    def maps_new_tokens(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int], loc: Sequence[int],
+                        page_size: int) -> bool:
+        """Whether the new tokens' slots ``loc`` (request after request, positions ``starts[i] .. ends[i]-1`` of
+        ``rows[i]``) are the slots the fill mapped those positions to, compared as host ints (``blocks`` known;
+        covered rows)."""
+        t, n = 0, len(loc)
+        for r, p, s in zip(rows, starts, ends):
+            for pos in range(p, s):
+                if t >= n or loc[t] != self.slot(r, pos, page_size):
+                    return False
+                t += 1
+        return t == n
+
     def table_for(self, rows: Sequence[int], lens: Sequence[int], page_size: int) -> torch.Tensor:
         """int32 ``[len(rows), ceil(max(lens) / page_size)]``: the page table of covered ``rows`` / ``lens``, 0
         past each request's last page (``PagedKVCache.page_table``'s answer, without reading ``req_to_token``).
@@ -461,14 +474,7 @@ class PagedKVCache:
             if b.num_tokens > _HOST_CHECK_VALUES or b.out_cache_loc.device.type != "cpu":
                 return False
             loc = b.out_cache_loc.tolist()
-        ps, t = self.page_size, 0
-        for r, p, s in zip(rows, b.extend_prefix_lens_cpu, b.seq_lens_cpu):
-            ids = fill.blocks[r]
-            for pos in range(p, s):
-                if loc[t] != ids[pos // ps] * ps + pos % ps:
-                    return False
-                t += 1
-        return t == len(loc)
+        return fill.maps_new_tokens(rows, b.extend_prefix_lens_cpu, b.seq_lens_cpu, loc, self.page_size)
 
     # -- access --------------------------------------------------------------------
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

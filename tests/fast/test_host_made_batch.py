@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnplug import ForwardBatch, PagedKVCache, ShapeError
+from attnplug import ForwardBatch, PagedKVCache
 from attnplug import kvcache as kv
+from test_host_int_bounds import _error
 
 PAGE = 4
 NUM_PAGES = 40  # 160 slots
@@ -28,14 +29,6 @@ def _cache() -> PagedKVCache:
     for r in range(ROWS):  # every row's positions mapped (to slots r * MAX_LEN // 2 + position, in range)
         cache.req_to_token[r, :MAX_LEN] = (torch.arange(MAX_LEN) + r * 40) % cache.num_slots
     return cache
-
-
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except ShapeError as exc:
-        return str(exc)
-    return None
 
 
 def _both(monkeypatch, make, spoil=None) -> str | None:

@@ -433,13 +433,8 @@ class VllmCpuBackend(PagedBackend):
         ps = cache.page_size
         if fill.blocks is not None and (new is not None or loc.numel() <= 4096):
             new = loc.tolist() if new is None else new
-            if len(new) != len(rows):
+            if not fill.maps_new_tokens(rows, [x - 1 for x in seq], seq, new, ps):  # one new token a request
                 return False
-            blocks = fill.blocks
-            for r, x, slot in zip(rows, seq, new):
-                p = x - 1
-                if slot != blocks[r][p // ps] * ps + p % ps:
-                    return False
         else:
             r2t = cache.req_to_token
             dev = r2t.device
@@ -541,9 +536,7 @@ class VllmCpuBackend(PagedBackend):
                     and q.stride()[1:] == (la.head_dim, 1):
                 keys = meta.self_keys
                 shape = (meta.num_tokens, la.num_heads, la.head_dim)
-                out = self.output_buffer(q, shape) if self._into is not None else None
-                if out is None:
-                    out = q.new_empty(shape)  # (q's dtype and device: no device object made per call)
+                out = self._output(q, shape)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
                 _attend(ops(), q, la, keys, out, sched)
                 if self._decode_check(out, k, v):
