@@ -60,7 +60,7 @@ class TemplateSDPABackend(PagedBackend):
         if k is None or v is None:  # only cross-attention layers come without K/V; this backend claims none
             raise ShapeError(f"{NAME}: k and v are None (cross-attention is not supported)")
         k_cache, v_cache = self.cache.get_kv(layer.layer_id)
-        group = layer.num_heads // layer.num_kv_heads
+        group, kv_heads, d = layer.num_heads // layer.num_kv_heads, layer.num_kv_heads, layer.head_dim
         out = self.empty_output(q, layer)
         for i, r in enumerate(requests):
             if r.new == 0:
@@ -75,17 +75,21 @@ class TemplateSDPABackend(PagedBackend):
                 bad = ~(torch.isfinite(keys).all(2) & torch.isfinite(vals).all(2))  # [n, kv_heads]
                 keys = torch.nan_to_num(keys, nan=0.0, posinf=0.0, neginf=0.0)
                 vals = torch.nan_to_num(vals, nan=0.0, posinf=0.0, neginf=0.0)
+            # grouped-query attention without copying K/V per query head: the ``group`` query heads that share
+            # a KV head become extra query rows of that KV head (head h reads KV head h // group), so SDPA runs
+            # once per KV head over [group * new] rows, each group's rows under the same position mask
+            qg = q[new].reshape(r.new, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * r.new, d)
             o = F.scaled_dot_product_attention(
-                q[new].transpose(0, 1),  # [heads, new, d]
-                keys.repeat_interleave(group, dim=1).transpose(0, 1),
-                vals.repeat_interleave(group, dim=1).transpose(0, 1),
-                attn_mask=mask,
+                qg,  # [kv_heads, group * new, d]
+                keys.transpose(0, 1),  # [kv_heads, n, d]
+                vals.transpose(0, 1),
+                attn_mask=mask.repeat(group, 1),  # [group * new, n]
                 scale=layer.scaling,
             )
             if bad is not None:  # a query that sees a non-finite key reads garbage: NaN, as the reference
-                bad = bad.repeat_interleave(group, dim=1).t()  # [heads, n]
-                o = o.masked_fill((mask[None] & bad[:, None, :]).any(dim=2)[:, :, None], float("nan"))
-            out[new] = o.transpose(0, 1)
+                sees_bad = (mask[None] & bad.t()[:, None, :]).any(dim=2)  # [kv_heads, new]
+                o = o.masked_fill(sees_bad.repeat(1, group)[:, :, None], float("nan"))
+            out[new] = o.reshape(kv_heads, group, r.new, -1).permute(2, 0, 1, 3).reshape(r.new, layer.num_heads, -1)
         return out
 
     @staticmethod

@@ -60,6 +60,35 @@ def interleaved_median_ms(calls: dict[str, Callable[[], Any]], repeats: int, war
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def paired_difference_ms(a: Callable[[], Any], b: Callable[[], Any], repeats: int, warmup: int,
+                         sync: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
+                         clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """``a`` and ``b`` timed back to back ``repeats`` times (their order swapped every round, ``flush`` untimed
+    before each call): each one's median ms, and the **median of the per-round differences** ``a - b`` with
+    its noise band ``diff_band`` (ms), the half-width of the median's ~95% interval (``1.57 * IQR / sqrt(n)``,
+    a box plot's notch). A load change hits both calls of a round alike, so the paired median resolves a
+    difference far smaller than either call's own spread, and the band says when it does not."""
+    for _ in range(warmup):
+        a()
+        b()
+    sync()
+    ta: list[float] = []
+    tb: list[float] = []
+    n = max(2, repeats)
+    for i in range(n):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            flush()
+            sync()
+            t0 = clock()
+            fn()
+            sync()
+            out.append(clock() - t0)
+    diffs = [x - y for x, y in zip(ta, tb)]
+    q1, _, q3 = statistics.quantiles(diffs, n=4)
+    return {"a": statistics.median(ta) * 1e3, "b": statistics.median(tb) * 1e3,
+            "diff": statistics.median(diffs) * 1e3, "diff_band": 1.57 * (q3 - q1) / n ** 0.5 * 1e3}
+
+
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size", encoding="utf-8") as fh:
