@@ -107,6 +107,15 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
         head_dim, page_size = geometry
         cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
                                                     dtype=dtype, head_dim=head_dim, page_size=page_size)
+        if backend.helper is not None:  # the compiled helper's one call checks after the op too (round 6)
+            real_layer = backend.helper.decode_layer_new
+
+            def spy_layer(*a):
+                out, code = real_layer(*a)
+                calls["fold"] += code >= 0
+                calls["one_call"] = calls.get("one_call", 0) + (code >= 0)
+                return out, code
+            backend.helper = backend.helper._replace(decode_layer_new=spy_layer)
         real_write = VllmCpuBackend.write_new_kv
 
         @functools.wraps(real_write)  # (keeps ``takes_undo_copy``: the undo copy is still taken by the write)
@@ -134,11 +143,17 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
     ((128, 64), DECODE_PREFIX),  # 128 KiB pages: one view sum per page
     ((64, 16), DECODE_PREFIX[:1]),  # one request: one page
 ], ids=["gather", "per_page", "one_page"])
-def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, monkeypatch):
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "torch"])
+def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, helper, monkeypatch):
     if len(prefix) == 1 and name not in ("clean", "tail_raw", "tail_raw_v"):
         pytest.skip("the scenario poisons another request")
+    _helper_mode(monkeypatch, helper)
     fast = _run(name, True, monkeypatch, geometry=geometry, prefix=prefix)
     slow = _run(name, False, monkeypatch, geometry=geometry, prefix=prefix)
+    # with the helper, the first layer (the forward's scheduler metadata not yet built) takes stage and the short
+    # path, the second the one compiled call (write, op and checks)
+    assert fast[4].pop("one_call", 0) == (1 if helper else 0)
+    slow[4].pop("one_call", None)
     for a, b in zip(fast[0], slow[0]):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
     for a, b in zip(fast[2], slow[2]):  # page marks: the pages new garbage was written to through the layout

@@ -224,24 +224,38 @@ def _build(prefix, *, helper, dtype, monkeypatch, geometry=(64, 16), seed=3):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("geometry", [(64, 16), (128, 32), (80, 16)], ids=lambda g: f"d{g[0]}_ps{g[1]}")
-@pytest.mark.parametrize("poison", [None, "k_nan", "v_inf", "k_ninf"])
+@pytest.mark.parametrize("poison", [None, "k_nan", "v_inf", "k_ninf", "tail_nan", "owned_inf"])
 def test_the_backend_gives_the_same_bits_with_the_helper_and_without(dtype, geometry, poison, monkeypatch):
+    """Both layers poisoned alike: the first runs ``stage`` and the short path, the second the one compiled call;
+    garbage in a new token's k/v, in an unowned tail past a request's last key, or in a key a request owns."""
     results = []
     for helper in (True, False):
         cache, batch, backend, qkv, rows = _build([5, 40, 15, 16], helper=helper, dtype=dtype,
                                                   monkeypatch=monkeypatch, geometry=geometry)
         assert (backend.helper is not None) is helper
-        q, k, v = qkv[0]
-        k, v = k.clone(), v.clone()
-        if poison == "k_nan":
-            k[1, 0, 3] = float("nan")
-        elif poison == "v_inf":
-            v[2, 1, 0] = float("inf")
-        elif poison == "k_ninf":
-            k[0, 1, 7] = float("-inf")
+        calls = []
+        if helper:
+            real = backend.helper.decode_layer_new
+            backend.helper = backend.helper._replace(decode_layer_new=lambda *a: calls.append(1) or real(*a))
+        ps, d = geometry[1], geometry[0]
+        qkv = [(q, k.clone(), v.clone()) for q, k, v in qkv]
+        for i, (q, k, v) in enumerate(qkv):
+            raw = cache.layer_storage(i)[0].view(cache.num_pages, 2, -1)
+            if poison == "k_nan":
+                k[1, 0, 3] = float("nan")
+            elif poison == "v_inf":
+                v[2, 1, 0] = float("inf")
+            elif poison == "k_ninf":
+                k[0, 1, 7] = float("-inf")
+            elif poison in ("tail_nan", "owned_inf"):  # straight into the storage (no page mark)
+                slot = int(cache.req_to_token[rows[0], 5]) + 3 if poison == "tail_nan" else \
+                    int(cache.req_to_token[rows[1], 33])
+                p, o = divmod(slot, ps)
+                raw[p, 0, 3 * ps + o] = float("nan") if poison == "tail_nan" else float("inf")
         backend.init_forward_metadata(batch)
-        outs = [backend.forward(q, k, v, LayerSpec(0, 4, 2, geometry[0]), batch),
-                backend.forward(*qkv[1], LayerSpec(1, 4, 2, geometry[0]), batch)]
+        outs = [backend.forward(*qkv[0], LayerSpec(0, 4, 2, d), batch),
+                backend.forward(*qkv[1], LayerSpec(1, 4, 2, d), batch)]
+        assert calls == ([1] if helper else [])
         results.append((outs, [cache.layer_storage(i)[0].clone() for i in (0, 1)],
                         [cache.layer_storage(i)[1].clone() for i in (0, 1)]))
         if poison is None:
@@ -281,7 +295,7 @@ def test_the_path_taken_is_named_in_runtime_notes(monkeypatch):
     from attnplug_vllm_cpu import stage
 
     cache, batch, backend, qkv, rows = _build([5], helper=True, dtype=torch.float32, monkeypatch=monkeypatch)
-    assert any("compiled helper" in n and "attnplug_vllm_cpu.stage" in n for n in backend.runtime_notes())
+    assert any("compiled helper" in n and "attnplug_vllm_cpu.decode_layer_new" in n for n in backend.runtime_notes())
     cache, batch, backend, qkv, rows = _build([5], helper=False, dtype=torch.float32, monkeypatch=monkeypatch)
     notes = backend.runtime_notes()
     assert any("compiled helper not loaded" in n and "ATTNPLUG_VLLM_CPU_HELPER=0" in n for n in notes), notes
@@ -298,3 +312,65 @@ def test_the_path_taken_is_named_in_runtime_notes(monkeypatch):
         assert torch.isfinite(out).all()
     finally:
         stage._load_library.cache_clear()
+
+
+_FAILING = None
+
+
+def _failing_attention_op():
+    """A torch op with the schema of vLLM's attention op that raises (the one compiled call finds it by name)."""
+    global _FAILING
+    if _FAILING is None:
+        from attnplug_vllm_cpu.ops import ops
+
+        schema = str(ops().cpu_attention_with_kv_cache.default._schema).split("(", 1)[1]
+        lib = torch.library.Library("attnplug_vllm_cpu_test", "DEF")
+        lib.define("failing_attention(" + schema)
+
+        def failing(*a, **kw):
+            raise RuntimeError("the attention op failed (test)")
+        lib.impl("failing_attention", failing, "CPU")
+        _FAILING = lib
+    return "attnplug_vllm_cpu_test::failing_attention"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("how", ["raises", "no_save", "saved"])
+def test_the_one_call_path_writes_or_restores_exactly(dtype, how, monkeypatch):
+    """The compiled one call (``decode_layer_new``: a layer after the forward's first): a raising attention op
+    (found by name through the dispatcher) and ``save_kv_cache=False`` leave the layer's cache bytes and page
+    marks as they were; a saved forward writes exactly vLLM's writer's bytes and gives the helper-less output."""
+    from attnplug_vllm_cpu.layout import VllmCpuLayout
+    from attnplug_vllm_cpu.ops import ops
+
+    cache, batch, backend, qkv, rows = _build([5, 40, 15, 16], helper=True, dtype=dtype, monkeypatch=monkeypatch)
+    calls = []
+    real = backend.helper.decode_layer_new
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+    backend.helper = backend.helper._replace(decode_layer_new=spy)
+    backend.init_forward_metadata(batch)
+    backend.forward(*qkv[0], LayerSpec(0, 4, 2, 64), batch)  # the first layer builds the scheduler metadata
+    assert calls == []
+    layer = LayerSpec(1, 4, 2, 64)
+    before = [_bits(cache.layer_storage(1)[0]).clone(), cache.layer_storage(1)[1].clone()]
+    want = cache.layer_storage(1)[0].clone()
+    kc, vc = VllmCpuLayout.views(want)
+    ops().cpu_attn_reshape_and_cache(qkv[1][1], qkv[1][2], kc, vc, batch.out_cache_loc.to(torch.int64),
+                                     backend.layer_plan(layer).kernel.isa)
+    if how == "raises":
+        backend.attention_op = _failing_attention_op()
+        with pytest.raises(RuntimeError, match="the attention op failed"):
+            backend.forward(*qkv[1], layer, batch)
+    else:
+        out = backend.forward(*qkv[1], layer, batch, save_kv_cache=how == "saved")
+        ref = _expected(cache, batch, layer, *qkv[1])
+        assert (out.double() - ref).abs().max() < 0.05
+    assert calls == [1]
+    if how == "saved":
+        assert torch.equal(_bits(cache.layer_storage(1)[0]), _bits(want))
+    else:
+        assert torch.equal(_bits(cache.layer_storage(1)[0]), before[0])
+    assert torch.equal(cache.layer_storage(1)[1], before[1])

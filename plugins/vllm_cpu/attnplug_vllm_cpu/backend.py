@@ -133,6 +133,8 @@ class _LayerArgs(NamedTuple):
     head_dim: int
     #: ``ok``, a contiguous ``raw`` and the compiled helper loaded: a decode write goes through ``stage``
     staged: bool
+    #: the key of the forward's scheduler metadata for this layer's self-attention (``ForwardMeta.scheduler``)
+    sched_key: tuple[Any, ...]
 
 
 @dataclasses.dataclass
@@ -305,16 +307,27 @@ class VllmCpuBackend(PagedBackend):
         self.helper, self.helper_missing = load_helper()
         #: ``stage``'s undo buffer ``[2, n, H, d]``, reused by every layer (each one's undo is over when it returns)
         self._snap: torch.Tensor | None = None
+        #: ``(k, v, loc, undo, plan)`` of a decode write ``write_new_kv`` left to the ``compute_extend`` right after
+        #: it (``decode_layer``: the write, the op and the checks in one call), which makes it in any case
+        self._deferred: tuple[Any, ...] | None = None
+        #: the write may be deferred: this class computes a decode layer in ``compute_extend`` (its own, which
+        #: makes a deferred write on every path)
+        self._can_defer = type(self).compute_extend is VllmCpuBackend.compute_extend and \
+            type(self).compute_decode is PagedBackend.compute_decode
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
         if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
             raise NotSupportedError(NAME, [f"kv_layout={cache.layout.name} (reads: {LAYOUT}; allocate the cache "
                                            f"with layout=registry.kv_layout({LAYOUT!r}))"])
 
+    #: the attention op ``decode_layer`` calls through the dispatcher (``_attend``'s; tests name a failing one)
+    attention_op = "_C::cpu_attention_with_kv_cache"
+
     def runtime_notes(self) -> list[str]:
         if self.helper is not None:
             return ["decode layers: undo copy, K/V write and finite checks through the compiled helper "
-                    "(torch.ops.attnplug_vllm_cpu.stage / all_finite)"]
+                    "(torch.ops.attnplug_vllm_cpu.decode_layer_new: with vLLM's attention op in one call; stage / "
+                    "all_finite)"]
         return [f"compiled helper not loaded: {self.helper_missing}; decode layers take the pure-torch path "
                 f"(undo copy through torch.take, vLLM's writer, three float32 sums: ~30-90 us more per layer, "
                 f"docs/performance.md)"]
@@ -556,11 +569,34 @@ class VllmCpuBackend(PagedBackend):
                           float(layer.scaling), float(layer.logit_cap or 0.0),
                           ok, isa_for(cache.head_dim, cache.page_size),
                           ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim,
-                          ok and self.helper is not None and raw.is_contiguous())
+                          ok and self.helper is not None and raw.is_contiguous(),
+                          (True, layer.num_heads, -1 if layer.sliding_window is None else layer.sliding_window + 1,
+                           raw.dtype))
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
         unchecked, self._unchecked = self._unchecked, None
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            # a decode write left to this call: the write, vLLM's op and the checks in one compiled call, where its
+            # conditions hold (the forward's ``plain_decode``, the layer's ``plain``, the scheduler metadata built,
+            # the rest checked by the op, which returns -1 having done nothing otherwise); else the write now
+            la = deferred[4].kernel
+            sched = meta.scheduler.get(la.sched_key)
+            if deferred[0] is k and deferred[1] is v and meta.plain_decode and la.plain and sched is not None \
+                    and deferred[4].layer is layer and self._into is None:
+                keys = meta.self_keys
+                loc, snap = deferred[2], self._snap
+                out, code = self.helper.decode_layer_new(  # type: ignore[union-attr]  # (deferred: a helper)
+                    la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc, keys.seq_lens,
+                    la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads, self.attention_op)
+                if code >= 0:
+                    deferred[3].rows = (loc, snap)
+                    if code == 3:
+                        return out
+                    self._kv_finite = bool(code & 1)
+                    return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
+            self._stage(*deferred)
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
             # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
             # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
@@ -805,16 +841,14 @@ class VllmCpuBackend(PagedBackend):
             if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and \
                     k.stride()[1:] == (la.head_dim, 1) == v.stride()[1:]:  # (a planned layer's head_dim is the cache's)
                 if la.staged and undo is not None and self.helper is not None:
-                    snap = self._snap
-                    n = loc.shape[0]
-                    if snap is None or snap.shape[1] != n or snap.dtype != k.dtype or \
-                            snap.shape[2:] != k.shape[1:]:
-                        snap = self._snap = k.new_empty((2,) + tuple(k.shape))
-                    # the undo copy, the write (vLLM's layout, the writer's bytes) and k/v's verdict in one pass
-                    self._kv_finite = bool(self.helper.stage(la.raw, k, v, loc, snap))
-                    undo.rows = (loc, snap)
+                    if self._snap is None:
+                        self._snap = k.new_empty(0)  # (the cache dtype; sized by the op)
                     layout.finite_write = None
                     self._unchecked = (k, v)
+                    if self._can_defer:  # the write, the op and the checks in one call (``compute_extend``)
+                        self._deferred = (k, v, loc, undo, plan)
+                    else:
+                        self._stage(k, v, loc, undo, plan)
                     return
                 if undo is not None:
                     undo.fallback = PagedBackend._snapshot(cache, plan, loc)
@@ -834,6 +868,15 @@ class VllmCpuBackend(PagedBackend):
         super().write_new_kv(cache, plan, loc, k, v)
 
     write_new_kv.takes_undo_copy = True  # type: ignore[attr-defined]  # (``_snapshot``)
+
+    def _stage(self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, undo: _Undo, plan: Any) -> None:
+        """A decode write through the compiled helper's ``stage``: the undo copy (into ``undo``), the write (vLLM's
+        layout, the writer's bytes) and k/v's finite verdict (``_kv_finite``) in one pass."""
+        snap = self._snap
+        assert snap is not None and self.helper is not None  # (set with the write's conditions)
+        snap.resize_((2,) + tuple(k.shape))
+        self._kv_finite = bool(self.helper.stage(plan.kernel.raw, k, v, loc, snap))
+        undo.rows = (loc, snap)
 
     def _output(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
         """The op's output: the caller's ``forward_into`` buffer where it fits (``output_buffer``), else fresh."""

@@ -7,7 +7,12 @@ fake implementations for ``torch.library.opcheck`` / tracing:
   the K and V rows of ``slots`` the write replaces copied into ``snap`` ``[2, n, H, d]`` (the undo copy: ``read``'s
   rows), then ``k``/``v`` written at ``slots`` in vLLM's CPU layout (the bytes ``cpu_attn_reshape_and_cache``
   writes), and whether every ``k``/``v`` value is finite;
-* ``torch.ops.attnplug_vllm_cpu.all_finite(t) -> bool``: no NaN/inf in ``t`` (the op's output after the call).
+* ``torch.ops.attnplug_vllm_cpu.all_finite(t) -> bool``: no NaN/inf in ``t`` (the op's output after the call);
+* ``torch.ops.attnplug_vllm_cpu.decode_layer_new(...) -> (Tensor, int)`` (``decode_layer``: into a given output):
+  a plain decode layer in one call from Python: ``stage``, then vLLM's attention op (found through the dispatcher by
+  name, called with the arguments ``backend._attend`` passes), then ``all_finite`` of the output. ``-1``: one of the
+  path's conditions does not hold, nothing was done; else bit 0 = k/v finite, bit 1 = the output finite. An
+  attention op that raises has the replaced rows put back before its error propagates.
 
 They replace, for a decode layer, the undo copy (``VllmCpuLayout.page_snapshot``'s short-write branch: one
 ``torch.take`` through a flat index), the writer call of ``VllmCpuBackend.write_new_kv`` and the three float32 sums
@@ -38,6 +43,8 @@ class Helper(NamedTuple):
 
     stage: Any
     all_finite: Any
+    decode_layer: Any
+    decode_layer_new: Any
 
 
 def library_path() -> str | None:
@@ -58,7 +65,7 @@ def _load_library() -> tuple[Helper | None, str | None]:
     try:
         torch.ops.load_library(path)
         ns = getattr(torch.ops, NAMESPACE)
-        helper = Helper(ns.stage.default, ns.all_finite.default)
+        helper = Helper(ns.stage.default, ns.all_finite.default, ns.decode_layer.default, ns.decode_layer_new.default)
     except (OSError, RuntimeError, AttributeError) as exc:
         return None, f"{os.path.basename(path)} does not load ({exc}; built for another torch?)"
     _register_fake()
@@ -87,6 +94,16 @@ def _register_fake() -> None:
                      lambda: f"{NAMESPACE}::stage: k/v/snap must be in the cache's dtype")
         torch._check(slots.dtype == torch.int64 and slots.dim() == 1, lambda: f"{NAMESPACE}::stage: slots int64 [n]")
         return True
+
+    @torch.library.register_fake(f"{NAMESPACE}::decode_layer")
+    def _decode_layer_fake(raw, k, v, slots, snap, q, key_cache, value_cache, out, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
+                           scale, window, block_table, softcap, sched, sinks, threads, op):
+        return 3
+
+    @torch.library.register_fake(f"{NAMESPACE}::decode_layer_new")
+    def _decode_layer_new_fake(raw, k, v, slots, snap, q, key_cache, value_cache, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
+                               scale, window, block_table, softcap, sched, sinks, threads, op):
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2])), 3
 
     @torch.library.register_fake(f"{NAMESPACE}::all_finite")
     def _all_finite_fake(t):  # type: ignore[no-untyped-def]
