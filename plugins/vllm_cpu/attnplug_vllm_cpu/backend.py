@@ -582,6 +582,8 @@ class VllmCpuBackend(PagedBackend):
             # conditions hold (the forward's ``plain_decode``, the layer's ``plain``, the scheduler metadata built,
             # the rest checked by the op, which returns -1 having done nothing otherwise); else the write now
             la = deferred[4].kernel
+            if self._snap is None:
+                self._snap = q.new_empty(0, dtype=la.raw.dtype)  # ``stage``'s undo buffer, sized by the op
             sched = meta.scheduler.get(la.sched_key)
             if deferred[0] is k and deferred[1] is v and meta.plain_decode and la.plain and sched is not None \
                     and deferred[4].layer is layer and self._into is None:
@@ -596,7 +598,9 @@ class VllmCpuBackend(PagedBackend):
                         return out
                     self._kv_finite = bool(code & 1)
                     return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
-            self._stage(*deferred)
+            # the write the one call did not make, with every check of ``write_new_kv``
+            self._write_decode_kv(deferred[5], deferred[4], deferred[2], deferred[0], deferred[1], deferred[3])
+            unchecked, self._unchecked = self._unchecked, None
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
             # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
             # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
@@ -830,11 +834,29 @@ class VllmCpuBackend(PagedBackend):
         (``verdict=False``); ``compute_extend``, called right after with these k/v, checks them and the op's
         output instead (``_decode_check``). Any other write keeps the layout's verdict. The undo copy
         ``_snapshot`` deferred is taken here, before anything is written: with the compiled helper loaded, in the
-        same pass as the write (``stage``: the old rows, the new ones, and k/v's finite verdict)."""
-        meta = self._fwd.meta if self._fwd is not None else None
+        same pass as the write (``stage``: the old rows, the new ones, and k/v's finite verdict); a plain decode
+        forward's write is left to the ``compute_extend`` right after (``decode_layer``: the write, the op and the
+        checks in one call, which checks k/v's dtype and strides itself; anything it refuses is written here, as
+        before, by ``_write_decode_kv``): no tensor is read here on that path."""
         undo, self._pending = self._pending, None
-        la = plan.kernel
         self._kv_finite = None
+        fwd = self._fwd
+        if undo is not None and self._can_defer and fwd is not None and plan.staged and not cache.quantized:
+            la, meta = plan.kernel, fwd.meta
+            if la.__class__ is _LayerArgs and la.staged and meta.__class__ is ForwardMeta and meta.plain_decode:
+                self._deferred = (k, v, loc, undo, plan, cache)
+                self._unchecked = (k, v)
+                return
+        self._write_decode_kv(cache, plan, loc, k, v, undo)
+
+    write_new_kv.takes_undo_copy = True  # type: ignore[attr-defined]  # (``_snapshot``)
+
+    def _write_decode_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         undo: _Undo | None) -> None:
+        """``write_new_kv``'s checked paths (the undo copy into ``undo`` first): through ``stage`` where the helper
+        is loaded, else vLLM's writer without the layout's sums (a decode forward), else the layout's write."""
+        meta = self._fwd.meta if self._fwd is not None else None
+        la = plan.kernel
         if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
                 and isinstance(meta, ForwardMeta) and meta.decode and meta.remap is None):
             layout = cache.layout
@@ -845,10 +867,7 @@ class VllmCpuBackend(PagedBackend):
                         self._snap = k.new_empty(0)  # (the cache dtype; sized by the op)
                     layout.finite_write = None
                     self._unchecked = (k, v)
-                    if self._can_defer:  # the write, the op and the checks in one call (``compute_extend``)
-                        self._deferred = (k, v, loc, undo, plan)
-                    else:
-                        self._stage(k, v, loc, undo, plan)
+                    self._stage(k, v, loc, undo, plan)
                     return
                 if undo is not None:
                     undo.fallback = PagedBackend._snapshot(cache, plan, loc)
@@ -866,8 +885,6 @@ class VllmCpuBackend(PagedBackend):
         if undo is not None:
             undo.fallback = PagedBackend._snapshot(cache, plan, loc)
         super().write_new_kv(cache, plan, loc, k, v)
-
-    write_new_kv.takes_undo_copy = True  # type: ignore[attr-defined]  # (``_snapshot``)
 
     def _stage(self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, undo: _Undo, plan: Any) -> None:
         """A decode write through the compiled helper's ``stage``: the undo copy (into ``undo``), the write (vLLM's
