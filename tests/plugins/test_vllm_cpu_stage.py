@@ -374,3 +374,17 @@ def test_the_one_call_path_writes_or_restores_exactly(dtype, how, monkeypatch):
     else:
         assert torch.equal(_bits(cache.layer_storage(1)[0]), before[0])
     assert torch.equal(cache.layer_storage(1)[1], before[1])
+
+
+def test_the_installed_package_carries_its_compiled_helper_where_a_compiler_is_found():
+    """setup.py builds ``_stage*.so`` at install (tox: ``--no-build-isolation`` against the tier's torch) wherever a
+    C++ compiler is on PATH; a package without it would run the slower path (named in runtime_notes)."""
+    import shutil
+
+    from attnplug_vllm_cpu import stage
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here: the package is built without its helper (and says so)")
+    assert stage.library_path() is not None, "attnplug-vllm-cpu was installed without its compiled helper"
+    helper, why = stage._load_library()
+    assert helper is not None, why
