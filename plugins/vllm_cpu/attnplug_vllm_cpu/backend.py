@@ -586,12 +586,23 @@ class VllmCpuBackend(PagedBackend):
                 self._snap = q.new_empty(0, dtype=la.raw.dtype)  # ``stage``'s undo buffer, sized by the op
             sched = meta.scheduler.get(la.sched_key)
             if deferred[0] is k and deferred[1] is v and meta.plain_decode and la.plain and sched is not None \
-                    and deferred[4].layer is layer and self._into is None:
+                    and deferred[4].layer is layer:
                 keys = meta.self_keys
                 loc, snap = deferred[2], self._snap
-                out, code = self.helper.decode_layer_new(  # type: ignore[union-attr]  # (deferred: a helper)
-                    la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc, keys.seq_lens,
-                    la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads, self.attention_op)
+                helper: Any = self.helper  # (deferred: a helper)
+                # a ``forward_into`` buffer that is exactly the output: the op writes into it (``decode_layer``)
+                out = None if self._into is None else \
+                    self.output_buffer(q, (meta.num_tokens, la.num_heads, la.head_dim))
+                if out is None:
+                    out, code = helper.decode_layer_new(
+                        la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc,
+                        keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
+                        self.attention_op)
+                else:
+                    code = helper.decode_layer(
+                        la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, out, keys.query_start_loc,
+                        keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
+                        self.attention_op)
                 if code >= 0:
                     deferred[3].rows = (loc, snap)
                     if code == 3:
