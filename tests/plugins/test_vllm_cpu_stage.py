@@ -233,13 +233,15 @@ def test_the_backend_gives_the_same_bits_with_the_helper_and_without(dtype, geom
         cache, batch, backend, qkv, rows = _build([5, 40, 15, 16], helper=helper, dtype=dtype,
                                                   monkeypatch=monkeypatch, geometry=geometry)
         assert (backend.helper is not None) is helper
-        calls = []
+        calls: list[int] = []
         if helper:
-            real = backend.helper.decode_layer_new
-            backend.helper = backend.helper._replace(decode_layer_new=lambda *a: calls.append(1) or real(*a))
+            def spy(*a, real=backend.helper.decode_layer_new, calls=calls):
+                calls.append(1)
+                return real(*a)
+            backend.helper = backend.helper._replace(decode_layer_new=spy)
         ps, d = geometry[1], geometry[0]
         qkv = [(q, k.clone(), v.clone()) for q, k, v in qkv]
-        for i, (q, k, v) in enumerate(qkv):
+        for i, (_q, k, v) in enumerate(qkv):
             raw = cache.layer_storage(i)[0].view(cache.num_pages, 2, -1)
             if poison == "k_nan":
                 k[1, 0, 3] = float("nan")
