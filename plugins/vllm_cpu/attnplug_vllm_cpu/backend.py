@@ -850,7 +850,7 @@ class VllmCpuBackend(PagedBackend):
         checks in one call, which checks k/v's dtype and strides itself; anything it refuses is written here, as
         before, by ``_write_decode_kv``): no tensor is read here on that path."""
         undo, self._pending = self._pending, None
-        self._kv_finite = None
+        self._kv_finite = self._deferred = None
         fwd = self._fwd
         if undo is not None and self._can_defer and fwd is not None and plan.staged and not cache.quantized:
             la, meta = plan.kernel, fwd.meta
