@@ -224,7 +224,7 @@ def _build(prefix, *, helper, dtype, monkeypatch, geometry=(64, 16), seed=3):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("geometry", [(64, 16), (128, 32), (80, 16)], ids=lambda g: f"d{g[0]}_ps{g[1]}")
-@pytest.mark.parametrize("poison", [None, "k_nan", "v_inf", "k_ninf", "tail_nan", "owned_inf"])
+@pytest.mark.parametrize("poison", [None, "k_nan", "v_inf", "k_ninf", "tail_nan", "tail_v_inf", "owned_inf"])
 def test_the_backend_gives_the_same_bits_with_the_helper_and_without(dtype, geometry, poison, monkeypatch):
     """Both layers poisoned alike: the first runs ``stage`` and the short path, the second the one compiled call;
     garbage in a new token's k/v, in an unowned tail past a request's last key, or in a key a request owns."""
@@ -254,13 +254,16 @@ def test_the_backend_gives_the_same_bits_with_the_helper_and_without(dtype, geom
                     int(cache.req_to_token[rows[1], 33])
                 p, o = divmod(slot, ps)
                 raw[p, 0, 3 * ps + o] = float("nan") if poison == "tail_nan" else float("inf")
+            elif poison == "tail_v_inf":  # a V past request 0's last key: the op lets it through (0 * inf)
+                p, o = divmod(int(cache.req_to_token[rows[0], 5]) + 2, ps)
+                raw[p, 1, ps * d + o * d + 5] = float("inf")
         backend.init_forward_metadata(batch)
         outs = [backend.forward(*qkv[0], LayerSpec(0, 4, 2, d), batch),
                 backend.forward(*qkv[1], LayerSpec(1, 4, 2, d), batch)]
         assert calls == ([1] if helper else [])
         results.append((outs, [cache.layer_storage(i)[0].clone() for i in (0, 1)],
                         [cache.layer_storage(i)[1].clone() for i in (0, 1)]))
-        if poison is None:
+        if poison in (None, "tail_nan", "tail_v_inf"):  # (unowned garbage never reaches an output)
             ref = _expected(cache, batch, LayerSpec(1, 4, 2, geometry[0]), *qkv[1])
             assert torch.isfinite(outs[1]).all() and (outs[1].double() - ref).abs().max() < 0.05
     (o1, r1, m1), (o2, r2, m2) = results
