@@ -5,7 +5,7 @@ vLLM's CPU layout and the new K/V's finite verdict, in one pass) and ``attnplug_
 finite check); ``attnplug_vllm_cpu.stage`` loads them. Plain C++ (``-O3``, no ``-march`` flag: one build for every
 x86-64 CPU). The helper is optional: without a C++ compiler (or on another platform) the package is built without
 it, says so here, and the backend runs its pure-torch path, naming the reason in ``runtime_notes()``
-(``attnplug resolve`` / ``doctor``) — never silently.
+(``attnplug doctor`` / ``bench`` print it) — never silently.
 """
 
 from __future__ import annotations

@@ -329,8 +329,8 @@ class VllmCpuBackend(PagedBackend):
                     "(torch.ops.attnplug_vllm_cpu.decode_layer_new: with vLLM's attention op in one call; stage / "
                     "all_finite)"]
         return [f"compiled helper not loaded: {self.helper_missing}; decode layers take the pure-torch path "
-                f"(undo copy through torch.take, vLLM's writer, three float32 sums: ~30-90 us more per layer, "
-                f"docs/performance.md)"]
+                f"(undo copy through torch.take, vLLM's writer, three float32 sums: ~20-70 us more per layer "
+                f"at small decode; docs/performance.md, Round 6 (issue 30 per layer, vhelp))"]
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
         """What the capabilities cannot say: the cache must be in the model dtype and in the ``vllm_cpu`` layout.

@@ -23,7 +23,7 @@ vhelp)").
 
 Where the helper is missing (a build without a C++ compiler, a torch whose ABI it was not built for) or
 ``$ATTNPLUG_VLLM_CPU_HELPER=0`` turns it off, ``load()`` says why and the backend keeps its pure-torch path,
-which ``VllmCpuBackend.runtime_notes()`` names (``attnplug resolve`` / ``doctor`` print it).
+which ``VllmCpuBackend.runtime_notes()`` names (``attnplug doctor`` and ``attnplug bench`` print it).
 """
 
 from __future__ import annotations
