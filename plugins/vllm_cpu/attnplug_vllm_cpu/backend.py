@@ -46,6 +46,13 @@ Two things the op does not guarantee are done here:
   one the precise paths would give. Otherwise the call runs again down the precise paths above (and
   marks the pages as the layout's write would have). Other modes keep the checks before the op.
 
+**The compiled helper** (``stage.py``, ``csrc/stage.cpp``; built at install, the pure-torch path above where it is
+missing, named in ``runtime_notes``): a plain decode layer's write is left by ``write_new_kv`` to the
+``compute_extend`` right after it, which makes the undo copy, the write, vLLM's attention op and both finite
+checks in one compiled call (``decode_layer_new`` / ``decode_layer``; the first layer of a forward, before its
+scheduler metadata exists, and any call the helper refuses take ``stage`` — undo copy, write and k/v verdict in
+one pass — and the short path, or the paths above). docs/reliability.md, "Cheaper, not removed (issue 30, round 6)".
+
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
 table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
