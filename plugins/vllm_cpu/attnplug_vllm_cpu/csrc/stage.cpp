@@ -9,11 +9,12 @@
 //   written (a refused call leaves raw and snap as they were); all rows are copied before any is written, so
 //   a slot given twice is undone to its value before the call.
 // * all_finite(t) -> bool: no NaN/inf in a contiguous float32/bfloat16/float16 tensor.
-// * decode_layer(..., out, ...) -> int / decode_layer_new(...) -> (Tensor out, int): a plain decode layer in one call: stage, then vLLM's attention op
-//   (found through the dispatcher by the name `op`, called boxed as the backend calls it), then all_finite of the
-//   output (into `out`, or a fresh one). code -1: a condition of this path does not hold (nothing was done: the caller takes its other paths);
-//   else bit 0 = k/v finite, bit 1 = output finite (3: all finite). If the attention op raises, the rows the write
-//   replaced are put back before the error propagates.
+// * decode_layer(..., out, ...) -> int / decode_layer_new(...) -> (Tensor out, int): a plain decode layer in one
+//   call: stage, then vLLM's attention op (found through the dispatcher by the name `op`, called boxed as the
+//   backend calls it), then all_finite of the output (into `out`, or a fresh one). code -1: a condition of this
+//   path does not hold (nothing was done: the caller takes its other paths); else bit 0 = k/v finite, bit 1 =
+//   output finite (3: all finite). If the attention op raises, the rows the write replaced are put back before
+//   the error propagates.
 //
 // Plain C++ (the compiler vectorises the integer OR-reductions at -O3): no -march flag, one build for every
 // x86-64 CPU.
@@ -24,6 +25,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <string>
 
 namespace attnplug_vllm_cpu {
 namespace {
@@ -175,14 +178,20 @@ std::tuple<at::Tensor, int64_t> decode_layer_impl(at::Tensor raw, const at::Tens
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < P * ps, "attnplug_vllm_cpu::decode_layer: slots[", i, "]=", sp[i],
                 " is out of range (expected 0 <= slot < ", P * ps, "); nothing was written");
-  static std::string cached_name;
-  static c10::optional<c10::OperatorHandle> cached_op;
-  if (!cached_op.has_value() || cached_name != op_name) {
-    std::string name(op_name);
-    const auto dot = name.find("::");
-    TORCH_CHECK(dot != std::string::npos, "attnplug_vllm_cpu::decode_layer: op ", name, " is not 'namespace::name'");
-    cached_op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
-    cached_name = name;
+  c10::optional<c10::OperatorHandle> attention;
+  {  // the op's handle, looked up once per name (a lock: layers may run on several threads)
+    static std::mutex lock;
+    static std::string cached_name;
+    static c10::optional<c10::OperatorHandle> cached_op;
+    std::lock_guard<std::mutex> guard(lock);
+    if (!cached_op.has_value() || cached_name != op_name) {
+      std::string name(op_name);
+      TORCH_CHECK(name.find("::") != std::string::npos, "attnplug_vllm_cpu::decode_layer: op ", name,
+                  " is not 'namespace::name'");
+      cached_op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+      cached_name = name;
+    }
+    attention = cached_op;
   }
   if (snap.dim() != 4 || snap.size(0) != 2 || snap.size(1) != n || snap.size(2) != H || snap.size(3) != d)
     snap.resize_({2, n, H, d});
@@ -218,7 +227,7 @@ std::tuple<at::Tensor, int64_t> decode_layer_impl(at::Tensor raw, const at::Tens
     stack.emplace_back(1.0);
     stack.emplace_back(1.0);
     stack.emplace_back(std::string("auto"));
-    cached_op->callBoxed(&stack);
+    attention->callBoxed(&stack);
   } catch (...) {  // the cache as it was before this call, then the error
     if (raw.element_size() == 4)
       unstage_impl<uint32_t>(static_cast<uint32_t*>(raw.data_ptr()), sp, static_cast<const uint32_t*>(snap.data_ptr()),
