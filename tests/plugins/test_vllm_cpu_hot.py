@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -102,12 +103,22 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
         def spy_fold(*a, **kw):
             calls["fold"] += 1
             return real_fold(*a, **kw)
-        m.setattr(VllmCpuBackend, "_decode_check", staticmethod(spy_fold))
+        m.setattr(VllmCpuBackend, "_decode_check", spy_fold)
         head_dim, page_size = geometry
         cache, batch, backend, qkv, rows = _problem(prefix, [1] * len(prefix), decode=True, layers=layers,
                                                     dtype=dtype, head_dim=head_dim, page_size=page_size)
+        if backend.helper is not None:  # the compiled helper's one call checks after the op too (round 6)
+            real_layer = backend.helper.decode_layer_new
+
+            def spy_layer(*a):
+                out, code = real_layer(*a)
+                calls["fold"] += code >= 0
+                calls["one_call"] = calls.get("one_call", 0) + (code >= 0)
+                return out, code
+            backend.helper = backend.helper._replace(decode_layer_new=spy_layer)
         real_write = VllmCpuBackend.write_new_kv
 
+        @functools.wraps(real_write)  # (keeps ``takes_undo_copy``: the undo copy is still taken by the write)
         def spy_write(self, *a, **kw):  # a skeleton write that left the verdict to the fold
             real_write(self, *a, **kw)
             calls["unchecked_writes"] += self._unchecked is not None
@@ -132,11 +143,17 @@ def _run(name, fold, monkeypatch, dtype=torch.float32, layers=2, save=True, geom
     ((128, 64), DECODE_PREFIX),  # 128 KiB pages: one view sum per page
     ((64, 16), DECODE_PREFIX[:1]),  # one request: one page
 ], ids=["gather", "per_page", "one_page"])
-def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, monkeypatch):
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "torch"])
+def test_the_decode_fold_gives_the_old_checks_answer_bit_for_bit(name, geometry, prefix, helper, monkeypatch):
     if len(prefix) == 1 and name not in ("clean", "tail_raw", "tail_raw_v"):
         pytest.skip("the scenario poisons another request")
+    _helper_mode(monkeypatch, helper)
     fast = _run(name, True, monkeypatch, geometry=geometry, prefix=prefix)
     slow = _run(name, False, monkeypatch, geometry=geometry, prefix=prefix)
+    # with the helper, the first layer (the forward's scheduler metadata not yet built) takes stage and the short
+    # path, the second the one compiled call (write, op and checks)
+    assert fast[4].pop("one_call", 0) == (1 if helper else 0)
+    slow[4].pop("one_call", None)
     for a, b in zip(fast[0], slow[0]):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
     for a, b in zip(fast[2], slow[2]):  # page marks: the pages new garbage was written to through the layout
@@ -215,7 +232,7 @@ def test_the_fold_is_not_used_where_a_new_token_may_lie_outside_the_last_pages(m
 
     calls = []
     real = VllmCpuBackend._decode_check
-    monkeypatch.setattr(VllmCpuBackend, "_decode_check", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    monkeypatch.setattr(VllmCpuBackend, "_decode_check", lambda *a: calls.append(1) or real(*a))
     cache, batch, backend, qkv, _ = _problem([5, 40], [20, 3])
     q, k, v = (t.clone() for t in qkv[0])
     k[21, 1, 2] = float("nan")  # request 1's third new token
@@ -329,19 +346,41 @@ def _force_pages(monkeypatch, on):
     monkeypatch.setattr(VllmCpuLayout, "flat_row_snapshot", on == "flat")
 
 
+def _helper_mode(monkeypatch, on):
+    """The compiled helper on (as installed: the test skips where it is not) or off (``$ATTNPLUG_VLLM_CPU_HELPER=0``:
+    the pure-torch path) for the backends built after this call."""
+    from attnplug_vllm_cpu import stage
+
+    if on:
+        monkeypatch.delenv(stage.HELPER_ENV, raising=False)
+        helper, why = stage.load()
+        if helper is None:
+            pytest.skip(f"the compiled helper is not loaded here: {why}")
+    else:
+        monkeypatch.setenv(stage.HELPER_ENV, "0")
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "torch"])
 @pytest.mark.parametrize("pages_on", [True, "flat", False], ids=["pages", "flat_rows", "rows"])
 @pytest.mark.parametrize("how", ["raises", "no_save", "saved"])
 @pytest.mark.parametrize("shape", [([0, 17, 3], [40, 9, 30]), ([0, 0], [33, 64]), ([5, 40, 15, 16], [1] * 4)],
                          ids=["prefill_ragged", "prefill_full_pages", "decode"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(pages_on, how, shape, dtype,
+def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(pages_on, how, shape, dtype, helper,
                                                                                monkeypatch):
-    """Whether the undo copy is whole pages or the written rows, a raising op and ``save_kv_cache=False``
-    leave every byte of the layer as it was (pages shared with other requests included: the untouched rows
-    of a page are put back as they were), and a saved forward writes exactly the new rows."""
+    """Whether the undo copy is whole pages, the written rows, or the compiled helper's rows (a decode step with
+    the helper loaded: ``stage`` takes it in the write's pass, the layout's copy is not taken), a raising op and
+    ``save_kv_cache=False`` leave every byte of the layer as it was (pages shared with other requests included:
+    the untouched rows of a page are put back as they were), and a saved forward writes exactly the new rows."""
     _force_pages(monkeypatch, pages_on)
+    _helper_mode(monkeypatch, helper)
     prefix, ext = shape
-    cache, batch, backend, qkv, rows = _problem(prefix, ext, decode=ext == [1] * len(ext), dtype=dtype, seed=7)
+    decode = ext == [1] * len(ext)
+    cache, batch, backend, qkv, rows = _problem(prefix, ext, decode=decode, dtype=dtype, seed=7)
+    staged = []
+    if backend.helper is not None:
+        real_stage = backend.helper.stage
+        backend.helper = backend.helper._replace(stage=lambda *a: staged.append(1) or real_stage(*a))
     q, k, v = qkv[0]
     layer = LayerSpec(0, 4, 2, 64)
     storage = cache.layer_storage(0)
@@ -364,7 +403,9 @@ def test_a_staged_write_is_undone_exactly_by_the_page_snapshot_and_by_the_rows(p
     else:
         ref = _expected(cache, batch, layer, q, k, v)
         out = backend.forward(q, k, v, layer, batch, save_kv_cache=how == "saved")
-    assert called == [pages_on is not False]  # the path under test was the one taken
+    by_helper = helper and decode
+    assert called == ([] if by_helper else [pages_on is not False])  # the path under test was the one taken
+    assert staged == ([1] if by_helper else [])
     after = storage[0]
     if how == "saved":
         kb, vb = cache.read_kv(0)
@@ -498,6 +539,10 @@ def test_forward_into_leaves_the_cache_byte_identical_when_the_op_raises_or_noth
     out = torch.empty(4, 4, 64)
     if how == "raises":
         boom = _boom_ops(monkeypatch)
+        if backend.helper is not None:  # the one compiled call finds the attention op through the dispatcher
+            from test_vllm_cpu_stage import _failing_attention_op
+            backend.attention_op = _failing_attention_op()
+            boom = RuntimeError
         with pytest.raises(boom):
             backend.forward_into(out, *qkv[0], layer, batch)
     else:

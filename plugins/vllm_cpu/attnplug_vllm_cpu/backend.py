@@ -46,6 +46,13 @@ Two things the op does not guarantee are done here:
   one the precise paths would give. Otherwise the call runs again down the precise paths above (and
   marks the pages as the layout's write would have). Other modes keep the checks before the op.
 
+**The compiled helper** (``stage.py``, ``csrc/stage.cpp``; built at install, the pure-torch path above where it is
+missing, named in ``runtime_notes``): a plain decode layer's write is left by ``write_new_kv`` to the
+``compute_extend`` right after it, which makes the undo copy, the write, vLLM's attention op and both finite
+checks in one compiled call (``decode_layer_new`` / ``decode_layer``; the first layer of a forward, before its
+scheduler metadata exists, and any call the helper refuses take ``stage`` — undo copy, write and k/v verdict in
+one pass — and the short path, or the paths above). docs/reliability.md, "Cheaper, not removed (issue 30, round 6)".
+
 Per forward (``check_batch``), a decode batch of up to 64 requests is checked in one pass over its
 ``req_to_token`` entries (``_one_pass``: bounds, the new-token mapping, page alignment, and the page
 table from the same entries; up to 16 requests and 2048 entries it reads them on the host as ints,
@@ -75,6 +82,8 @@ from attnplug.errors import ShapeError
 from . import CAPABILITIES, LAYOUT, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_PAGE_SIZE, NAME, isa_for
 from .layout import CACHE_DTYPES, VllmCpuLayout
 from .ops import ops
+from .stage import Helper
+from .stage import load as load_helper
 
 _INT32 = torch.int32
 #: up to this many pages hold tails: one sum per page (a view, no copy); more: one gather of the pages
@@ -99,6 +108,19 @@ class _MLAArgs(NamedTuple):
     scaling: float
 
 
+class _Undo:
+    """A decode layer's undo copy, taken by ``write_new_kv`` itself (``VllmCpuBackend._snapshot``): ``rows``
+    ``(slots, snap)`` from the compiled helper's one pass (``snap`` ``[2, n, H, d]``: the old K and V rows), or
+    ``fallback``: the skeleton's snapshot (``PagedBackend._snapshot``), taken before the pure-torch write. Neither
+    set: ``write_new_kv`` wrote nothing, so there is nothing to put back."""
+
+    __slots__ = ("rows", "fallback")
+
+    def __init__(self) -> None:
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fallback: tuple[Any, Any] | None = None
+
+
 class _LayerArgs(NamedTuple):
     """The op's per-layer arguments (``VllmCpuBackend.plan_layer``)."""
 
@@ -116,6 +138,10 @@ class _LayerArgs(NamedTuple):
     plain: bool
     num_heads: int
     head_dim: int
+    #: ``ok``, a contiguous ``raw`` and the compiled helper loaded: a decode write goes through ``stage``
+    staged: bool
+    #: the key of the forward's scheduler metadata for this layer's self-attention (``ForwardMeta.scheduler``)
+    sched_key: tuple[Any, ...]
 
 
 @dataclasses.dataclass
@@ -279,11 +305,39 @@ class VllmCpuBackend(PagedBackend):
         #: the k/v objects the skeleton just wrote without the layout's verdict (``write_new_kv``), consumed by
         #: the next ``compute_extend``, which then checks its output and these k/v (``_decode_check``)
         self._unchecked: tuple[Any, Any] | None = None
+        #: ``stage``'s finite verdict of the k/v in ``_unchecked`` (``None``: not known, ``_decode_check`` sums them)
+        self._kv_finite: bool | None = None
+        #: the undo copy ``_snapshot`` handed the skeleton, for the ``write_new_kv`` right after it to fill
+        self._pending: _Undo | None = None
+        #: the compiled helper (``stage.py``) or why the pure-torch path runs instead (``runtime_notes``)
+        self.helper: Helper | None
+        self.helper, self.helper_missing = load_helper()
+        #: ``stage``'s undo buffer ``[2, n, H, d]``, reused by every layer (each one's undo is over when it returns)
+        self._snap: torch.Tensor | None = None
+        #: ``(k, v, loc, undo, plan)`` of a decode write ``write_new_kv`` left to the ``compute_extend`` right after
+        #: it (``decode_layer``: the write, the op and the checks in one call), which makes it in any case
+        self._deferred: tuple[Any, ...] | None = None
+        #: the write may be deferred: this class computes a decode layer in ``compute_extend`` (its own, which
+        #: makes a deferred write on every path)
+        self._can_defer = type(self).compute_extend is VllmCpuBackend.compute_extend and \
+            type(self).compute_decode is PagedBackend.compute_decode
         ops()  # a missing or wrong library is a build-time error, not a first-forward one
         cache = self.kv_cache
         if cache is not None and not isinstance(cache.layout, VllmCpuLayout):
             raise NotSupportedError(NAME, [f"kv_layout={cache.layout.name} (reads: {LAYOUT}; allocate the cache "
                                            f"with layout=registry.kv_layout({LAYOUT!r}))"])
+
+    #: the attention op ``decode_layer`` calls through the dispatcher (``_attend``'s; tests name a failing one)
+    attention_op = "_C::cpu_attention_with_kv_cache"
+
+    def runtime_notes(self) -> list[str]:
+        if self.helper is not None:
+            return ["decode layers: undo copy, K/V write and finite checks through the compiled helper "
+                    "(torch.ops.attnplug_vllm_cpu.decode_layer_new: with vLLM's attention op in one call; stage / "
+                    "all_finite)"]
+        return [f"compiled helper not loaded: {self.helper_missing}; decode layers take the pure-torch path "
+                f"(undo copy through torch.take, vLLM's writer, three float32 sums: ~20-70 us more per layer "
+                f"at small decode; docs/performance.md, Round 6 (issue 30 per layer, vhelp))"]
 
     def backend_reasons(self, layer: Any, ctx: Any) -> list[str]:
         """What the capabilities cannot say: the cache must be in the model dtype and in the ``vllm_cpu`` layout.
@@ -521,11 +575,50 @@ class VllmCpuBackend(PagedBackend):
                           -1 if cross or layer.sliding_window is None else layer.sliding_window + 1, sinks,
                           float(layer.scaling), float(layer.logit_cap or 0.0),
                           ok, isa_for(cache.head_dim, cache.page_size),
-                          ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim)
+                          ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim,
+                          ok and self.helper is not None and raw.is_contiguous(),
+                          (True, layer.num_heads, -1 if layer.sliding_window is None else layer.sliding_window + 1,
+                           raw.dtype))
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
         unchecked, self._unchecked = self._unchecked, None
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            # a decode write left to this call: the write, vLLM's op and the checks in one compiled call, where its
+            # conditions hold (the forward's ``plain_decode``, the layer's ``plain``, the scheduler metadata built,
+            # the rest checked by the op, which returns -1 having done nothing otherwise); else the write now
+            la = deferred[4].kernel
+            if self._snap is None:
+                self._snap = q.new_empty(0, dtype=la.raw.dtype)  # ``stage``'s undo buffer, sized by the op
+            sched = meta.scheduler.get(la.sched_key)
+            if deferred[0] is k and deferred[1] is v and meta.plain_decode and la.plain and sched is not None \
+                    and deferred[4].layer is layer:
+                keys = meta.self_keys
+                loc, snap = deferred[2], self._snap
+                helper: Any = self.helper  # (deferred: a helper)
+                # a ``forward_into`` buffer that is exactly the output: the op writes into it (``decode_layer``)
+                out = None if self._into is None else \
+                    self.output_buffer(q, (meta.num_tokens, la.num_heads, la.head_dim))
+                if out is None:
+                    out, code = helper.decode_layer_new(
+                        la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc,
+                        keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
+                        self.attention_op)
+                else:
+                    code = helper.decode_layer(
+                        la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, out, keys.query_start_loc,
+                        keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
+                        self.attention_op)
+                if code >= 0:
+                    deferred[3].rows = (loc, snap)
+                    if code == 3:
+                        return out
+                    self._kv_finite = bool(code & 1)
+                    return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
+            # the write the one call did not make, with every check of ``write_new_kv``
+            self._write_decode_kv(deferred[5], deferred[4], deferred[2], deferred[0], deferred[1], deferred[3])
+            unchecked, self._unchecked = self._unchecked, None
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
             # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
             # path's plain case known already (the forward's: ``plain_decode``; the layer's: ``plain``; the
@@ -539,7 +632,7 @@ class VllmCpuBackend(PagedBackend):
                 out = self._output(q, shape)
                 sched = meta.scheduler_metadata(keys, la.num_heads, la.window, q.dtype)
                 _attend(ops(), q, la, keys, out, sched)
-                if self._decode_check(out, k, v):
+                if self._decode_check(out, k, v, self._kv_finite):
                     return out
                 return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
         return self._general(q, k, v, layer, batch, meta, unchecked)
@@ -604,7 +697,7 @@ class VllmCpuBackend(PagedBackend):
             out[meta.q_off[i]:meta.q_off[i + 1]] = 0
         if hidden is not None:
             self._poison_readers(out, hidden[1], layer, batch, meta)
-        if after and not self._decode_check(out, k, v):
+        if after and not self._decode_check(out, k, v, self._kv_finite):
             return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
         return out
 
@@ -730,10 +823,56 @@ class VllmCpuBackend(PagedBackend):
             return out
         return call
 
+    def _snapshot(self, cache: Any, plan: Any, loc: torch.Tensor) -> tuple[Any, Any]:  # type: ignore[override]
+        """The skeleton's undo copy of a staged write. A self-attention layer of this backend (its plan's kernel
+        ``_LayerArgs``: the skeleton calls ``write_new_kv`` right after this) gets an empty ``_Undo`` that
+        ``write_new_kv`` fills: through the compiled helper in the same pass as the write, else with the
+        skeleton's snapshot taken before its write. Any other staged write (an MLA layer's), or a class whose
+        ``write_new_kv`` is not one marked ``takes_undo_copy`` (a subclass's own, a test's replacement), gets the
+        skeleton's."""
+        if isinstance(plan.kernel, _LayerArgs) and getattr(type(self).write_new_kv, "takes_undo_copy", False):
+            undo = self._pending = _Undo()
+            return undo, None
+        return PagedBackend._snapshot(cache, plan, loc)
+
+    def _undo(self, cache: Any, plan: Any, loc: torch.Tensor, undo: tuple[Any, Any]) -> None:  # type: ignore[override]
+        """Put back what the staged write replaced: ``_Undo``'s rows (the helper's copy, written back by the
+        torch writer of the layout: bytes as taken) or its fallback snapshot; else the skeleton's."""
+        held = undo[0]
+        if not isinstance(held, _Undo):
+            PagedBackend._undo(cache, plan, loc, undo)
+        elif held.rows is not None:
+            slots, snap = held.rows
+            VllmCpuLayout._torch_write(plan.storage[0], cache.geometry, slots, snap[0], snap[1])
+        elif held.fallback is not None:
+            PagedBackend._undo(cache, plan, loc, held.fallback)
+
     def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The skeleton's staged write of a decode forward: vllm-cpu's writer without the layout's two sums
         (``verdict=False``); ``compute_extend``, called right after with these k/v, checks them and the op's
-        output instead (``_decode_check``). Any other write keeps the layout's verdict."""
+        output instead (``_decode_check``). Any other write keeps the layout's verdict. The undo copy
+        ``_snapshot`` deferred is taken here, before anything is written: with the compiled helper loaded, in the
+        same pass as the write (``stage``: the old rows, the new ones, and k/v's finite verdict); a plain decode
+        forward's write is left to the ``compute_extend`` right after (``decode_layer``: the write, the op and the
+        checks in one call, which checks k/v's dtype and strides itself; anything it refuses is written here, as
+        before, by ``_write_decode_kv``): no tensor is read here on that path."""
+        undo, self._pending = self._pending, None
+        self._kv_finite = self._deferred = None
+        fwd = self._fwd
+        if undo is not None and self._can_defer and fwd is not None and plan.staged and not cache.quantized:
+            la, meta = plan.kernel, fwd.meta
+            if la.__class__ is _LayerArgs and la.staged and meta.__class__ is ForwardMeta and meta.plain_decode:
+                self._deferred = (k, v, loc, undo, plan, cache)
+                self._unchecked = (k, v)
+                return
+        self._write_decode_kv(cache, plan, loc, k, v, undo)
+
+    write_new_kv.takes_undo_copy = True  # type: ignore[attr-defined]  # (``_snapshot``)
+
+    def _write_decode_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         undo: _Undo | None) -> None:
+        """``write_new_kv``'s checked paths (the undo copy into ``undo`` first): through ``stage`` where the helper
+        is loaded, else vLLM's writer without the layout's sums (a decode forward), else the layout's write."""
         meta = self._fwd.meta if self._fwd is not None else None
         la = plan.kernel
         if (isinstance(la, _LayerArgs) and plan.staged and k.dtype == cache.dtype and not cache.quantized
@@ -741,28 +880,54 @@ class VllmCpuBackend(PagedBackend):
             layout = cache.layout
             if la.ok and loc.dtype == torch.int64 and loc.is_contiguous() and \
                     k.stride()[1:] == (la.head_dim, 1) == v.stride()[1:]:  # (a planned layer's head_dim is the cache's)
+                if la.staged and undo is not None and self.helper is not None:
+                    if self._snap is None:
+                        self._snap = k.new_empty(0)  # (the cache dtype; sized by the op)
+                    layout.finite_write = None
+                    self._unchecked = (k, v)
+                    self._stage(k, v, loc, undo, plan)
+                    return
+                if undo is not None:
+                    undo.fallback = PagedBackend._snapshot(cache, plan, loc)
                 # what ``layout.write(verdict=False)`` runs for a call the skeleton checked (k/v of the plan's
                 # rows and the cache dtype, one of the writer's; the slots int64, bounded per forward)
                 ops().cpu_attn_reshape_and_cache(k, v, la.key_cache, la.value_cache, loc, la.isa)
                 layout.finite_write = None
             else:
+                if undo is not None:
+                    undo.fallback = PagedBackend._snapshot(cache, plan, loc)
                 layout.write(plan.storage, cache.geometry, loc, k, v, verdict=False)
             self._unchecked = (k, v)
             return
         self._unchecked = None
+        if undo is not None:
+            undo.fallback = PagedBackend._snapshot(cache, plan, loc)
         super().write_new_kv(cache, plan, loc, k, v)
+
+    def _stage(self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, undo: _Undo, plan: Any) -> None:
+        """A decode write through the compiled helper's ``stage``: the undo copy (into ``undo``), the write (vLLM's
+        layout, the writer's bytes) and k/v's finite verdict (``_kv_finite``) in one pass."""
+        snap = self._snap
+        assert snap is not None and self.helper is not None  # (set with the write's conditions)
+        snap.resize_((2,) + tuple(k.shape))
+        self._kv_finite = bool(self.helper.stage(plan.kernel.raw, k, v, loc, snap))
+        undo.rows = (loc, snap)
 
     def _output(self, q: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
         """The op's output: the caller's ``forward_into`` buffer where it fits (``output_buffer``), else fresh."""
         out = self.output_buffer(q, shape) if self._into is not None else None
         return q.new_empty(shape) if out is None else out
 
-    @staticmethod
-    def _decode_check(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """After a decode forward's op: whether its output and the new k/v are all finite (three float32 sums of
-        small tensors the call just touched). A NaN/inf the op read (an unowned tail past a request's last key,
-        a key a request owns) reaches its reader's output; a new token's K can hide one from it (a ``-inf``
-        score), so k and v are summed too. ``False`` sends the call down the precise paths."""
+    def _decode_check(self, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_finite: bool | None = None) -> bool:
+        """After a decode forward's op: whether its output and the new k/v are all finite. A NaN/inf the op read
+        (an unowned tail past a request's last key, a key a request owns) reaches its reader's output; a new
+        token's K can hide one from it (a ``-inf`` score), so k and v are checked too. ``kv_finite``: the
+        compiled helper's verdict of k/v (``stage``, exact), with its ``all_finite`` over the output; else three
+        float32 sums of small tensors the call just touched (a finite sum that overflows only sends a call
+        down the precise paths, which give the same output). ``False`` sends the call down the precise paths."""
+        helper = self.helper
+        if kv_finite is not None and helper is not None and out.dtype in CACHE_DTYPES and out.is_contiguous():
+            return kv_finite and bool(helper.all_finite(out))
         return math.isfinite(out.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item()
                              + v.sum(dtype=torch.float32).item())
 
