@@ -301,10 +301,10 @@ class TransformersRunner:
         prefix: dict[Any, int] = {}
         cache = self.cache
         try:
-            rows = None
+            rows = lens = None
             loc: torch.Tensor | list[int]
             if mode is ForwardMode.DECODE:  # one token per request: rows, lengths and slots as host ints
-                rows, _, loc = cache.decode_step([c.rid for c in chunks], prefix)
+                rows, lens, loc = cache.decode_step([c.rid for c in chunks], prefix)
             else:
                 slots = []
                 for c in chunks:
@@ -313,7 +313,7 @@ class TransformersRunner:
                     prefix[c.rid] = cache.length(c.rid)
                     slots.append(cache.extend(c.rid, len(c.tokens)))  # pages mapped before the forward
                 loc = slots[0] if len(slots) == 1 else torch.cat(slots)
-            batch = self._batch(mode, chunks, prefix, loc, rows)
+            batch = self._batch(mode, chunks, prefix, loc, rows, lens)
             logits = self._run(chunks, prefix, batch, keep_all)
         except BaseException:
             for rid, length in prefix.items():
@@ -334,13 +334,18 @@ class TransformersRunner:
         return logits
 
     def _batch(self, mode: ForwardMode, chunks: Sequence[Chunk], prefix: dict[Any, int],
-               out_cache_loc: torch.Tensor | list[int], rows: list[int] | None = None) -> ForwardBatch:
+               out_cache_loc: torch.Tensor | list[int], rows: list[int] | None = None,
+               lens: list[int] | None = None) -> ForwardBatch:
+        """The forward's ``ForwardBatch``; a decode step passes the rows and lengths ``decode_step`` mapped (host
+        ints: ``ForwardBatch.decode`` makes the batch from them)."""
         if rows is None:
             rows = [self.cache.row(c.rid) for c in chunks]
         form = self.mla_form if self.mla_form != "auto" else (
             "absorbed" if mode is ForwardMode.DECODE else "unabsorbed")
         if mode is ForwardMode.DECODE:
-            return ForwardBatch.decode(rows, [prefix[c.rid] + 1 for c in chunks], out_cache_loc, mla_form=form)
+            if lens is None:
+                lens = [prefix[c.rid] + 1 for c in chunks]
+            return ForwardBatch.decode(rows, lens, out_cache_loc, mla_form=form)
         return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
                                    out_cache_loc, mode=mode, mla_form=form)
 
@@ -361,7 +366,8 @@ class TransformersRunner:
         kw: dict[str, Any] = {FORWARD_KWARG: fwd}
         if self._takes_logits_to_keep and not keep_all and last is not None:
             kw["logits_to_keep"] = last
-        out = self.model(input_ids=ids[None], position_ids=positions[None], cache=self.cache, use_cache=True, **kw)
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), cache=self.cache,
+                         use_cache=True, **kw)
         self.cache.end_forward()
         if fwd.calls != len(self.layers):
             raise AttnplugError(f"the model made {fwd.calls} attention calls through attnplug in one forward, "
