@@ -785,7 +785,9 @@ class PagedKVCache:
                 raise ShapeError(f"fill_from_pages: request {i}: length {x} is out of range (expected 0 <= length "
                                  f"<= max_context_len={L})")
             u = -(-x // ps)
-            ids = list(blocks[i][:u])
+            ids = blocks[i][:u]
+            if type(ids) is not list:
+                ids = list(ids)
             if len(ids) < u:
                 raise ShapeError(f"fill_from_pages: request {i} needs {u} pages for {x} positions, but its page "
                                  f"list has {len(ids)}")
