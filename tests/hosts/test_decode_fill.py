@@ -18,6 +18,7 @@ import hf_models as models
 from attnplug import AttentionConfig, ForwardMode, ShapeError
 from attnplug.integrations.transformers import Chunk, Request, TransformersRunner, generate
 from attnplug.integrations.transformers import cache as cache_mod
+from attnplug.integrations.transformers import runner as runner_mod
 from attnplug.testing.tolerances import tolerance_for
 from greedy_rule import follow_reference
 
@@ -89,12 +90,14 @@ def test_greedy_tokens_follow_sdpa_under_the_margin_rule(backend, lens, page_siz
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_the_fill_gives_the_very_logits_of_the_entry_writes(backend, page_size, monkeypatch):
     """Requests joining at different steps and finishing at different steps (rows reused): the same logits,
-    bit for bit, with and without the fill."""
+    bit for bit, with and without the fill (and the decode batch taking the previous one's tensors,
+    ``ForwardBatch.decode(after=...)``)."""
     prompts = models.prompts((7, 3, 12, 5))
     reqs = [Request(p, n, arrival=a) for p, n, a in zip(prompts, (9, 4, 6, 8), (0, 0, 2, 5))]
     out = {}
-    for on in (True, False):
+    for on in (True, False):  # both round 7 paths on (the default), or both off
         monkeypatch.setattr(cache_mod, "_FILL", on)
+        monkeypatch.setattr(runner_mod, "_AFTER", on)
         runner = TransformersRunner(models.build("llama"), AttentionConfig(attention_backend=backend),
                                     max_requests=3, max_context_len=64, page_size=page_size)
         out[on] = generate(runner, reqs, max_running=2, record_logits=True)

@@ -53,6 +53,9 @@ from .mla import mla_specs
 __all__ = ["TASKS", "Chunk", "StepRecord", "TransformersRunner"]
 
 
+#: a decode step's ``ForwardBatch`` takes what the previous one holds (``ForwardBatch.decode(after=...)``; tests
+#: switch it off to compare)
+_AFTER = True
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs
 TASKS = ("generate", "encode")
 #: ``TransformersRunner(mla_form=...)``: how MLA layers are computed (docs/mla.md)
@@ -190,6 +193,8 @@ class TransformersRunner:
         self._served: dict[ForwardMode, str] = {}
         #: one (frozen) ``StepRecord`` per (mode, requests, tokens), appended to ``steps`` for every such forward
         self._records: dict[tuple[ForwardMode, int, int], StepRecord] = {}
+        #: the last decode forward's batch (``_batch`` passes it to the next one as ``after``)
+        self._last_decode: ForwardBatch | None = None
         self._rehearse(before, task)
 
     def _rehearse(self, before: str, task: str) -> None:
@@ -345,7 +350,10 @@ class TransformersRunner:
         if mode is ForwardMode.DECODE:
             if lens is None:
                 lens = [prefix[c.rid] + 1 for c in chunks]
-            return ForwardBatch.decode(rows, lens, out_cache_loc, mla_form=form)
+            # the previous decode step's batch: its tensors still holding this step's values are taken
+            after = self._last_decode if _AFTER else None
+            batch = self._last_decode = ForwardBatch.decode(rows, lens, out_cache_loc, mla_form=form, after=after)
+            return batch
         return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
                                    out_cache_loc, mode=mode, mla_form=form)
 
