@@ -14,12 +14,14 @@ mapped positions unassigned (-1) so a reused row never points at slots it no
 longer owns.
 
 A decode step maps its requests' rows through ``PagedKVCache.fill_from_pages``
-(whole pages from the requests' page lists, host ints): a step that opens no page
-writes nothing, and the fill's record (``PageFill``) lets ``check_batch`` take the
-covered entries as real slots instead of reading them back. Within a request's
-last page, the positions past its length then already hold that page's slots (its
-own); ``truncate`` and ``release`` mark every position of the pages they give back
-unassigned.
+(whole pages from the requests' page lists, host ints), recorded to the end of each
+request's last page: while that record holds (nothing wrote ``req_to_token`` since)
+and covers the step, with each new slot the one it gives, the step writes and fills
+nothing; otherwise the fill writes only the pages the record lacks. The record
+(``PageFill``) lets ``check_batch`` take the covered entries as real slots instead
+of reading them back. Within a request's last page, the positions past its length
+then already hold that page's slots (its own); ``truncate`` and ``release`` mark
+every position of the pages they give back unassigned.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ UNASSIGNED = -1
 #: a decode step maps its rows through ``PagedKVCache.fill_from_pages`` (tests switch it off to compare with
 #: the entry-by-entry write, which leaves no ``PageFill`` record)
 _FILL = True
+#: the fill records each request to the end of its last page, so later steps in that page need no fill (tests
+#: and the round 7 measurement switch it off: recorded to the length, a fill every step)
+_PAGE_END = True
 
 
 class PagePool:
@@ -221,14 +226,24 @@ class AttnplugCache(Cache):
         return rows, lens, slots
 
     def _fill_step(self, seqs: list[_Seq], rows: list[int], lens: list[int], slots: list[int]) -> None:
-        """Map a decode step's rows by ``fill_from_pages`` (whole pages; only those the last fill did not write).
+        """Map a decode step's rows by ``fill_from_pages`` (whole pages; only those the last fill did not write),
+        unless the last fill's record still holds, covers every position of the step and gives each new slot.
         Positions a request had before the step that the last fill's record does not cover (none holds, or
         the rows were written since: an extend, or a write from outside) are first compared with the request's
         pages: where one differs, nothing is filled over it — each new entry is written on its own and
         ``check_batch`` reads the rows, refusing a bad entry in its own words, as without the fill."""
         cache = self.kv_cache
-        olds = [x - 1 for x in lens]
+        ps = cache.page_size
         rec = cache.page_fill()
+        if _PAGE_END and rec is not None and rec.blocks is not None and rec.covers(rows, lens):
+            # every position of the step lies in pages the last fill wrote whole (recorded to their end) and nothing
+            # has written ``req_to_token`` since: each new slot is compared with the record, nothing written
+            for r, x, slot in zip(rows, lens, slots):
+                if rec.slot(r, x - 1, ps) != slot:
+                    break  # a page list changed under the record: the fill below writes what differs
+            else:
+                return
+        olds = [x - 1 for x in lens]
         if rec is None or not rec.covers(rows, olds):
             if not all(self._as_mapped(seq, old) for seq, old in zip(seqs, olds)):
                 for seq, old, slot in zip(seqs, olds, slots):
@@ -237,8 +252,11 @@ class AttnplugCache(Cache):
         n = max(rows) + 1
         blocks: list[Sequence[int]] = [()] * n
         upto = [0] * n
+        L = cache.max_context_len
         for seq, x in zip(seqs, lens):
-            blocks[seq.row], upto[seq.row] = seq.pages, x
+            # recorded to the end of the request's last page (the fill writes whole pages): the next steps in
+            # that page are covered as they are
+            blocks[seq.row], upto[seq.row] = seq.pages, (min(len(seq.pages) * ps, L) if _PAGE_END else x)
         try:
             cache.fill_from_pages(blocks, upto)
         except ShapeError as exc:  # a bad page id: name the request it belongs to
