@@ -235,12 +235,16 @@ class AttnplugCache(Cache):
         cache = self.kv_cache
         ps = cache.page_size
         rec = cache.page_fill()
-        if _PAGE_END and rec is not None and rec.blocks is not None and rec.covers(rows, lens):
+        if _PAGE_END and rec is not None and rec.blocks is not None:
             # every position of the step lies in pages the last fill wrote whole (recorded to their end) and nothing
-            # has written ``req_to_token`` since: each new slot is compared with the record, nothing written
+            # has written ``req_to_token`` since (``covers``, written out), and each new slot is the one the record
+            # gives (``slot``): nothing to write. Else (a page opened, or a page list changed under the record:
+            # a host bug) the fill below writes what differs
+            covered, blocks, n = rec.lens, rec.blocks, len(rec.lens)
             for r, x, slot in zip(rows, lens, slots):
-                if rec.slot(r, x - 1, ps) != slot:
-                    break  # a page list changed under the record: the fill below writes what differs
+                p = x - 1
+                if r >= n or x > covered[r] or blocks[r][p // ps] * ps + p % ps != slot:
+                    break
             else:
                 return
         olds = [x - 1 for x in lens]
