@@ -240,10 +240,10 @@ class AttnplugCache(Cache):
             # has written ``req_to_token`` since (``covers``, written out), and each new slot is the one the record
             # gives (``slot``): nothing to write. Else (a page opened, or a page list changed under the record:
             # a host bug) the fill below writes what differs
-            covered, blocks, n = rec.lens, rec.blocks, len(rec.lens)
+            covered, ids, n = rec.lens, rec.blocks, len(rec.lens)
             for r, x, slot in zip(rows, lens, slots):
                 p = x - 1
-                if r >= n or x > covered[r] or blocks[r][p // ps] * ps + p % ps != slot:
+                if r >= n or x > covered[r] or ids[r][p // ps] * ps + p % ps != slot:
                     break
             else:
                 return
