@@ -81,9 +81,12 @@ class ForwardBatch:
     def decode(
         cls, req_pool_indices: IndexLike, seq_lens: IndexLike, out_cache_loc: IndexLike, **kw: Any
     ) -> ForwardBatch:
+        # ``after``: the host's previous decode batch (host ints only): tensors of it still holding this batch's
+        # values, never written, are taken instead of made again (``_decode_from_host``)
+        after = kw.pop("after", None)
         if not kw.keys() - {"mla_form"} and _all_ints(req_pool_indices, seq_lens, out_cache_loc):
             return cls._decode_from_host(list(req_pool_indices), list(seq_lens), list(out_cache_loc),
-                                         kw.get("mla_form", ABSORBED))
+                                         kw.get("mla_form", ABSORBED), after)
         seq = _i64(seq_lens)
         return cls(
             ForwardMode.DECODE, _i64(req_pool_indices), seq, _i64(out_cache_loc),
@@ -91,10 +94,18 @@ class ForwardBatch:
         ).validate()
 
     @classmethod
-    def _decode_from_host(cls, rows: list[int], seq: list[int], loc: list[int], mla_form: str) -> ForwardBatch:
+    def _decode_from_host(cls, rows: list[int], seq: list[int], loc: list[int], mla_form: str,
+                          after: ForwardBatch | None = None) -> ForwardBatch:
         """``decode`` from host ints (what a host's scheduler holds): the checks ``validate`` runs, run on
         the ints themselves, then the tensors made from those very ints (so the host copies are the
-        tensors' values without reading them back). Same fields, dtypes and errors as the tensor path."""
+        tensors' values without reading them back). Same fields, dtypes and errors as the tensor path.
+
+        ``after`` (the previous decode step's batch, made here too): what it already holds is taken, not made
+        again — its ``req_pool_indices`` when the rows are the same, its ``extend_seq_lens`` (ones) for the same
+        batch size, and its ``seq_lens`` as this step's ``positions`` when each request is one token longer —
+        each only while that tensor was never written (its write counter still 0: its values are the ints it
+        was made from). The two batches then share the tensor: a write through either moves the counter
+        both record, so the per-layer guard refuses it in the batch that uses it."""
         if mla_form not in MLA_FORMS:
             raise ShapeError(f"ForwardBatch.mla_form={mla_form!r} (expected one of {', '.join(MLA_FORMS)})")
         b = len(seq)
@@ -114,11 +125,21 @@ class ForwardBatch:
         # made outside inference mode even when the host runs under it (the transformers runner, vLLM): the
         # tensors keep write counters, so an in-place change after this validation is refused per layer
         # (``changed_since_validate``) and the backends' per-slot-tensor memos need no private copy
+        req_t = ones_t = pos_t = None
+        made = None if after is None else after.__dict__.get("_made")
+        if made is not None:  # (rows, req_pool_indices, extend_seq_lens, seq_lens ints, seq_lens) of ``after``
+            if made[1]._version == 0 and made[0] == rows:
+                req_t = made[1]
+            if made[2]._version == 0 and len(made[0]) == b:
+                ones_t = made[2]
+            if made[4]._version == 0 and made[3] == prefix:
+                pos_t = made[4]
         with _not_inference():
-            self = cls(ForwardMode.DECODE, _host_i64("req_pool_indices", rows), _host_i64("seq_lens", seq),
-                       _host_i64("out_cache_loc", loc), extend_prefix_lens=_host_i64("extend_prefix_lens", prefix),
-                       extend_seq_lens=_host_i64("extend_seq_lens", [1] * b),
-                       positions=_host_i64("positions", prefix), mla_form=mla_form)
+            self = cls(ForwardMode.DECODE, req_t if req_t is not None else _host_i64("req_pool_indices", rows),
+                       _host_i64("seq_lens", seq), _host_i64("out_cache_loc", loc),
+                       extend_prefix_lens=_host_i64("extend_prefix_lens", prefix),
+                       extend_seq_lens=ones_t if ones_t is not None else _host_i64("extend_seq_lens", [1] * b),
+                       positions=pos_t if pos_t is not None else _host_i64("positions", prefix), mla_form=mla_form)
         # the validation record ``_validated_as`` makes, written out: fresh tensors with write counters
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, [1] * b
         self.req_pool_indices_cpu = rows
@@ -128,6 +149,9 @@ class ForwardBatch:
         # the ints the three tensors were made from (private copies), for ``host_ints``
         d["_host_ints"] = ((d["req_pool_indices"], d["seq_lens"], d["out_cache_loc"]),
                            (list(rows), list(seq), list(loc)))
+        # what a next decode step may take (``after``): tensors with the ints they were made from (private copies)
+        d["_made"] = (d["_host_ints"][1][0], d["req_pool_indices"], d["extend_seq_lens"], d["_host_ints"][1][1],
+                      d["seq_lens"])
         return self
 
     def host_ints(self) -> tuple[list[int], list[int], list[int]] | None:

@@ -762,6 +762,75 @@ class PagedKVCache:
         raise ShapeError(f"fill_from_page_table: request {i}: page table column {j} holds block {ids[j]}, which is "
                          f"out of range (expected 0 <= block < num_pages={num_pages}); nothing was written")
 
+    def fill_from_pages(self, blocks: Sequence[Sequence[int]], lens: Sequence[int]) -> PageFill:
+        """``fill_from_page_table`` for a host that keeps each request's pages as host ints (the transformers cache
+        adapter): row ``i`` of ``req_to_token`` (``i < len(lens)``) maps position ``p`` of its first
+        ``ceil(lens[i] / page_size)`` pages to ``blocks[i][p // page_size] * page_size + p % page_size``. The same
+        checks first (each row's used ids in ``[0, num_pages)``: a bad one is a ``ShapeError`` naming the request,
+        the page, the id and the bound, and nothing is written; ids past a row's used pages are not read) and the
+        same record (``PageFill``, read through ``page_fill``). Only what is not there yet is written: while the
+        last fill's record holds, a row's leading pages it recorded (the same ids in the same places) are left
+        as they are (every fill writes whole pages) and only the pages after them are written, so a decode step
+        that opened no page writes nothing; a row with no positions and every position past a row's last page
+        are never written (``fill_from_page_table`` writes page 0 there), so a host's unassigned marks stay."""
+        prev, self._fill = self.page_fill(), None
+        lens = [operator.index(x) for x in lens]
+        n, ps, L = len(lens), self.page_size, self.max_context_len
+        if n > self.max_requests or n > len(blocks):
+            raise ShapeError(f"fill_from_pages: {n} requests, but req_to_token has {self.max_requests} rows and "
+                             f"{len(blocks)} page lists were given")
+        used: list[list[int]] = []
+        for i, x in enumerate(lens):
+            if not 0 <= x <= L:
+                raise ShapeError(f"fill_from_pages: request {i}: length {x} is out of range (expected 0 <= length "
+                                 f"<= max_context_len={L})")
+            u = -(-x // ps)
+            ids = blocks[i][:u]
+            if type(ids) is not list:
+                ids = list(ids)
+            if len(ids) < u:
+                raise ShapeError(f"fill_from_pages: request {i} needs {u} pages for {x} positions, but its page "
+                                 f"list has {len(ids)}")
+            used.append(ids)
+        if prev is not None and prev.blocks == used:
+            # the same requests on the same pages as the last fill, which nothing has written over since: every
+            # entry is in place (ids checked when that record was made); the record covers the new lengths
+            self._fill = rec = PageFill(self.req_to_token, lens, prev.pages, prev.blocks, prev.table)
+            return rec
+        P = self.num_pages
+        for i, ids in enumerate(used):
+            ids = used[i] = [operator.index(b) for b in ids]
+            for j, b in enumerate(ids):
+                if not 0 <= b < P:
+                    raise ShapeError(f"fill_from_pages: request {i}: page {j} is block {b}, which is out of range "
+                                     f"(expected 0 <= block < num_pages={P}); nothing was written")
+        old = prev.blocks if prev is not None else None
+        pages = [len(ids) for ids in used]
+        width = max(pages, default=0)
+        dev = self.req_to_token.device
+        with _not_inference():  # the recorded table keeps a write counter (see ``PageFill.table_version``)
+            ar = self._page_offsets
+            if ar is None or ar.device != dev:
+                ar = self._page_offsets = torch.arange(ps, dtype=torch.int64, device=dev)
+            flat: list[int] = []
+            for i, ids in enumerate(used):
+                k = 0  # the leading pages the last (valid) record already put in this row
+                if old is not None and i < len(old):
+                    o, m = old[i], min(len(old[i]), len(ids))
+                    while k < m and o[k] == ids[k]:
+                        k += 1
+                if k < len(ids):
+                    new = torch.tensor(ids[k:], dtype=torch.int64, device=dev)
+                    slots = torch.add(ar, new[:, None], alpha=ps).view(-1)
+                    end = min(len(ids) * ps, L)
+                    self.req_to_token[i, k * ps:end].copy_(slots[:end - k * ps])
+                flat.extend(ids)
+                flat.extend([0] * (width - len(ids)))
+            pt = _int32_tensor(flat, dev).view(n, width) if flat else torch.zeros(n, width, dtype=torch.int32,
+                                                                                 device=dev)
+            self._fill = rec = PageFill(self.req_to_token, lens, pages, used, pt)
+        return rec
+
     def page_fill(self, rows: Sequence[int] | None = None, lens: Sequence[int] | None = None) -> PageFill | None:
         """The last ``fill_from_page_table``'s record while it holds: ``req_to_token`` is the tensor it wrote and its
         write counter has not moved since (any torch write into it, anywhere, voids the record), and it covers

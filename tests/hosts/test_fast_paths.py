@@ -40,18 +40,19 @@ def test_extend_one_maps_the_slot_and_pages_extend_maps(page_size, prompt):
         assert torch.equal(a.kv_cache.req_to_token, b.kv_cache.req_to_token)
 
 
-def test_a_decode_step_gives_the_logits_the_general_path_gives():
+@pytest.mark.parametrize("prompt_len", [9, 6])
+def test_a_decode_step_gives_the_logits_the_general_path_gives(prompt_len, fill):
     """The same token as a decode chunk (host-int path) and as a one-token extend chunk (tensor path)."""
     fast, slow = _runner(), _runner()
-    prompt = models.prompts((9,))[0]
+    prompt = models.prompts((prompt_len,))[0]
     for r in (fast, slow):
         r.forward([Chunk("a", prompt), Chunk("b", prompt[:5])])
-    for tok in (3, 17, 250):
+    for tok in (3, 17, 250, 5, 9):
         lf = fast.forward([Chunk("a", (tok,), decode=True), Chunk("b", (tok,), decode=True)])
         ls = slow.forward([Chunk("a", (tok,)), Chunk("b", (tok,))])
         assert fast.steps[-1].mode.value == "decode" and slow.steps[-1].mode.value == "extend"
         torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
-    assert torch.equal(fast.kv_cache.req_to_token, slow.kv_cache.req_to_token)
+        assert_same_mapping(fast, slow, fill)
 
 
 def _prefix_entry(value):
@@ -71,11 +72,25 @@ CORRUPTIONS = {
     "prefix entry past the slots": (_prefix_entry(4 * 64), ShapeError, r"position 2 .* is out of range"),
     "new slot past the cache": (_bad_page, ShapeError, r"out_cache_loc\[0\]=\d+ is out of range"),
 }
+#: with the decode step's page fill (round 7) a bad page id is refused by the fill, before any slot is used
+FILL_WORDS = {"new slot past the cache": r"decode step of request 'a': fill_from_pages: request \d+: page 1 is "
+                                         r"block 67, which is out of range \(expected 0 <= block < num_pages=64\)"}
+
+
+@pytest.fixture(params=["fill", "entry writes"])
+def fill(request, monkeypatch):
+    """Both ways a decode step maps its rows: ``fill_from_pages`` (the default) and one entry write per request."""
+    from attnplug.integrations.transformers import cache
+
+    monkeypatch.setattr(cache, "_FILL", request.param == "fill")
+    return request.param == "fill"
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_a_corrupted_cache_is_refused_at_a_decode_step_and_the_request_keeps_its_length(case):
+def test_a_corrupted_cache_is_refused_at_a_decode_step_and_the_request_keeps_its_length(case, fill):
     corrupt, exc, match = CORRUPTIONS[case]
+    if fill:
+        match = FILL_WORDS.get(case, match)
     runner = _runner(num_pages=64)
     runner.forward([Chunk("a", range(1, 6))])  # 5 tokens: the next one goes into the second page
     runner.forward([Chunk("a", (7,), decode=True)])
@@ -222,7 +237,28 @@ def test_a_decode_step_with_an_unknown_request_maps_nothing(unknown_at):
     assert runner.cache.pool.free_pages == free and runner.cache.length("a") == 4 and runner.cache.length("b") == 7
 
 
-def test_decode_step_maps_what_extend_one_maps():
+def assert_same_mapping(fast, slow, fill):
+    """``fast``'s ``req_to_token`` maps what ``slow``'s (entry writes) maps. Without the fill: equal tensors. With
+    it (whole pages): every position below each request's length equal, and past it each entry of a request's
+    row either unassigned or a slot of that request's own last page (never another request's slot); rows of
+    no request as in ``slow``."""
+    a, b = fast.kv_cache.req_to_token, slow.kv_cache.req_to_token
+    if not fill:
+        assert torch.equal(a, b)
+        return
+    ps, owned = fast.kv_cache.page_size, set()
+    for rid, seq in fast.cache._seqs.items():
+        owned.add(seq.row)
+        n = seq.length
+        assert torch.equal(a[seq.row, :n], b[slow.cache.row(rid), :n]), rid
+        mine = {p * ps + o for p in seq.pages for o in range(ps)}
+        assert all(x == -1 or x in mine for x in a[seq.row, n:].tolist()), rid
+    for r in range(a.shape[0]):
+        if r not in owned:
+            assert torch.equal(a[r], b[r]), r
+
+
+def test_decode_step_maps_what_extend_one_maps(fill):
     a, b = _runner(), _runner()
     for r in (a, b):
         r.forward([Chunk("x", range(1, 4)), Chunk("y", range(1, 6))])
@@ -232,7 +268,8 @@ def test_decode_step_maps_what_extend_one_maps():
         want = [b.cache.extend_one("x"), b.cache.extend_one("y")]
         assert slots == want and rows == [b.cache.row("x"), b.cache.row("y")]
         assert lens == [b.cache.length("x"), b.cache.length("y")] == [prefix["x"] + 1, prefix["y"] + 1]
-        assert torch.equal(a.kv_cache.req_to_token, b.kv_cache.req_to_token)
+        assert_same_mapping(a, b, fill)
+        assert (a.kv_cache.page_fill(rows, lens) is not None) == fill  # the fill's record covers the step
 
 
 # -- the greedy pick (round 5) -------------------------------------------------------------------------

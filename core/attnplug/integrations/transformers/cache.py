@@ -12,6 +12,16 @@ the new positions (``PagedKVCache.assign_pages``) *before* the forward that
 uses them; ``release`` returns the pages and the row, and marks the row's
 mapped positions unassigned (-1) so a reused row never points at slots it no
 longer owns.
+
+A decode step maps its requests' rows through ``PagedKVCache.fill_from_pages``
+(whole pages from the requests' page lists, host ints), recorded to the end of each
+request's last page: while that record holds (nothing wrote ``req_to_token`` since)
+and covers the step, with each new slot the one it gives, the step writes and fills
+nothing; otherwise the fill writes only the pages the record lacks. The record
+(``PageFill``) lets ``check_batch`` take the covered entries as real slots instead
+of reading them back. Within a request's last page, the positions past its length
+then already hold that page's slots (its own); ``truncate`` and ``release`` mark
+every position of the pages they give back unassigned.
 """
 
 from __future__ import annotations
@@ -22,12 +32,19 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from attnplug import AttnplugError, PagedKVCache
+from attnplug import AttnplugError, PagedKVCache, ShapeError
 
 __all__ = ["UNASSIGNED", "AttnplugCache", "PagePool", "PagedCacheLayer"]
 
 #: ``req_to_token`` value of a position no request owns.
 UNASSIGNED = -1
+
+#: a decode step maps its rows through ``PagedKVCache.fill_from_pages`` (tests switch it off to compare with
+#: the entry-by-entry write, which leaves no ``PageFill`` record)
+_FILL = True
+#: the fill records each request to the end of its last page, so later steps in that page need no fill (tests
+#: and the round 7 measurement switch it off: recorded to the length, a fill every step)
+_PAGE_END = True
 
 
 class PagePool:
@@ -171,7 +188,7 @@ class AttnplugCache(Cache):
         slot cost ~10x more) and written into ``req_to_token`` (a torch write: its write counter moves)."""
         return self._extend_one(rid, self._seq(rid))
 
-    def _extend_one(self, rid: Any, seq: _Seq) -> int:
+    def _extend_one(self, rid: Any, seq: _Seq, write: bool = True) -> int:
         cache = self.kv_cache
         ps, old = cache.page_size, seq.length
         if old + 1 > cache.max_context_len:
@@ -181,7 +198,8 @@ class AttnplugCache(Cache):
         if old // ps >= len(seq.pages):
             seq.pages.extend(self.pool.alloc(old // ps + 1 - len(seq.pages)))
         slot = seq.pages[old // ps] * ps + old % ps
-        seq.entries[old] = slot  # req_to_token[row, old]: one index into the row's view
+        if write:
+            seq.entries[old] = slot  # req_to_token[row, old]: one index into the row's view
         seq.length = old + 1
         return slot
 
@@ -189,24 +207,81 @@ class AttnplugCache(Cache):
         """A decode forward's mapping, one request after the other (``extend_one`` each): its cached length
         goes into ``prefix`` *before* its slot is mapped (so a failure can be undone by ``truncate``);
         returns the requests' rows, their lengths after the forward and their new slots. A request that is
-        not in the cache is an ``AttnplugError`` naming it."""
+        not in the cache is an ``AttnplugError`` naming it. The rows are then mapped by one
+        ``PagedKVCache.fill_from_pages`` over the requests' page lists (``_FILL``; else each new entry is
+        written on its own): its record covers the step's rows for ``check_batch``."""
         rows, lens, slots = [], [], []
         seqs = self._seqs
+        fill = _FILL
         for rid in rids:
             seq = seqs.get(rid)
             if seq is None:
                 raise AttnplugError(f"decode Chunk for request {rid!r}, which has no prompt in the cache")
             prefix[rid] = seq.length
-            slots.append(self._extend_one(rid, seq))  # its page mapped before the forward
+            slots.append(self._extend_one(rid, seq, not fill))  # its page mapped before the forward
             rows.append(seq.row)
             lens.append(seq.length)
+        if fill and rows:
+            self._fill_step([seqs[rid] for rid in rids], rows, lens, slots)
         return rows, lens, slots
+
+    def _fill_step(self, seqs: list[_Seq], rows: list[int], lens: list[int], slots: list[int]) -> None:
+        """Map a decode step's rows by ``fill_from_pages`` (whole pages; only those the last fill did not write),
+        unless the last fill's record still holds, covers every position of the step and gives each new slot.
+        Positions a request had before the step that the last fill's record does not cover (none holds, or
+        the rows were written since: an extend, or a write from outside) are first compared with the request's
+        pages: where one differs, nothing is filled over it — each new entry is written on its own and
+        ``check_batch`` reads the rows, refusing a bad entry in its own words, as without the fill."""
+        cache = self.kv_cache
+        ps = cache.page_size
+        rec = cache.page_fill()
+        if _PAGE_END and rec is not None and rec.blocks is not None:
+            # every position of the step lies in pages the last fill wrote whole (recorded to their end) and nothing
+            # has written ``req_to_token`` since (``covers``, written out), and each new slot is the one the record
+            # gives (``slot``): nothing to write. Else (a page opened, or a page list changed under the record:
+            # a host bug) the fill below writes what differs
+            covered, ids, n = rec.lens, rec.blocks, len(rec.lens)
+            for r, x, slot in zip(rows, lens, slots):
+                p = x - 1
+                if r >= n or x > covered[r] or ids[r][p // ps] * ps + p % ps != slot:
+                    break
+            else:
+                return
+        olds = [x - 1 for x in lens]
+        if rec is None or not rec.covers(rows, olds):
+            if not all(self._as_mapped(seq, old) for seq, old in zip(seqs, olds)):
+                for seq, old, slot in zip(seqs, olds, slots):
+                    seq.entries[old] = slot
+                return
+        n = max(rows) + 1
+        blocks: list[Sequence[int]] = [()] * n
+        upto = [0] * n
+        L = cache.max_context_len
+        for seq, x in zip(seqs, lens):
+            # recorded to the end of the request's last page (the fill writes whole pages): the next steps in
+            # that page are covered as they are
+            blocks[seq.row], upto[seq.row] = seq.pages, (min(len(seq.pages) * ps, L) if _PAGE_END else x)
+        try:
+            cache.fill_from_pages(blocks, upto)
+        except ShapeError as exc:  # a bad page id: name the request it belongs to
+            bad = next((rid for rid, seq in self._seqs.items() if f"request {seq.row}:" in str(exc)), None)
+            raise ShapeError(f"decode step of request {bad!r}: {exc}") from None
+
+    def _as_mapped(self, seq: _Seq, length: int) -> bool:
+        """Whether ``seq``'s row maps its positions ``0 … length-1`` to its pages' slots."""
+        ps, pages = self.kv_cache.page_size, seq.pages
+        if length <= 256 and seq.entries.device.type == "cpu":
+            return seq.entries[:length].tolist() == [pages[p // ps] * ps + p % ps for p in range(length)]
+        dev = seq.entries.device
+        pos = torch.arange(length, device=dev)
+        ids = torch.tensor(pages[:-(-length // ps)], dtype=torch.int64, device=dev)
+        return torch.equal(seq.entries[:length], ids[pos // ps] * ps + pos % ps)
 
     def truncate(self, rid: Any, length: int) -> None:
         """Forget positions ``length …`` of ``rid`` (a forward that failed), returning whole pages."""
         seq = self._seq(rid)
         if length < seq.length:
-            self.kv_cache.req_to_token[seq.row, length:seq.length] = UNASSIGNED
+            self.kv_cache.req_to_token[seq.row, length:self._mapped_end(seq)] = UNASSIGNED
             keep = -(-length // self.kv_cache.page_size)
             self.pool.free(seq.pages[keep:])
             del seq.pages[keep:]
@@ -217,9 +292,15 @@ class AttnplugCache(Cache):
         seq = self._seqs.pop(rid, None)
         if seq is None:
             raise AttnplugError(f"request {rid!r} is not in the KV cache (already released?)")
-        self.kv_cache.req_to_token[seq.row, :seq.length] = UNASSIGNED
+        self.kv_cache.req_to_token[seq.row, :self._mapped_end(seq)] = UNASSIGNED
         self.pool.free(seq.pages)
         self._free_rows.append(seq.row)
+
+    def _mapped_end(self, seq: _Seq) -> int:
+        """The end of the positions of ``seq``'s row that may hold a slot: its length, or the end of its last
+        page (a decode step's fill maps whole pages), whichever is further (within ``max_context_len``)."""
+        cache = self.kv_cache
+        return max(seq.length, min(len(seq.pages) * cache.page_size, cache.max_context_len))
 
     # -- one forward ------------------------------------------------------------
     def begin_forward(self, prefix_lens: dict[Any, int]) -> None:

@@ -53,6 +53,9 @@ from .mla import mla_specs
 __all__ = ["TASKS", "Chunk", "StepRecord", "TransformersRunner"]
 
 
+#: a decode step's ``ForwardBatch`` takes what the previous one holds (``ForwardBatch.decode(after=...)``; tests
+#: switch it off to compare)
+_AFTER = True
 #: what a runner is built for; the build-time rehearsal runs the forwards the task needs
 TASKS = ("generate", "encode")
 #: ``TransformersRunner(mla_form=...)``: how MLA layers are computed (docs/mla.md)
@@ -190,6 +193,8 @@ class TransformersRunner:
         self._served: dict[ForwardMode, str] = {}
         #: one (frozen) ``StepRecord`` per (mode, requests, tokens), appended to ``steps`` for every such forward
         self._records: dict[tuple[ForwardMode, int, int], StepRecord] = {}
+        #: the last decode forward's batch (``_batch`` passes it to the next one as ``after``)
+        self._last_decode: ForwardBatch | None = None
         self._rehearse(before, task)
 
     def _rehearse(self, before: str, task: str) -> None:
@@ -301,10 +306,10 @@ class TransformersRunner:
         prefix: dict[Any, int] = {}
         cache = self.cache
         try:
-            rows = None
+            rows = lens = None
             loc: torch.Tensor | list[int]
             if mode is ForwardMode.DECODE:  # one token per request: rows, lengths and slots as host ints
-                rows, _, loc = cache.decode_step([c.rid for c in chunks], prefix)
+                rows, lens, loc = cache.decode_step([c.rid for c in chunks], prefix)
             else:
                 slots = []
                 for c in chunks:
@@ -313,7 +318,7 @@ class TransformersRunner:
                     prefix[c.rid] = cache.length(c.rid)
                     slots.append(cache.extend(c.rid, len(c.tokens)))  # pages mapped before the forward
                 loc = slots[0] if len(slots) == 1 else torch.cat(slots)
-            batch = self._batch(mode, chunks, prefix, loc, rows)
+            batch = self._batch(mode, chunks, prefix, loc, rows, lens)
             logits = self._run(chunks, prefix, batch, keep_all)
         except BaseException:
             for rid, length in prefix.items():
@@ -334,13 +339,21 @@ class TransformersRunner:
         return logits
 
     def _batch(self, mode: ForwardMode, chunks: Sequence[Chunk], prefix: dict[Any, int],
-               out_cache_loc: torch.Tensor | list[int], rows: list[int] | None = None) -> ForwardBatch:
+               out_cache_loc: torch.Tensor | list[int], rows: list[int] | None = None,
+               lens: list[int] | None = None) -> ForwardBatch:
+        """The forward's ``ForwardBatch``; a decode step passes the rows and lengths ``decode_step`` mapped (host
+        ints: ``ForwardBatch.decode`` makes the batch from them)."""
         if rows is None:
             rows = [self.cache.row(c.rid) for c in chunks]
         form = self.mla_form if self.mla_form != "auto" else (
             "absorbed" if mode is ForwardMode.DECODE else "unabsorbed")
         if mode is ForwardMode.DECODE:
-            return ForwardBatch.decode(rows, [prefix[c.rid] + 1 for c in chunks], out_cache_loc, mla_form=form)
+            if lens is None:
+                lens = [prefix[c.rid] + 1 for c in chunks]
+            # the previous decode step's batch: its tensors still holding this step's values are taken
+            after = self._last_decode if _AFTER else None
+            batch = self._last_decode = ForwardBatch.decode(rows, lens, out_cache_loc, mla_form=form, after=after)
+            return batch
         return ForwardBatch.extend(rows, [prefix[c.rid] for c in chunks], [len(c.tokens) for c in chunks],
                                    out_cache_loc, mode=mode, mla_form=form)
 
@@ -361,7 +374,8 @@ class TransformersRunner:
         kw: dict[str, Any] = {FORWARD_KWARG: fwd}
         if self._takes_logits_to_keep and not keep_all and last is not None:
             kw["logits_to_keep"] = last
-        out = self.model(input_ids=ids[None], position_ids=positions[None], cache=self.cache, use_cache=True, **kw)
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), cache=self.cache,
+                         use_cache=True, **kw)
         self.cache.end_forward()
         if fwd.calls != len(self.layers):
             raise AttnplugError(f"the model made {fwd.calls} attention calls through attnplug in one forward, "
