@@ -41,7 +41,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -223,9 +225,10 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) uint64_t rate_loop_ticks
 // pays: the measured ratio rounded to the nearest power of two (issue rates are ratios of pipes and cycles
 // an instruction: 1/2, 1, 2 ...; a measurement up to 40% off rounds the same, so the choice is the same
 // every run on a CPU) at least this. The model (docs/performance.md, kext3): the vdpbf16ps body's time is
-// its products' (inverse to this ratio) plus its rest, measured on this Xeon both at ratio 0.5 and, with
-// every vdpbf16ps timed as an FMA, at 2; it equals the widened body's near 0.8: at 0.5 widening wins by
-// 1.5x, at 1 (half the FMA's instruction rate) vdpbf16ps by ~1.2x, at 2 (the FMA's rate) by ~1.9x
+// its products' (inverse to this ratio) plus its rest, measured on a Sapphire Rapids Xeon at its ratio 0.52
+// and, with every vdpbf16ps issued as an FMA (ATTNPLUG_ET_DP_TIMING_AS_FMA), at 2; it equals the widened
+// body's near 0.8: at 0.5 widening wins by 1.45x, at 1 (half the FMA's instruction rate) vdpbf16ps by
+// ~1.2x, at 2 (the FMA's rate) by ~1.8x
 constexpr double DP_PAYS_AT = 1.0;
 
 struct Bf16Choice {
@@ -380,6 +383,26 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
         items.push_back(h);
         items.push_back(int32_t(i0));
       }
+  }
+  // largest items first (their queries x the keys they see; stable: a fixed order for given inputs): the
+  // threads take items one at a time, and the last ones taken are the small ones, so none waits long for
+  // another's last item (in request order the last items of a long request are its largest)
+  if (a.nthreads > 1 && items.size() > 3) {
+    const size_t n = items.size() / 3;
+    std::vector<std::pair<int64_t, size_t>> cost(n);
+    for (size_t it = 0; it < n; ++it) {
+      const int64_t* pl = a.plan + PLAN * items[3 * it];
+      const int64_t nc = pl[2], nq = pl[4], i0 = items[3 * it + 2], i1 = i0 + QT < nq ? i0 + QT : nq;
+      int64_t keys = nc + (i0 + i1 + 1) / 2;  // the mean query's keys (causal)
+      if (a.window >= 0 && keys > a.window + 1) keys = a.window + 1;
+      cost[it] = {-(i1 - i0) * keys, it};
+    }
+    std::stable_sort(cost.begin(), cost.end(),
+                     [](const std::pair<int64_t, size_t>& x, const std::pair<int64_t, size_t>& y) { return x.first < y.first; });
+    std::vector<int32_t> sorted(items.size());
+    for (size_t k = 0; k < n; ++k)
+      for (int f = 0; f < 3; ++f) sorted[3 * k + f] = items[3 * cost[k].second + f];
+    items.swap(sorted);
   }
   Work w{&a, fn, items.data(), int64_t(items.size() / 3), scratch_floats(a.D, a.Dv), QT, 0, 0};
   if (w.n == 0) return 0;
