@@ -30,7 +30,7 @@ import torch
 import attnplug_cpu_fused.kernel as cf_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vllm_cpu_raw import Problem, time_rows  # noqa: E402
+from bench_vllm_cpu_raw import Problem, time_rows
 
 
 def main(argv: list[str] | None = None) -> int:

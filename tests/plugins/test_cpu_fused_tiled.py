@@ -541,7 +541,7 @@ def test_bf16_body_is_measured_and_the_same_every_run():
     # unset, the rate is measured (register-only vdpbf16ps and FMA loops): a positive ratio, rounded to a power of
     # two, the same choice in two processes, the note saying it was measured and what it chose
     runs = [_bf16_choice(None) for _ in range(2)]
-    for code, ratio, rounded, how, body, note in runs:
+    for _code, ratio, rounded, how, body, note in runs:
         assert how == 1 and ratio > 0 and rounded == 2.0 ** round(math.log2(ratio))
         assert body == ("vdpbf16ps" if rounded >= fused.DPBF16_PAYS_AT else "widened")
         assert f"vdpbf16ps measured at {ratio:.2f}x the float32 FMA's flops a cycle" in note

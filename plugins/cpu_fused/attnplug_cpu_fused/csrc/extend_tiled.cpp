@@ -227,8 +227,8 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) uint64_t rate_loop_ticks
 // every run on a CPU) at least this. The model (docs/performance.md, kext3): the vdpbf16ps body's time is
 // its products' (inverse to this ratio) plus its rest, measured on a Sapphire Rapids Xeon at its ratio 0.52
 // and, with every vdpbf16ps issued as an FMA (ATTNPLUG_ET_DP_TIMING_AS_FMA), at 2; it equals the widened
-// body's near 0.8: at 0.5 widening wins by 1.45x, at 1 (half the FMA's instruction rate) vdpbf16ps by
-// ~1.2x, at 2 (the FMA's rate) by ~1.8x
+// body's near 0.87: at 0.5 widening wins by ~1.5x, at 1 (half the FMA's instruction rate) vdpbf16ps by
+// ~1.1-1.2x, at 2 (the FMA's rate) by ~1.8x
 constexpr double DP_PAYS_AT = 1.0;
 
 struct Bf16Choice {
