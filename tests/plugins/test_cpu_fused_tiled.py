@@ -21,6 +21,7 @@ error next to the FMA tiles', the default isa choosing it, and the fallback when
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -53,6 +54,18 @@ def isas() -> list[int]:
 
 
 ISA_IDS = {v: k for k, v in fused.TILED_ISAS.items()}
+
+#: the two bf16 bodies of a CPU without AMX (extend_tiled.cpp): bf16 widened to float32 and the avx512 FMA tiles
+#: (isa ``avx512``), and vdpbf16ps (isa ``avx512bf16``); isa 0 runs one of them by vdpbf16ps's measured rate
+BF16_BODIES = {fused.TILED_ISAS["avx512"]: "widened", fused.TILED_ISAS["avx512bf16"]: "vdpbf16ps"}
+
+
+def body_cases() -> list[Any]:
+    """(dtype, tiled_isa) cases: each dtype by default (isa 0), and bf16 pinned to each bf16 body this CPU runs
+    besides (widened and vdpbf16ps), so both are held to the reference whichever the default is here."""
+    cases = [pytest.param(F32, 0, id="float32"), pytest.param(BF16, 0, id="bfloat16")]
+    best = max(isas(), default=0)
+    return cases + [pytest.param(BF16, isa, id=f"bfloat16-{name}") for isa, name in BF16_BODIES.items() if isa <= best]
 
 
 def assert_tiled_ran(s: Any, q_dtype: torch.dtype) -> None:
@@ -113,11 +126,13 @@ def test_item_edges_across_sub_tiles(layer_kind, group, dtype, isa, all_tiled):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("dtype,isa", body_cases())
 @pytest.mark.parametrize("dims", [(16, 16), (64, 64), (128, 128), (48, 80), (64, 32)], ids=lambda d: f"D{d[0]}_Dv{d[1]}")
-def test_head_dims(dims, dtype):
-    # long extends (> FUSED_MAX_QUERIES new tokens) take the tiled kernel by default
+def test_head_dims(dims, dtype, isa):
+    # long extends (> FUSED_MAX_QUERIES new tokens) take the tiled kernel by default; head dims that are not
+    # multiples of 32 (16, 48, 80) take the bodies' 16-wide remainders (query pairs, value pairs)
     s = make(dtype=dtype, head_dim=dims[0], v_head_dim=dims[1], seed=110 + dims[0])
+    s.backend.tiled_isa = isa
     run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [0, 50], [70, 40]))
     assert_tiled_ran(s, dtype)
 
@@ -135,11 +150,12 @@ TILED_LAYERS: dict[str, dict[str, Any]] = {
 
 @needs_kernel
 @pytest.mark.parametrize("layer_kind", sorted(TILED_LAYERS))
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
-def test_layer_features_and_threads(dtype, layer_kind, threads):  # noqa: F811  # the fixture
+@pytest.mark.parametrize("dtype,isa", body_cases())
+def test_layer_features_and_threads(dtype, isa, layer_kind, threads):  # noqa: F811  # the fixture
     for page_size in (16, 1):
         s = make(dtype=dtype, head_dim=32, page_size=page_size, seed=120 + page_size,
                  layer_kw=TILED_LAYERS[layer_kind])
+        s.backend.tiled_isa = isa
         batch = extend_batch(s, ForwardMode.EXTEND, [0, 37, 90, 3], [17, 40, 33, 100])
         run_and_check(s, batch, q_gain=4.0 if "softcap" in layer_kind else 1.0)
         assert_tiled_ran(s, dtype)
@@ -174,11 +190,12 @@ def test_tiled_kernel_matches_sdpa_on_a_long_prefill(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
-def test_nan_in_a_later_new_token_reaches_only_the_queries_that_see_it(dtype, all_tiled):
+@pytest.mark.parametrize("dtype,isa", body_cases())
+def test_nan_in_a_later_new_token_reaches_only_the_queries_that_see_it(dtype, isa, all_tiled):
     # causal masking selects: a NaN key/value at new token t never reaches queries before t (0 * NaN is
     # NaN), and does reach t and every later query of the request
     s = make(dtype=dtype, head_dim=32, seed=150)
+    s.backend.tiled_isa = isa
     batch = extend_batch(s, ForwardMode.EXTEND, [20, 0], [60, 35])
     q, k, v = inputs(s, batch.num_tokens)
     t = 41  # inside the first request's second query tile, inside a key tile
@@ -448,3 +465,102 @@ def test_amx_refused_falls_back_to_the_avx512_bodies():
     lines = proc.stdout.splitlines()
     assert int(lines[0]) < AMX
     assert any(f"tiled_isa={AMX} is not available on this CPU" in line for line in lines), proc.stdout
+
+
+# the bf16 body without AMX: vdpbf16ps or widened to float32, by vdpbf16ps's rate measured once a process
+
+_BF16_CHOICE_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from attnplug import ForwardMode
+    from attnplug_cpu_fused import kernel as fused
+    from test_cpu_fused import BF16, extend_batch, make, run_and_check
+    code, ratio, rounded, how = torch.ops.attnplug_cpu_fused.tiled_bf16_isa()
+    s = make(dtype=BF16, head_dim=64, seed=370)
+    print(code, ratio, rounded, how, s.backend.tiled_bf16_body, sep="|")
+    print(s.backend.runtime_notes()[0])
+    outs = []
+    for isa in (0, code):  # the default and the body it names, pinned: the same bits
+        s = make(dtype=BF16, head_dim=64, seed=370)
+        s.backend.tiled_isa = isa
+        outs.append(run_and_check(s, extend_batch(s, ForwardMode.EXTEND, [30, 0], [70, 40])))
+        assert s.backend.workspace.grows == 0, "the tiled kernel did not run"
+    assert torch.equal(outs[0], outs[1]), "isa 0 is not the body tiled_bf16_isa names"
+    print("same")
+""")
+
+
+def _bf16_choice(rate: str | None) -> tuple[int, float, float, int, str, str]:
+    """A fresh process without AMX (``$ATTNPLUG_CPU_FUSED_AMX=0``; the choice is made once a process) and, where
+    ``rate`` is given, ``$ATTNPLUG_CPU_FUSED_DPBF16_RATE`` set to it: the op's report, the backend's body, its
+    runtime note, after checking that a bf16 extend at isa 0 is bit for bit the pinned body it names."""
+    env = dict(os.environ, ATTNPLUG_CPU_FUSED_AMX="0")
+    env.pop(fused.DPBF16_RATE_ENV, None)
+    if rate is not None:
+        env[fused.DPBF16_RATE_ENV] = rate
+    proc = subprocess.run([sys.executable, "-c", _BF16_CHOICE_SCRIPT, os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "same", proc.stdout
+    code, ratio, rounded, how, body = lines[0].split("|")
+    return int(code), float(ratio), float(rounded), int(how), body, lines[1]
+
+
+def _has_avx512bf16() -> bool:
+    op, _ = fused.load()
+    return op is not None and int(torch.ops.attnplug_cpu_fused.tiled_isa()) >= fused.TILED_ISAS["avx512bf16"]
+
+
+needs_avx512bf16 = pytest.mark.skipif(not _has_avx512bf16(), reason="cpu_fused: this CPU has no AVX-512 BF16 "
+                                      "(vdpbf16ps): bf16 extends widen to float32, nothing to choose")
+
+
+@needs_kernel
+@needs_avx512bf16
+@pytest.mark.parametrize("rate,rounded,body", [("2", 2.0, "vdpbf16ps"), ("1.3", 1.0, "vdpbf16ps"),
+                                               ("0.75", 1.0, "vdpbf16ps"), ("0.7", 0.5, "widened"),
+                                               ("0.5", 0.5, "widened"), ("0.25", 0.25, "widened")])
+def test_bf16_body_follows_the_rate(rate, rounded, body):
+    # without AMX a bf16 long extend runs vdpbf16ps where its flops a cycle (over the float32 FMA's, rounded to a
+    # power of two) reach DPBF16_PAYS_AT, else widens to float32; $ATTNPLUG_CPU_FUSED_DPBF16_RATE stands for the
+    # measurement (a CPU issuing vdpbf16ps at the FMA's rate is 2, this Xeon 0.5): the choice, its report and
+    # the body that runs follow it
+    code, got_ratio, got_rounded, how, got_body, note = _bf16_choice(rate)
+    assert (how, got_ratio, got_rounded, got_body) == (2, float(rate), rounded, body)
+    assert code == {"vdpbf16ps": fused.TILED_ISAS["avx512bf16"], "widened": fused.TILED_ISAS["avx512"]}[body]
+    assert (rounded >= fused.DPBF16_PAYS_AT) == (body == "vdpbf16ps")
+    assert f"bf16 long extends: {'vdpbf16ps' if body == 'vdpbf16ps' else 'widened to float32'}" in note
+    assert f"set by ${fused.DPBF16_RATE_ENV} at {float(rate):.2f}x" in note
+
+
+@needs_kernel
+@needs_avx512bf16
+def test_bf16_body_is_measured_and_the_same_every_run():
+    # unset, the rate is measured (register-only vdpbf16ps and FMA loops): a positive ratio, rounded to a power of
+    # two, the same choice in two processes, the note saying it was measured and what it chose
+    runs = [_bf16_choice(None) for _ in range(2)]
+    for _code, ratio, rounded, how, body, note in runs:
+        assert how == 1 and ratio > 0 and rounded == 2.0 ** round(math.log2(ratio))
+        assert body == ("vdpbf16ps" if rounded >= fused.DPBF16_PAYS_AT else "widened")
+        assert f"vdpbf16ps measured at {ratio:.2f}x the float32 FMA's flops a cycle" in note
+    assert {(r[0], r[2], r[4]) for r in runs} == {(runs[0][0], runs[0][2], runs[0][4])}, runs
+
+
+@needs_kernel
+@pytest.mark.parametrize("value", ["fast", "0", "-2", "nan", "inf"])
+def test_a_bad_dpbf16_rate_is_an_error_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv(fused.DPBF16_RATE_ENV, value)
+    with pytest.raises(ValueError, match=rf"\${fused.DPBF16_RATE_ENV}='{value}': expected a positive number"):
+        fused.tiled_bf16_body()
+
+
+@needs_kernel
+def test_runtime_notes_name_the_bf16_extend_body():
+    s = make(seed=380)
+    (note,) = s.backend.runtime_notes()
+    body, why = fused.tiled_bf16_body()
+    assert (s.backend.tiled_bf16_body, s.backend.tiled_bf16_why) == (body, why)
+    assert f"bf16 long extends: {why}" in note
+    assert body == {"amx": "amx", "avx512bf16": body}.get(s.backend.tiled_body, "widened")

@@ -300,6 +300,10 @@ class CpuFusedBackend(TorchNativeBackend):
         #: the tiled extend kernel's body this process runs at ``tiled_isa = 0`` (a ``kernel.TILED_ISAS`` name);
         #: ``amx`` also means bf16 decode runs its scores and value sum through AMX tiles (same check, amx.h)
         self.tiled_body = {v: k for k, v in kernel.TILED_ISAS.items()}[int(torch.ops.attnplug_cpu_fused.tiled_isa())]
+        #: what a bf16 long extend runs at ``tiled_isa = 0`` (``amx``, ``vdpbf16ps``, ``widened``: to float32 and
+        #: the FMA tiles) and why: without AMX, by ``vdpbf16ps``'s rate measured once a process
+        #: (``kernel.tiled_bf16_body``)
+        self.tiled_bf16_body, self.tiled_bf16_why = kernel.tiled_bf16_body()
 
     def build_metadata(self, batch: Any) -> FusedMeta:
         return FusedMeta(batch, self.cache)
@@ -310,7 +314,8 @@ class CpuFusedBackend(TorchNativeBackend):
                 f"extends of <= {FUSED_MAX_QUERIES} new tokens through the kernel"
                 f"{' (bf16: scores and value sum through AMX tiles)' if amx else ''}, longer extends through the "
                 f"tiled extend kernel's {self.tiled_body} body (of {', '.join(kernel.TILED_ISAS)}; chosen by cpuid "
-                f"at load) where the layer fits it, else torch_native's SDPA path"]
+                f"at load) where the layer fits it, else torch_native's SDPA path; bf16 long extends: "
+                f"{self.tiled_bf16_why}"]
 
     # -- per layer -----------------------------------------------------------
     def plan_layer(self, layer: Any) -> FusedLayer:

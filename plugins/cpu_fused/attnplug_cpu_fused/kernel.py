@@ -63,6 +63,14 @@ PARAMS = 7
 TILED_ISAS = {"portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4, "amx": 5}
 #: ``extend_tiled``'s code for an instruction set this CPU lacks
 RC_ISA = 6
+#: bf16 long extends on a CPU with AVX-512 BF16 and no usable AMX run through ``vdpbf16ps`` (isa ``avx512bf16``)
+#: where its flops a cycle, measured once a process against the float32 FMA's and rounded to a power of two,
+#: are at least this many times the FMA's, else widened to float32 and the FMA tiles (isa ``avx512``);
+#: ``extend_tiled.cpp``'s ``DP_PAYS_AT`` (docs/performance.md, "Non-AMX extend, fourth round (kext3)")
+DPBF16_PAYS_AT = 1.0
+#: ``$ATTNPLUG_CPU_FUSED_DPBF16_RATE``: a positive number taken as that measured ratio instead of measuring
+#: (tests and what-ifs: "this CPU issues vdpbf16ps at the FMA's rate" is 2)
+DPBF16_RATE_ENV = "ATTNPLUG_CPU_FUSED_DPBF16_RATE"
 
 
 def library_path() -> str | None:
@@ -121,6 +129,44 @@ def load() -> tuple[Any, str | None]:
     _register_fake()
     _ = isa
     return op, None
+
+
+def tiled_bf16_body() -> tuple[str, str]:
+    """The body a bf16 long extend runs at ``tiled_isa = 0`` in this process — ``amx``, ``vdpbf16ps`` or
+    ``widened`` (to float32, the FMA tiles) — and why, in words (the measured ``vdpbf16ps`` rate where it
+    decided). Loads the library; the rate is measured on the first call (about 20 us). Raises ``ValueError``
+    naming ``$ATTNPLUG_CPU_FUSED_DPBF16_RATE`` when it is set to anything but a positive number."""
+    import math
+
+    import torch
+
+    op, why = load()
+    if op is None:
+        raise RuntimeError(why)
+    env = os.environ.get(DPBF16_RATE_ENV, "")
+    if env:
+        try:
+            ok = math.isfinite(float(env)) and float(env) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"${DPBF16_RATE_ENV}={env!r}: expected a positive number (vdpbf16ps flops a cycle "
+                             f"over the float32 FMA's, e.g. 2), or unset to measure it")
+    code, ratio, rounded, how = torch.ops.attnplug_cpu_fused.tiled_bf16_isa()
+    best = int(torch.ops.attnplug_cpu_fused.tiled_isa())
+    if code == TILED_ISAS["amx"]:
+        return "amx", "AMX tiles (tdpbf16ps)"
+    if best < TILED_ISAS["avx512bf16"]:
+        return "widened", "widened to float32, the FMA tiles (this CPU has no AVX-512 BF16)"
+    if env and how != 2:
+        raise ValueError(f"${DPBF16_RATE_ENV}={env!r} was not taken by the kernel library (it read it as "
+                         f"{ratio:g})")
+    src = f"set by ${DPBF16_RATE_ENV}" if how == 2 else "measured"
+    rate = (f"vdpbf16ps {src} at {ratio:.2f}x the float32 FMA's flops a cycle, which rounds to {rounded:g}; "
+            f"vdpbf16ps from {DPBF16_PAYS_AT:g}")
+    if code == TILED_ISAS["avx512bf16"]:
+        return "vdpbf16ps", f"vdpbf16ps ({rate})"
+    return "widened", f"widened to float32, the FMA tiles ({rate})"
 
 
 def isa() -> str:

@@ -41,11 +41,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <immintrin.h>
+#include <x86intrin.h>  // __rdtsc (bf16_choice)
 #define ATTNPLUG_ET_X86 1
 // the AMX body needs a compiler with the amx-tile / amx-bf16 targets (GCC 11, clang 12); an older one
 // builds the other bodies and the CPU's best is then avx512bf16
@@ -171,6 +174,101 @@ int cpu_isa() {
   return 1;
 }
 
+#ifdef ATTNPLUG_ET_X86
+// -- the bf16 body without AMX, chosen by the measured rate of vdpbf16ps -------------------------------------
+//
+// A CPU with AVX-512 BF16 and no usable AMX runs bf16 extends either through vdpbf16ps (isa 4's bf16 body:
+// two products an instruction, P rounded to bf16) or widened to float32 and the FMA tiles (isa 3's). Which
+// is faster depends on how fast the core issues vdpbf16ps against vfmadd231ps, which cpuid does not say: on
+// a Sapphire Rapids Xeon vdpbf16ps zmm issues at a quarter of the FMA's rate (half its flops: widening wins),
+// a core issuing it at the FMA's rate gets twice the FMA's flops from it. So it is measured, once a process:
+// 24 independent accumulators in registers, each loop 128 x 24 instructions of one kind (no memory operand),
+// FMA and vdpbf16ps loops alternated 7 times after a warm-up, the fastest of each (a preempted or throttled
+// loop only ever gets slower), timed with rdtsc (both loops in the same ticks: their ratio does not depend on
+// the TSC's rate). About 20 us. docs/performance.md, "Non-AMX extend, fourth round (kext3)".
+#define ET_ACC(ins, n) ins " %%zmm31, %%zmm30, %%zmm" #n "\n\t"
+#define ET_ACC24(ins)                                                                                            \
+  ET_ACC(ins, 0) ET_ACC(ins, 1) ET_ACC(ins, 2) ET_ACC(ins, 3) ET_ACC(ins, 4) ET_ACC(ins, 5) ET_ACC(ins, 6)        \
+  ET_ACC(ins, 7) ET_ACC(ins, 8) ET_ACC(ins, 9) ET_ACC(ins, 10) ET_ACC(ins, 11) ET_ACC(ins, 12) ET_ACC(ins, 13)   \
+  ET_ACC(ins, 14) ET_ACC(ins, 15) ET_ACC(ins, 16) ET_ACC(ins, 17) ET_ACC(ins, 18) ET_ACC(ins, 19)               \
+  ET_ACC(ins, 20) ET_ACC(ins, 21) ET_ACC(ins, 22) ET_ACC(ins, 23)
+#define ET_Z(n) "vpxord %%zmm" #n ", %%zmm" #n ", %%zmm" #n "\n\t"
+#define ET_ZERO                                                                                                  \
+  ET_Z(0) ET_Z(1) ET_Z(2) ET_Z(3) ET_Z(4) ET_Z(5) ET_Z(6) ET_Z(7) ET_Z(8) ET_Z(9) ET_Z(10) ET_Z(11) ET_Z(12)     \
+  ET_Z(13) ET_Z(14) ET_Z(15) ET_Z(16) ET_Z(17) ET_Z(18) ET_Z(19) ET_Z(20) ET_Z(21) ET_Z(22) ET_Z(23) ET_Z(30)   \
+  ET_Z(31)
+#define ET_CLOBBERS                                                                                              \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",     \
+  "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",   \
+  "xmm31", "cc"
+
+// rdtsc ticks of `iters` x 24 register-only vfmadd231ps (dp = false) or vdpbf16ps (dp = true) zmm on zeros
+__attribute__((target("avx512f,avx512bf16"), noinline)) uint64_t rate_loop_ticks(bool dp, int64_t iters) {
+  _mm_lfence();
+  const uint64_t t0 = __rdtsc();
+  _mm_lfence();
+  if (dp)
+    asm volatile(ET_ZERO "1:\n\t" ET_ACC24("vdpbf16ps") "dec %0\n\tjnz 1b\n\t" : "+r"(iters) : : ET_CLOBBERS);
+  else
+    asm volatile(ET_ZERO "1:\n\t" ET_ACC24("vfmadd231ps") "dec %0\n\tjnz 1b\n\t" : "+r"(iters) : : ET_CLOBBERS);
+  _mm_lfence();
+  return __rdtsc() - t0;
+}
+#undef ET_ACC
+#undef ET_ACC24
+#undef ET_Z
+#undef ET_ZERO
+#undef ET_CLOBBERS
+#endif
+
+// vdpbf16ps flops a cycle over vfmadd231ps's (each vdpbf16ps zmm is 64 flops, each FMA 32) where vdpbf16ps
+// pays: the measured ratio rounded to the nearest power of two (issue rates are ratios of pipes and cycles
+// an instruction: 1/2, 1, 2 ...; a measurement up to 40% off rounds the same, so the choice is the same
+// every run on a CPU) at least this. The model (docs/performance.md, kext3): the vdpbf16ps body's time is
+// its products' (inverse to this ratio) plus its rest, measured on a Sapphire Rapids Xeon at its ratio 0.52
+// and, with every vdpbf16ps issued as an FMA (ATTNPLUG_ET_DP_TIMING_AS_FMA), at 2; it equals the widened
+// body's near 0.87: at 0.5 widening wins by ~1.5x, at 1 (half the FMA's instruction rate) vdpbf16ps by
+// ~1.1-1.2x, at 2 (the FMA's rate) by ~1.8x
+constexpr double DP_PAYS_AT = 1.0;
+
+struct Bf16Choice {
+  int isa;         // the body bf16 runs at isa 0 (5 AMX, 4 vdpbf16ps, 3 or below: widened to float32)
+  double ratio;    // the measured flop ratio (0: not measured: AMX runs bf16, or the CPU lacks AVX-512 BF16)
+  double rounded;  // the ratio the choice used (rounded to a power of two)
+  int how;         // 0 not measured, 1 measured, 2 set by $ATTNPLUG_CPU_FUSED_DPBF16_RATE
+};
+
+Bf16Choice bf16_choice(int avail) {
+  Bf16Choice c{avail, 0.0, 0.0, 0};
+  if (avail != 4) return c;  // AMX runs bf16 (5); no vdpbf16ps (3 and below): widened, nothing to measure
+  const char* env = std::getenv("ATTNPLUG_CPU_FUSED_DPBF16_RATE");
+  if (env != nullptr && *env != '\0') {  // what-if and tests: this flop ratio instead of the measured one
+    char* end = nullptr;
+    const double r = std::strtod(env, &end);
+    if (end != env && *end == '\0' && r > 0.0 && std::isfinite(r)) {
+      c.ratio = r;
+      c.how = 2;
+    }
+  }
+#ifdef ATTNPLUG_ET_X86
+  if (c.how == 0) {
+    constexpr int64_t N = 128;
+    (void)rate_loop_ticks(false, 4 * N);  // warm-up (a core that lowers its clock for 512-bit work does it here)
+    uint64_t fma = UINT64_MAX, dp = UINT64_MAX;
+    for (int r = 0; r < 7; ++r) {
+      const uint64_t f = rate_loop_ticks(false, N), d = rate_loop_ticks(true, N);
+      fma = f < fma ? f : fma;
+      dp = d < dp ? d : dp;
+    }
+    c.ratio = dp > 0 ? 2.0 * double(fma) / double(dp) : 0.0;
+    c.how = 1;
+  }
+#endif
+  c.rounded = c.ratio > 0.0 ? std::exp2(std::round(std::log2(c.ratio))) : 0.0;
+  c.isa = c.how != 0 && c.rounded >= DP_PAYS_AT ? 4 : 3;
+  return c;
+}
+
 ItemFn item_fn(int isa, int dtype) {
   switch (isa) {
 #ifdef ATTNPLUG_ET_X86
@@ -233,6 +331,16 @@ int32_t attnplug_extend_tiled_isa(void) {
   return isa;
 }
 
+int32_t attnplug_extend_tiled_bf16_isa(double* info) {
+  static const Bf16Choice c = bf16_choice(attnplug_extend_tiled_isa());  // measured once, on first use
+  if (info != nullptr) {
+    info[0] = c.ratio;
+    info[1] = c.rounded;
+    info[2] = c.how;
+  }
+  return c.isa;
+}
+
 int64_t attnplug_extend_tiled_args_size(void) { return int64_t(sizeof(TiledArgs)); }
 
 int attnplug_extend_tiled(const TiledArgs* ap) {
@@ -246,18 +354,15 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
   const int avail = attnplug_extend_tiled_isa();
   int isa = a.isa == 0 ? avail : a.isa;
   if (isa < 1 || isa > avail) return 6;
-  // bf16 by default widens each tile's K/V to float32 and runs the float32 tiles, also where vdpbf16ps
-  // exists: on a Xeon with AVX-512 BF16 and AMX vdpbf16ps zmm issues once per 2 cycles against two
-  // float32 FMAs a cycle (half the flops; docs/performance.md, "Non-AMX extend, third round"), and the
-  // mixed extend (32/8 heads, d128, one thread) measured 145 ms through it against 92-101 ms widened;
-  // isa = 4 pins it
   // Per CPU, with isa = 0 (the table in docs/performance.md, "The tiled extend kernel"):
   //   AMX usable (5)       float32: tdpbf16ps tiles, 3 bf16 parts an operand, 6 products; bf16: tdpbf16ps tiles
-  //   AVX-512 BF16, no AMX float32: the avx512 FMA tiles;     bf16: widened to float32, FMA tiles (as above)
+  //   AVX-512 BF16, no AMX float32: the avx512 FMA tiles;  bf16: vdpbf16ps where its measured flop rate pays
+  //                        (bf16_choice: an AMD Zen 4 / Zen 5 is expected to), else widened to float32 and
+  //                        the FMA tiles (a Sapphire Rapids Xeon with AMX refused: vdpbf16ps at half the
+  //                        FMA's flops)
   //   AVX-512 (3), AVX2 (2), portable (1): that ISA's FMA tiles, bf16 widened
-  // (an AMD Zen 4/5 has AVX-512 BF16 and no AMX: the widened path is the default there; isa = 4 pins
-  // vdpbf16ps, not measured on such a CPU yet)
-  if (a.isa == 0 && isa == 4 && a.dtype == 1) isa = 3;
+  // isa = 3 / 4 pin either bf16 body
+  if (a.isa == 0 && isa == 4 && a.dtype == 1) isa = attnplug_extend_tiled_bf16_isa(nullptr);
   const ItemFn fn = item_fn(isa, a.dtype);
   const int QT = isa == 5 ? AMROWS / a.G : MROWS / a.G * ITEM_SUBS;
   std::vector<int32_t> items;  // (request, KV head, first query) triples
@@ -278,6 +383,26 @@ int attnplug_extend_tiled(const TiledArgs* ap) {
         items.push_back(h);
         items.push_back(int32_t(i0));
       }
+  }
+  // largest items first (their queries x the keys they see; stable: a fixed order for given inputs): the
+  // threads take items one at a time, and the last ones taken are the small ones, so none waits long for
+  // another's last item (in request order the last items of a long request are its largest)
+  if (a.nthreads > 1 && items.size() > 3) {
+    const size_t n = items.size() / 3;
+    std::vector<std::pair<int64_t, size_t>> cost(n);
+    for (size_t it = 0; it < n; ++it) {
+      const int64_t* pl = a.plan + PLAN * items[3 * it];
+      const int64_t nc = pl[2], nq = pl[4], i0 = items[3 * it + 2], i1 = i0 + QT < nq ? i0 + QT : nq;
+      int64_t keys = nc + (i0 + i1 + 1) / 2;  // the mean query's keys (causal)
+      if (a.window >= 0 && keys > a.window + 1) keys = a.window + 1;
+      cost[it] = {-(i1 - i0) * keys, it};
+    }
+    std::stable_sort(cost.begin(), cost.end(),
+                     [](const std::pair<int64_t, size_t>& x, const std::pair<int64_t, size_t>& y) { return x.first < y.first; });
+    std::vector<int32_t> sorted(items.size());
+    for (size_t k = 0; k < n; ++k)
+      for (int f = 0; f < 3; ++f) sorted[3 * k + f] = items[3 * cost[k].second + f];
+    items.swap(sorted);
   }
   Work w{&a, fn, items.data(), int64_t(items.size() / 3), scratch_floats(a.D, a.Dv), QT, 0, 0};
   if (w.n == 0) return 0;
@@ -422,6 +547,14 @@ ET_TARGET void qk(float* st, int MP, const float* qt, const typename S::T* const
 }
 
 #if ET_DP
+#ifdef ATTNPLUG_ET_DP_TIMING_AS_FMA
+// timing only, never in a build that computes (setup.py never defines it; wrong results): every vdpbf16ps of
+// the bf16 body issued as a vfmadd231ps on the same registers, to time that body as a CPU issuing vdpbf16ps at
+// the FMA's rate would run it (docs/performance.md, "Non-AMX extend, fourth round (kext3)")
+#define ET_DPBF16(acc, x, y) _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y), acc)
+#else
+#define ET_DPBF16(acc, x, y) _mm512_dpbf16_ps(acc, (__m512bh)(x), (__m512bh)(y))
+#endif
 // the same for bf16 through vdpbf16ps: qp[d/2][row] holds the row's bf16 pair (q[d], q[d+1]) (unscaled),
 // each key's pair is broadcast from its row; scores scaled here, in float32
 template <int NVR>
@@ -440,13 +573,26 @@ ET_TARGET void qk_dp(float* st, int MP, const uint32_t* qp, const uint16_t* cons
         uint32_t kk;
         std::memcpy(&kk, rp[jj] + 2 * d2, 4);
         const __m512i kb = _mm512_set1_epi32(int(kk));
-        for (int v = 0; v < NVR; ++v) acc[jj][v] = _mm512_dpbf16_ps(acc[jj][v], (__m512bh)kb, (__m512bh)qv[v]);
+        for (int v = 0; v < NVR; ++v) acc[jj][v] = ET_DPBF16(acc[jj][v], kb, qv[v]);
       }
     }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int jj = 0; jj < RB; ++jj)
       for (int v = 0; v < NVR; ++v) _mm512_storeu_ps(st + (j + jj) * MP + 16 * v, _mm512_mul_ps(acc[jj][v], sc));
   }
+}
+
+// 16 lanes of two float32 vectors -> 16 bf16 pairs (lo in the low half of each lane), rounded to nearest even
+// by vcvtne2ps2bf16 (which also reads and writes float32 denormals as zeros: a probability below 2^-126 of the
+// row's maximum adds nothing)
+ET_TARGET inline __m512i bf16_pairs(vf lo, vf hi) {
+  __m512 l, h;
+  std::memcpy(&l, &lo, sizeof l);
+  std::memcpy(&h, &hi, sizeof h);
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(h, l);  // lo's 16 in the low half, hi's in the high half
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
 }
 
 // acc[r][c..] += sum over key pairs of P pairs (bf16) x interleaved V pairs (bf16), RR rows x NV vectors
@@ -460,7 +606,7 @@ ET_TARGET inline void pv_dp_block(float* acc, int Dv, const uint32_t* pp, int MP
     for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_si512(vp + jp * Dv + c0 + 16 * v);
     for (int rr = 0; rr < RR; ++rr) {
       const __m512i p = _mm512_set1_epi32(int(pp[jp * MP + r0 + rr]));
-      for (int v = 0; v < NV; ++v) t[rr][v] = _mm512_dpbf16_ps(t[rr][v], (__m512bh)p, (__m512bh)x[v]);
+      for (int v = 0; v < NV; ++v) t[rr][v] = ET_DPBF16(t[rr][v], p, x[v]);
     }
   }
   for (int rr = 0; rr < RR; ++rr)
@@ -640,7 +786,16 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
       }
       if (dp) {
         uint32_t* qp = reinterpret_cast<uint32_t*>(u.qt);
-        for (int d2 = 0; d2 < D / 2; ++d2)
+        int d2 = 0;
+#if ET_X512
+        for (; 2 * d2 + 32 <= D; d2 += 16) {  // 16 rows x 16 pairs through a 16 x 16 register transpose
+          __m512i blk[16];
+          for (int rr = 0; rr < 16; ++rr) std::memcpy(&blk[rr], qr[rr] + 2 * d2, sizeof blk[rr]);
+          tr16(blk);
+          for (int p = 0; p < 16; ++p) std::memcpy(qp + (d2 + p) * MP + r0, &blk[p], sizeof blk[p]);
+        }
+#endif
+        for (; d2 < D / 2; ++d2)
           for (int rr = 0; rr < 16; ++rr) std::memcpy(qp + d2 * MP + r0 + rr, qr[rr] + 2 * d2, 4);
       } else {
 #if ET_X512
@@ -692,10 +847,19 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
     }
 #if ET_DP
     if constexpr (dp) {  // the tile's V rows interleaved in pairs once for every sub-tile
+      const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
       for (int jp = 0; jp < ktp / 2; ++jp) {
         const uint16_t* ra = reinterpret_cast<const uint16_t*>(vr[2 * jp]);
         const uint16_t* rb = reinterpret_cast<const uint16_t*>(vr[2 * jp + 1]);
-        for (int c = 0; c < Dv; c += 16) {
+        int c = 0;
+        for (; c + 32 <= Dv; c += 32) {  // 32 columns of two rows -> 32 pairs
+          const __m512i x = _mm512_loadu_si512(ra + c), y = _mm512_loadu_si512(rb + c);
+          _mm512_storeu_si512(vp + jp * Dv + c, _mm512_permutex2var_epi16(x, lo_idx, y));
+          _mm512_storeu_si512(vp + jp * Dv + c + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+        for (; c < Dv; c += 16) {
           vh ha, hb;
           std::memcpy(&ha, ra + c, sizeof ha);
           std::memcpy(&hb, rb + c, sizeof hb);
@@ -774,6 +938,21 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
         const vf mu = m == splat(-INFINITY) ? splat(0.0f) : m;  // a row that saw nothing yet: any finite shift
         const vf alpha = m == m_old ? splat(1.0f) : ET_EXP(m_old - mu);
         vf sum = vf{};
+#if ET_DP
+        if constexpr (dp) {  // P as bf16 pairs of two keys (rounded to nearest even) for vdpbf16ps, straight
+                             // from the exponentials; as float32 too where the select path may need them
+          for (int jp = 0; jp < ktps / 2; ++jp) {
+            const vf p0 = ET_EXP(loadf(st + (2 * jp) * MP + 16 * v) - mu);
+            const vf p1 = ET_EXP(loadf(st + (2 * jp + 1) * MP + 16 * v) - mu);
+            if (!full) {
+              storef(st + (2 * jp) * MP + 16 * v, p0);
+              storef(st + (2 * jp + 1) * MP + 16 * v, p1);
+            }
+            _mm512_storeu_si512(pp + jp * MP + 16 * v, bf16_pairs(p0, p1));
+            sum += p0 + p1;
+          }
+        } else
+#endif
         for (int j = 0; j < ktps; ++j) {
           const vf p = ET_EXP(loadf(st + j * MP + 16 * v) - mu);
           storef(st + j * MP + 16 * v, p);
@@ -807,16 +986,18 @@ ET_TARGET int item(const TiledArgs& a, int b, int h, int i0, int i1, float* scr)
       }
 #if ET_DP
       if constexpr (dp) {
-        const int kp = ktps / 2;
-        for (int jp = 0; jp < kp; ++jp)
-          for (int v = 0; v < NVR; ++v) {
-            const vu w = to_bf16(loadf(st + (2 * jp) * MP + 16 * v)) | (to_bf16(loadf(st + (2 * jp + 1) * MP + 16 * v)) << 16);
-            std::memcpy(pp + jp * MP + 16 * v, &w, sizeof w);
-          }
-        for (int r0 = 0; r0 < MP; r0 += 4) {
+        const int kp = ktps / 2;  // pp: written by the softmax above
+        // blocks of 6 rows x 64 columns (24 accumulators, as the FMA tiles), then the rows left in 4s and 2s
+        int r0 = 0;
+        for (; r0 + 6 <= MP; r0 += 6) {
           int c0 = 0;
-          for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<4, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
-          for (; c0 < Dv; c0 += 16) pv_dp_block<4, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
+          for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<6, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
+          for (; c0 < Dv; c0 += 16) pv_dp_block<6, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
+        }
+        for (; r0 < MP; r0 += 2) {
+          int c0 = 0;
+          for (; c0 + 64 <= Dv; c0 += 64) pv_dp_block<2, 4>(acc, Dv, pp, MP, vp, kp, r0, c0);
+          for (; c0 < Dv; c0 += 16) pv_dp_block<2, 1>(acc, Dv, pp, MP, vp, kp, r0, c0);
         }
         continue;
       }

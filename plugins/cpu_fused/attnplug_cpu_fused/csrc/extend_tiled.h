@@ -53,5 +53,11 @@ int attnplug_extend_tiled(const TiledArgs* a);
 int64_t attnplug_extend_tiled_args_size(void);
 // the isa code attnplug_extend_tiled runs with isa = 0 on this CPU
 int32_t attnplug_extend_tiled_isa(void);
+// the isa code a bf16 call runs with isa = 0 on this CPU (5 AMX; where the best is 4, AVX-512 BF16 without
+// AMX: 4 where vdpbf16ps measured worth it, else 3, widened to float32; the best below 4: that one); info
+// (3 doubles, or null): vdpbf16ps flops a cycle over vfmadd231ps's as measured (0: not measured), the
+// power of two it rounds to (what the choice compares), 0 not measured / 1 measured / 2 taken from
+// $ATTNPLUG_CPU_FUSED_DPBF16_RATE. Measured once a process, on the first call (about 20 us).
+int32_t attnplug_extend_tiled_bf16_isa(double* info);
 
 }  // extern "C"

@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <tuple>
 
 #include "extend_tiled.h"
 #include "kernel.h"
@@ -276,6 +277,15 @@ void extend_tiled(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
 
 int64_t tiled_isa() { return attnplug_extend_tiled_isa(); }
 
+// the body a bf16 extend runs at isa 0 and why (extend_tiled.h: attnplug_extend_tiled_bf16_isa): the isa code,
+// vdpbf16ps flops a cycle over the float32 FMA's as measured, the power of two the choice compared, and how
+// it was had (0 not measured, 1 measured, 2 $ATTNPLUG_CPU_FUSED_DPBF16_RATE)
+std::tuple<int64_t, double, double, int64_t> tiled_bf16_isa() {
+  double info[3] = {0.0, 0.0, 0.0};
+  const int64_t isa = attnplug_extend_tiled_bf16_isa(info);
+  return {isa, info[0], info[1], int64_t(info[2])};
+}
+
 // attend_write: `attend` into a fresh output, then -- only once the attention returned -- this forward's new
 // K/V rows written into the caches at `slots` (k_cache[slots[i]] = k_new[i], the same for V): what the
 // skeleton's write after the kernel does with two index_copy_ calls, in the same call. k_new/v_new [T, Hkv,
@@ -335,6 +345,7 @@ TORCH_LIBRARY(attnplug_cpu_fused, m) {
       "Tensor plan, Tensor? sinks, Tensor(a!) out, Tensor(b!) err, int group, int window, int isa, float scale, "
       "float cap) -> ()");
   m.def("tiled_isa() -> int", &attnplug_cpu_fused::tiled_isa);
+  m.def("tiled_bf16_isa() -> (int, float, float, int)", &attnplug_cpu_fused::tiled_bf16_isa);
   m.def(
       "attend_write(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor req_to_token, Tensor params, Tensor(c!) work, Tensor slots) -> Tensor");
