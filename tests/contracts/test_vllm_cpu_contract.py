@@ -133,11 +133,22 @@ def _preconditions(qualname, a):
     return [f"{qualname}: {w}" for w in out]
 
 
-def _run(monkeypatch, *, dtype, decode, window=None, sinks=False, cross=False):
+def _run(monkeypatch, *, dtype, decode, window=None, sinks=False, cross=False, helper=False, result=None):
+    """The calls one forward makes through ``attnplug_vllm_cpu.ops``; ``helper``: with the compiled helper loaded
+    (skipped where it is not built), else with ``$ATTNPLUG_VLLM_CPU_HELPER=0``. ``result``: a dict that receives the
+    forward's output and the cache's storage after it."""
     import attnplug_vllm_cpu.ops as O
 
+    if helper:
+        from attnplug_vllm_cpu.stage import load
+
+        if load()[0] is None:
+            pytest.skip(f"vllm_cpu's compiled helper is not loaded: {load()[1]}")
+    else:
+        monkeypatch.setenv("ATTNPLUG_VLLM_CPU_HELPER", "0")
     rec = _Recorder(O.ops())
     monkeypatch.setattr(O, "_ops", rec)
+    torch.manual_seed(5)  # q/k/v and the cache's values: the same in every run of one case
     g = torch.Generator().manual_seed(3)
     prefix, ext = ([9, 40, 1], [1, 1, 1]) if decode else ([0, 21, 5], [7, 3, 12])
     seq = [p + e for p, e in zip(prefix, ext)]
@@ -167,7 +178,9 @@ def _run(monkeypatch, *, dtype, decode, window=None, sinks=False, cross=False):
     q = torch.randn(T, 4, d).to(dtype)
     k = None if cross else torch.randn(T, 2, d).to(dtype)
     v = None if cross else torch.randn(T, 2, d).to(dtype)
-    backend.forward(q, k, v, layer, batch)
+    out = backend.forward(q, k, v, layer, batch)
+    if result is not None:
+        result.update(out=out, storage=[t.clone() for t in cache.layer_storage(0)])
     return rec.calls
 
 
@@ -175,12 +188,30 @@ def _run(monkeypatch, *, dtype, decode, window=None, sinks=False, cross=False):
 @pytest.mark.parametrize("decode,window,sinks,cross", [
     (True, None, False, False), (False, None, False, False), (True, 7, True, False), (False, 3, False, False),
     (False, None, True, True), (True, None, False, True)])
-def test_every_call_binds_to_the_real_schema_with_its_preconditions(monkeypatch, dtype, decode, window, sinks, cross):
-    calls = _run(monkeypatch, dtype=dtype, decode=decode, window=window, sinks=sinks, cross=cross)
+@pytest.mark.parametrize("helper", [False, True], ids=["torch-path", "compiled-helper"])
+def test_every_call_binds_to_the_real_schema_with_its_preconditions(monkeypatch, dtype, decode, window, sinks, cross,
+                                                                   helper):
+    """Every call of vLLM's ops binds to the op's real schema with its preconditions. Without the compiled helper a
+    decode layer writes its K/V through vLLM's writer; with it (the first layer of a forward: ``stage``, then the op
+    from Python) the helper writes them, so the writer is not called, and the forward's output and cache bytes must
+    equal the writer's run's."""
+    got: dict = {}
+    calls = _run(monkeypatch, dtype=dtype, decode=decode, window=window, sinks=sinks, cross=cross, helper=helper,
+                 result=got)
     names = [c[0] for c in calls]
     assert names.count("torch.ops._C.cpu_attention_with_kv_cache") == 1
     assert names.count("torch.ops._C.get_scheduler_metadata") == 1
-    assert ("torch.ops._C.cpu_attn_reshape_and_cache" in names) is not cross  # cross layers write nothing
+    staged = helper and decode and not cross  # the helper's ``stage`` writes a decode layer's K/V
+    # cross layers write nothing; a decode layer through the helper writes without vLLM's writer
+    assert ("torch.ops._C.cpu_attn_reshape_and_cache" in names) is not (cross or staged)
+    if staged:
+        ref: dict = {}
+        monkeypatch.delenv("ATTNPLUG_VLLM_CPU_HELPER", raising=False)
+        _run(monkeypatch, dtype=dtype, decode=decode, window=window, sinks=sinks, cross=cross, helper=False,
+             result=ref)
+        assert torch.equal(got["out"], ref["out"])
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got["storage"],
+                                                                                           ref["storage"]))
     for qualname, args, kwargs in calls:
         problems, bound = _bind_problems(qualname, args, kwargs)
         assert not problems, problems
