@@ -121,6 +121,23 @@ class _Undo:
         self.fallback: tuple[Any, Any] | None = None
 
 
+def _sched_key(causal: bool, num_heads: int, window: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    """The key of a forward's scheduler metadata (``ForwardMeta.scheduler``): what ``get_scheduler_metadata`` is
+    built from besides the forward's index inputs."""
+    return (causal, num_heads, window, dtype)
+
+
+class _DeferredWrite(NamedTuple):
+    """A decode write ``write_new_kv`` left to the ``compute_extend`` right after it (``decode_layer``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    loc: torch.Tensor
+    undo: _Undo
+    plan: Any
+    cache: Any
+
+
 class _LayerArgs(NamedTuple):
     """The op's per-layer arguments (``VllmCpuBackend.plan_layer``)."""
 
@@ -203,7 +220,7 @@ class ForwardMeta:
         if threads != self.threads:  # built at another thread count: the op would refuse it
             self.scheduler.clear()
             self.threads = threads
-        key = (keys.causal, num_heads, window, dtype)
+        key = _sched_key(keys.causal, num_heads, window, dtype)
         meta = self.scheduler.get(key)
         if meta is None:
             c = self.cache
@@ -316,7 +333,7 @@ class VllmCpuBackend(PagedBackend):
         self._snap: torch.Tensor | None = None
         #: ``(k, v, loc, undo, plan)`` of a decode write ``write_new_kv`` left to the ``compute_extend`` right after
         #: it (``decode_layer``: the write, the op and the checks in one call), which makes it in any case
-        self._deferred: tuple[Any, ...] | None = None
+        self._deferred: _DeferredWrite | None = None
         #: the write may be deferred: this class computes a decode layer in ``compute_extend`` (its own, which
         #: makes a deferred write on every path)
         self._can_defer = type(self).compute_extend is VllmCpuBackend.compute_extend and \
@@ -571,14 +588,13 @@ class VllmCpuBackend(PagedBackend):
             sinks = torch.as_tensor(layer.sinks).detach().to(device=raw.device, dtype=torch.float32).reshape(-1)
             sinks = sinks.contiguous()
         ok = raw.dtype in CACHE_DTYPES and (sinks is None or sinks.shape == (layer.num_heads,))
-        return _LayerArgs(storage, raw, key_cache, value_cache,
-                          -1 if cross or layer.sliding_window is None else layer.sliding_window + 1, sinks,
+        window = -1 if layer.sliding_window is None else layer.sliding_window + 1  # (the op counts the query's key)
+        return _LayerArgs(storage, raw, key_cache, value_cache, -1 if cross else window, sinks,
                           float(layer.scaling), float(layer.logit_cap or 0.0),
                           ok, isa_for(cache.head_dim, cache.page_size),
                           ok and not cross and not layer.uses_bidirectional, layer.num_heads, layer.head_dim,
                           ok and self.helper is not None and raw.is_contiguous(),
-                          (True, layer.num_heads, -1 if layer.sliding_window is None else layer.sliding_window + 1,
-                           raw.dtype))
+                          _sched_key(True, layer.num_heads, window, raw.dtype))
 
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
@@ -588,14 +604,14 @@ class VllmCpuBackend(PagedBackend):
             # a decode write left to this call: the write, vLLM's op and the checks in one compiled call, where its
             # conditions hold (the forward's ``plain_decode``, the layer's ``plain``, the scheduler metadata built,
             # the rest checked by the op, which returns -1 having done nothing otherwise); else the write now
-            la = deferred[4].kernel
+            la = deferred.plan.kernel
             if self._snap is None:
                 self._snap = q.new_empty(0, dtype=la.raw.dtype)  # ``stage``'s undo buffer, sized by the op
             sched = meta.scheduler.get(la.sched_key)
-            if deferred[0] is k and deferred[1] is v and meta.plain_decode and la.plain and sched is not None \
-                    and deferred[4].layer is layer:
+            if deferred.k is k and deferred.v is v and meta.plain_decode and la.plain and sched is not None \
+                    and deferred.plan.layer is layer:
                 keys = meta.self_keys
-                loc, snap = deferred[2], self._snap
+                loc, snap = deferred.loc, self._snap
                 helper: Any = self.helper  # (deferred: a helper)
                 # a ``forward_into`` buffer that is exactly the output: the op writes into it (``decode_layer``)
                 out = None if self._into is None else \
@@ -611,13 +627,13 @@ class VllmCpuBackend(PagedBackend):
                         keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
                         self.attention_op)
                 if code >= 0:
-                    deferred[3].rows = (loc, snap)
+                    deferred.undo.rows = (loc, snap)
                     if code == 3:
                         return out
                     self._kv_finite = bool(code & 1)
                     return self._general(q, k, v, layer, batch, meta, unchecked, precise=True)
             # the write the one call did not make, with every check of ``write_new_kv``
-            self._write_decode_kv(deferred[5], deferred[4], deferred[2], deferred[0], deferred[1], deferred[3])
+            self._write_decode_kv(deferred.cache, deferred.plan, deferred.loc, deferred.k, deferred.v, deferred.undo)
             unchecked, self._unchecked = self._unchecked, None
         if unchecked is not None and unchecked[0] is k and unchecked[1] is v and meta.plain_decode:
             # a decode layer the skeleton just wrote without the layout's sums, every condition of the general
@@ -862,7 +878,7 @@ class VllmCpuBackend(PagedBackend):
         if undo is not None and self._can_defer and fwd is not None and plan.staged and not cache.quantized:
             la, meta = plan.kernel, fwd.meta
             if la.__class__ is _LayerArgs and la.staged and meta.__class__ is ForwardMeta and meta.plain_decode:
-                self._deferred = (k, v, loc, undo, plan, cache)
+                self._deferred = _DeferredWrite(k, v, loc, undo, plan, cache)
                 self._unchecked = (k, v)
                 return
         self._write_decode_kv(cache, plan, loc, k, v, undo)

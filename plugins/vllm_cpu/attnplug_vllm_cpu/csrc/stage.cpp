@@ -76,10 +76,24 @@ bool stage_impl(U* raw, const U* k, const U* v, const int64_t* slots, U* snap, i
   return finite;
 }
 
+// stage_impl at raw's element width (4 bytes: float32; 2: bfloat16, float16), every argument checked by the caller
+bool stage_rows(at::Tensor& raw, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, at::Tensor& snap,
+                int64_t n, int64_t H, int64_t ps, int64_t d) {
+  const uint32_t mask = exp_mask(raw.scalar_type());
+  if (raw.element_size() == 4)
+    return stage_impl<uint32_t>(static_cast<uint32_t*>(raw.data_ptr()), static_cast<const uint32_t*>(k.data_ptr()),
+                                static_cast<const uint32_t*>(v.data_ptr()), sp, static_cast<uint32_t*>(snap.data_ptr()),
+                                n, H, ps, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask);
+  return stage_impl<uint16_t>(static_cast<uint16_t*>(raw.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
+                              static_cast<const uint16_t*>(v.data_ptr()), sp, static_cast<uint16_t*>(snap.data_ptr()),
+                              n, H, ps, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              static_cast<uint16_t>(mask));
+}
+
 bool stage(at::Tensor raw, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor snap) {
   TORCH_CHECK(raw.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && slots.device().is_cpu() &&
                   snap.device().is_cpu(), "attnplug_vllm_cpu::stage: every tensor must be on the CPU");
-  const uint32_t mask = exp_mask(raw.scalar_type());
+  (void)exp_mask(raw.scalar_type());  // refuses any other dtype
   TORCH_CHECK(raw.dim() == 4 && raw.is_contiguous() && raw.size(3) % 2 == 0,
               "attnplug_vllm_cpu::stage: raw must be a contiguous [pages, kv_heads, page_size, 2 * head_dim] cache, "
               "got ", raw.sizes(), raw.is_contiguous() ? "" : " (not contiguous)");
@@ -105,14 +119,7 @@ bool stage(at::Tensor raw, const at::Tensor& k, const at::Tensor& v, const at::T
     TORCH_CHECK(sp[i] >= 0 && sp[i] < P * ps, "attnplug_vllm_cpu::stage: slots[", i, "]=", sp[i],
                 " is out of range (expected 0 <= slot < ", P * ps, "); nothing was written");
   if (n == 0) return true;
-  if (raw.element_size() == 4)
-    return stage_impl<uint32_t>(static_cast<uint32_t*>(raw.data_ptr()), static_cast<const uint32_t*>(k.data_ptr()),
-                                static_cast<const uint32_t*>(v.data_ptr()), sp, static_cast<uint32_t*>(snap.data_ptr()),
-                                n, H, ps, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask);
-  return stage_impl<uint16_t>(static_cast<uint16_t*>(raw.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
-                              static_cast<const uint16_t*>(v.data_ptr()), sp, static_cast<uint16_t*>(snap.data_ptr()),
-                              n, H, ps, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              static_cast<uint16_t>(mask));
+  return stage_rows(raw, k, v, sp, snap, n, H, ps, d);
 }
 
 bool all_finite(const at::Tensor& t) {
@@ -195,17 +202,7 @@ std::tuple<at::Tensor, int64_t> decode_layer_impl(at::Tensor raw, const at::Tens
   }
   if (snap.dim() != 4 || snap.size(0) != 2 || snap.size(1) != n || snap.size(2) != H || snap.size(3) != d)
     snap.resize_({2, n, H, d});
-  bool kv_finite;
-  if (raw.element_size() == 4)
-    kv_finite = stage_impl<uint32_t>(static_cast<uint32_t*>(raw.data_ptr()), static_cast<const uint32_t*>(k.data_ptr()),
-                                     static_cast<const uint32_t*>(v.data_ptr()), sp,
-                                     static_cast<uint32_t*>(snap.data_ptr()), n, H, ps, d, k.stride(0), k.stride(1),
-                                     v.stride(0), v.stride(1), 0x7f800000u);
-  else
-    kv_finite = stage_impl<uint16_t>(static_cast<uint16_t*>(raw.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
-                                     static_cast<const uint16_t*>(v.data_ptr()), sp,
-                                     static_cast<uint16_t*>(snap.data_ptr()), n, H, ps, d, k.stride(0), k.stride(1),
-                                     v.stride(0), v.stride(1), static_cast<uint16_t>(exp_mask(dt)));
+  const bool kv_finite = stage_rows(raw, k, v, sp, snap, n, H, ps, d);
   try {
     torch::jit::Stack stack;
     stack.reserve(18);
