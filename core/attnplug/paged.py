@@ -87,7 +87,7 @@ class LayerPlan:
     """
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
-                 "shapes")
+                 "shapes", "checked_call")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -106,6 +106,8 @@ class LayerPlan:
         #: layout's own write
         self.storage: Any = None if cache is None else cache.layer_storage(self.layer_id)
         self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
+        #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
+        self.checked_call: Callable[..., torch.Tensor | None] | None = None
 
 
 class _Forward:
@@ -271,6 +273,19 @@ class PagedBackend(AttentionBackend):
         Default: ``None``."""
         return None
 
+    def checked_layer_call(self, plan: LayerPlan) -> Callable[..., torch.Tensor | None] | None:
+        """A call that runs one planned layer's whole forward and checks its own arguments, for a backend
+        whose compiled kernel can (``LayerPlan.checked_call``; default ``None``: none). The skeleton tries
+        it after the per-forward checks (the plan is this layer's, the batch's index fields and
+        ``req_to_token`` unchanged since ``init_forward_metadata``) and before its per-call q/k/v checks:
+        ``call(q, k, v, meta, loc, save_kv_cache)`` (``meta`` the forward's metadata, ``loc`` its int64
+        write slots). It either returns the layer's output, having done everything ``forward`` does
+        (q/k/v's shapes, dtypes, devices and strides checked; the K/V write, kept only when
+        ``save_kv_cache``; the cache as it was when it raises; outputs of non-finite inputs as the
+        reference's), or returns ``None`` having changed nothing, and the skeleton's checked path runs.
+        It must return ``None`` for any argument it cannot check itself (docs/reliability.md)."""
+        return None
+
     def layer_plan(self, layer: LayerSpec) -> LayerPlan:
         """The plan of ``layer`` (built by its first forward); a layer with no plan yet gets one after
         its layer-only checks (``check_layer_id``, ``check_layer_rows``, the support verdict) pass."""
@@ -283,6 +298,7 @@ class PagedBackend(AttentionBackend):
         self.require_supported(layer)
         plan = LayerPlan(layer, type(self).new_kv_source == "cache", cache)
         plan.kernel = self.plan_layer(layer)
+        plan.checked_call = self.checked_layer_call(plan)
         if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
             self._layer_plans[id(layer)] = plan
         return plan
@@ -465,11 +481,14 @@ class PagedBackend(AttentionBackend):
         # the per-call checks against what the plan and the forward recorded; anything unexpected
         # (or a layer without a plan) runs the full check_forward, which raises the precise error
         cpu = self._on_cpu
-        if plan is None or plan.layer is not layer or q.dtype not in self._claimed_torch \
-                or not self._unchanged(fwd) \
+        if plan is None or plan.layer is not layer or not self._unchanged(fwd) \
                 or (fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version) \
-                or not (q.is_cpu if cpu else q.device.type == self._device_type) \
                 or (plan.cross and not fwd.has_encoder):
+            plan = self._checked_plan(q, k, v, layer, batch)
+        elif plan.checked_call is not None and (  # the backend's call checks q/k/v itself (None: it did nothing)
+                done := plan.checked_call(q, k, v, meta, fwd.loc, save_kv_cache)) is not None:
+            return done
+        elif q.dtype not in self._claimed_torch or not (q.is_cpu if cpu else q.device.type == self._device_type):
             plan = self._checked_plan(q, k, v, layer, batch)
         else:
             shapes = plan.shapes

@@ -373,3 +373,87 @@ def test_the_unchanged_test_of_a_batch_without_a_validation_record_is_the_call_s
     assert fwd.watch is None and PagedBackend._unchanged(fwd)
     fwd.changed = lambda: "seq_lens"
     assert not PagedBackend._unchanged(fwd)
+
+
+# -- the backend's checked call (PagedBackend.checked_layer_call; issue 30, fourth session) --------------------
+class CheckedCallToy(ToyBackend):
+    """A backend offering the skeleton a self-checking call per planned layer: it records every try and either
+    declines (``None``: the skeleton's checked path runs) or, when ``accept`` is set, runs the layer itself with
+    the checks it claims (here: q/k/v exactly the plan's shapes, dtype and device, else it declines)."""
+
+    accept = False
+
+    def checked_layer_call(self, plan):
+        self.tries = getattr(self, "tries", [])
+
+        def call(q, k, v, meta, loc, save_kv_cache):
+            self.tries.append((plan.layer_id, q, meta, loc, save_kv_cache))
+            if not self.accept or k is None or v is None or not save_kv_cache:
+                return None
+            T = loc.shape[0]
+            ok = q.shape == (T,) + plan.q_rest and k.shape == (T,) + plan.k_rest and v.shape == (T,) + plan.v_rest \
+                and q.dtype == k.dtype == v.dtype == self.cache.dtype and q.is_cpu and k.is_cpu and v.is_cpu
+            if not ok:
+                return None
+            out = self.compute_extend(q, k, v, plan.layer, self._fwd.batch, meta)
+            self.write_new_kv(self.cache, plan, loc, k, v)
+            self.accepted = getattr(self, "accepted", 0) + 1
+            return out
+
+        return call
+
+
+def test_the_checked_call_is_tried_only_for_a_planned_layer_after_the_per_forward_checks():
+    """A layer's first call (no plan yet) takes the full check; a planned layer's call is offered to the backend
+    with the forward's metadata and int64 slots and ``save_kv_cache``; a batch changed since
+    ``init_forward_metadata`` or a ``req_to_token`` written since is refused before the backend sees the call."""
+    backend, cache = make(CheckedCallToy)
+    batch = decode_batch(cache)
+    backend.init_forward_metadata(batch)
+    backend.forward(*qkv(2), LAYER, batch)
+    assert backend.tries == []  # the plan is built by this call (its checks ran in full)
+    backend.forward(*qkv(2), LAYER, batch, save_kv_cache=False)
+    (lid, q, meta, loc, save), = backend.tries
+    assert lid == LAYER.layer_id and meta == "meta" and loc.dtype == torch.int64 and save is False
+    assert torch.equal(loc, batch.out_cache_loc.to(torch.int64))
+    batch.seq_lens.add_(0)  # an index field written after init_forward_metadata
+    with pytest.raises(ShapeError, match=r"ForwardBatch\.seq_lens changed after init_forward_metadata"):
+        backend.forward(*qkv(2), LAYER, batch)
+    backend.init_forward_metadata(batch)
+    cache.req_to_token.add_(0)  # the page table written after the forward was checked
+    with pytest.raises(ShapeError, match=r"req_to_token was written after init_forward_metadata"):
+        backend.forward(*qkv(2), LAYER, batch)
+    assert len(backend.tries) == 1
+
+
+@pytest.mark.parametrize("accept", [False, True], ids=["declines", "accepts_good_calls"])
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_a_checked_call_leaves_every_bad_call_to_the_skeletons_words(case, accept):
+    """Whatever the backend's call declines reaches the skeleton's per-call checks: every refusal of a planned
+    layer keeps its error and words, the cache untouched, and good calls still run."""
+    backend, cache, batch = _planned(CheckedCallToy)
+    backend.accept = accept
+    (q, k, v), exc, match = _bad_calls()[case]
+    before = snapshot(cache)
+    with pytest.raises(exc, match=match):
+        backend.forward(q, k, v, LAYER, batch)
+    assert same(cache, before)
+    assert getattr(backend, "accepted", 0) == 0
+    backend.forward(*qkv(2), LAYER, batch)
+    assert getattr(backend, "accepted", 0) == (1 if accept else 0)
+
+
+def test_an_accepted_checked_call_is_the_layers_forward():
+    """The call's output is the forward's, and its write is the forward's: the same bytes as the skeleton's path."""
+    results = []
+    for cls_accept in (False, True):
+        torch.manual_seed(0)  # (``make`` fills the cache with random values: the same ones for both)
+        backend, cache, batch = _planned(CheckedCallToy)
+        backend.accept = cls_accept
+        q, k, v = qkv(2)
+        out = backend.forward(q, k * 2, v * 3, LAYER, batch)
+        results.append((out, snapshot(cache)))
+        assert getattr(backend, "accepted", 0) == (1 if cls_accept else 0)
+    (o1, c1), (o2, c2) = results
+    assert torch.equal(o1, o2)
+    assert all(torch.equal(a, b) for pa, pb in zip(c1, c2) for a, b in zip(pa, pb))

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from attnplug import LayerSpec
+from attnplug import LayerSpec, ShapeError
 from attnplug.kvlayout import KVGeometry
 
 from test_vllm_cpu import _expected, _problem, needs_ops
@@ -393,3 +393,129 @@ def test_the_installed_package_carries_its_compiled_helper_where_a_compiler_is_f
     assert stage.library_path() is not None, "attnplug-vllm-cpu was installed without its compiled helper"
     helper, why = stage._load_library()
     assert helper is not None, why
+
+
+# -- the skeleton's checked call (PagedBackend.checked_layer_call; issue 30, fourth session) -------------------
+def _two_forwards(helper, dtype, monkeypatch, poison=None, seed=3):
+    """Two decode forwards of the same batch through the same two layer objects: the first plans both layers,
+    the second offers layer 1 (the forward's scheduler metadata built by layer 0) to the checked call. Returns
+    the second forward's outputs, layer 1's cache bytes and page marks, and how many times ``decode_layer_new``
+    ran during the second forward's layer 1."""
+    cache, batch, backend, qkv, rows = _build([5, 40, 15, 16], helper=helper, dtype=dtype, monkeypatch=monkeypatch,
+                                              seed=seed)
+    layers = [LayerSpec(0, 4, 2, 64), LayerSpec(1, 4, 2, 64)]
+    calls: list[int] = []
+    if helper:
+        def spy(*a, real=backend.helper.decode_layer_new):
+            calls.append(1)
+            return real(*a)
+        backend.helper = backend.helper._replace(decode_layer_new=spy)
+    backend.init_forward_metadata(batch)
+    for layer, (q, k, v) in zip(layers, qkv):
+        backend.forward(q, k, v, layer, batch)
+    q, k, v = qkv[1]
+    k, v = k * 0.5, v * 2.0
+    if poison == "k_nan":
+        k[1, 0, 3] = float("nan")
+    elif poison == "v_inf":
+        v[2, 1, 0] = float("inf")
+    elif poison == "owned_inf":  # a key request 1 owns, straight into the storage
+        p, o = divmod(int(cache.req_to_token[rows[1], 33]), 16)
+        cache.layer_storage(1)[0].view(cache.num_pages, 2, -1)[p, 0, 3 * 16 + o] = float("inf")
+    backend.init_forward_metadata(batch)
+    out0 = backend.forward(*qkv[0], layers[0], batch)
+    calls.clear()
+    checked_path = []  # the skeleton's staged path (its undo copy) ran for layer 1
+    real_snapshot = backend._snapshot
+    backend._snapshot = lambda *a: checked_path.append(1) or real_snapshot(*a)
+    out1 = backend.forward(q, k, v, layers[1], batch)
+    del backend._snapshot
+    backend.took_checked_path = bool(checked_path)
+    return backend, cache, batch, (out0, out1), len(calls), (q, k, v), layers
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("poison", [None, "k_nan", "v_inf", "owned_inf"])
+def test_a_planned_decode_layer_runs_in_one_checked_call_with_the_checked_paths_bits(dtype, poison, monkeypatch):
+    """vllm_cpu's checked call (the compiled one call tried before the skeleton's q/k/v checks) gives exactly the
+    helper-less path's output and cache bytes; clean, it is the layer's only op call; with a non-finite k/v or
+    output it puts its write back and the checked path redoes the layer (two calls: the reference's NaN rows)."""
+    results = []
+    for helper in (True, False):
+        backend, cache, batch, outs, n_calls, _, _ = _two_forwards(helper, dtype, monkeypatch, poison)
+        assert n_calls == (0 if not helper else 1 if poison is None else 2)
+        assert backend.took_checked_path is (not helper or poison is not None)
+        results.append((outs, _bits(cache.layer_storage(1)[0]).clone(), cache.layer_storage(1)[1].clone()))
+    (o1, r1, m1), (o2, r2, m2) = results
+    for a, b in zip(o1, o2):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(r1, r2) and torch.equal(m1, m2)
+
+
+def _bad_planned_calls(q, k, v):
+    return {
+        "q heads": ((torch.cat([q, q[:, :1]], 1), k, v), r"q has shape \(4, 5, 64\)"),
+        "q tokens": ((q[:3], k[:3], v[:3]), r"q has shape \(3, 4, 64\)"),
+        "k heads": ((q, k[:, :1], v), r"k has shape \(4, 1, 64\)"),
+        "v head dim": ((q, k, v[:, :, :32]), r"v has shape \(4, 2, 32\)"),
+        "k dtype": ((q, k.double(), v), r"dtypes differ"),
+        "q device": ((q.to("meta"), k, v), r"q/k/v are on meta"),
+        "k device": ((q, k.to("meta"), v.to("meta")), r"q/k/v are on cpu, the KV cache of layer 1 on cpu"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_planned_calls(*(torch.zeros(4, h, 64) for h in (4, 2, 2)))))
+def test_the_checked_call_refuses_what_the_skeleton_refuses_and_writes_nothing(case, monkeypatch):
+    """A planned layer's bad call (a wrong head count, token count, head dim, dtype or device): the one call
+    returns -1 having done nothing, the skeleton's checks name the fault in their words, the cache bytes and
+    page marks are as before, and the layer then serves a good call through the checked call."""
+    backend, cache, batch, _, _, (q, k, v), layers = _two_forwards(True, torch.float32, monkeypatch)
+    (bq, bk, bv), match = _bad_planned_calls(q, k, v)[case]
+    before = (_bits(cache.layer_storage(1)[0]).clone(), cache.layer_storage(1)[1].clone())
+    with pytest.raises(ShapeError, match=match):
+        backend.forward(bq, bk, bv, layers[1], batch)
+    assert torch.equal(_bits(cache.layer_storage(1)[0]), before[0])
+    assert torch.equal(cache.layer_storage(1)[1], before[1])
+    out = backend.forward(q, k, v, layers[1], batch)
+    assert (out.double() - _expected(cache, batch, layers[1], q, k, v)).abs().max() < 1e-4
+
+
+def test_the_checked_call_serves_strided_queries_and_forward_into_buffers(monkeypatch):
+    """Calls the one call does not take (a query whose heads are not dense rows) or does (a ``forward_into``
+    buffer of exactly the output) give the reference's output; an ill-shaped buffer is named."""
+    backend, cache, batch, (_, out1), _, (q, k, v), layers = _two_forwards(True, torch.float32, monkeypatch)
+    ref = _expected(cache, batch, layers[1], q, k, v)
+    wide = torch.zeros(q.shape[0], 4, 2 * 64)
+    wide[:, :, :64] = q
+    strided = wide[:, :, :64]
+    assert (backend.forward(strided, k, v, layers[1], batch).double() - ref).abs().max() < 1e-4
+    into = torch.empty_like(q)
+    calls = []
+    real = backend.helper.decode_layer
+    backend.helper = backend.helper._replace(decode_layer=lambda *a: calls.append(1) or real(*a))
+    assert backend.forward_into(into, q, k, v, layers[1], batch) is into and calls == [1]
+    assert torch.equal(into, out1)
+    with pytest.raises(ShapeError, match=r"forward_into: out has shape \(4, 4, 32\)"):
+        backend.forward_into(torch.empty(4, 4, 32), q, k, v, layers[1], batch)
+
+
+def test_the_one_call_op_refuses_a_head_count_other_than_the_layers_and_other_devices():
+    """``decode_layer_new`` itself: q with more heads than ``num_heads`` says, or q on another device, is -1 with
+    nothing written (the schema's ``num_heads``; the fake answers -1 for real tensors on two devices)."""
+    cache, batch, backend, qkv, rows = _problem([5, 40], [1, 1], decode=True, layers=1)
+    backend.init_forward_metadata(batch)
+    layer = LayerSpec(0, 4, 2, 64)
+    backend.forward(*qkv[0], layer, batch)
+    helper = _helper()
+    la, meta = backend.layer_plan(layer).kernel, backend._fwd.meta
+    keys, sched = meta.self_keys, meta.scheduler[la.sched_key]
+    q, k, v = qkv[0]
+    loc = batch.out_cache_loc.to(torch.int64)
+    before = _bits(la.raw).clone()
+    for bad_q, heads in ((q, 3), (q.to("meta"), 4)):
+        out, code = helper.decode_layer_new(la.raw, k, v, loc, torch.empty(0), bad_q, la.key_cache, la.value_cache,
+                                            keys.query_start_loc, keys.seq_lens, la.scaling, la.window,
+                                            keys.block_table, la.cap, sched, la.sinks, meta.threads, heads,
+                                            backend.attention_op)
+        assert code == -1
+    assert torch.equal(_bits(la.raw), before)

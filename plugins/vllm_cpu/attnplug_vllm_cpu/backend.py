@@ -70,6 +70,7 @@ the plan (``_check_call`` words any mismatch) and calls the op.
 from __future__ import annotations
 
 import array
+from collections.abc import Callable
 import dataclasses
 import math
 from typing import Any, NamedTuple
@@ -596,6 +597,54 @@ class VllmCpuBackend(PagedBackend):
                           ok and self.helper is not None and raw.is_contiguous(),
                           _sched_key(True, layer.num_heads, window, raw.dtype))
 
+    def checked_layer_call(self, plan: Any) -> Callable[..., torch.Tensor | None] | None:
+        """A plain decode layer in the compiled helper's one call, tried by the skeleton before its q/k/v checks
+        (``PagedBackend.checked_layer_call``): ``decode_layer_new`` / ``decode_layer`` check q/k/v (dtype, device,
+        ``[n, num_heads, d]`` / ``[n, H, d]``, dense rows) and the thread count themselves and return -1 having done
+        nothing when any differs. Built for a layer whose plan takes the one call (the helper loaded, ``plain``,
+        ``staged``, the cache unquantized in a claimed dtype, this class's own write and compute); per call it
+        runs for a plain decode forward with ``save_kv_cache`` and the layer's scheduler metadata built (by the
+        forward's first layer). Anything else, or a k/v or output that is not finite (the write is put back:
+        the checked path redoes the layer and gives the reference's rows), returns ``None``."""
+        la = plan.kernel
+        if self.helper is None or la.__class__ is not _LayerArgs or not (la.plain and la.staged and plan.staged) \
+                or plan.cross or self.cache.quantized or not self._can_defer or la.raw.dtype not in self._claimed_torch \
+                or not getattr(type(self).write_new_kv, "takes_undo_copy", False):
+            return None
+        raw, geometry = la.raw, self.cache.geometry
+
+        def call(q: torch.Tensor, k: Any, v: Any, meta: Any, loc: torch.Tensor,
+                 save_kv_cache: bool) -> torch.Tensor | None:
+            helper = self.helper
+            if not save_kv_cache or k is None or v is None or helper is None or meta.__class__ is not ForwardMeta \
+                    or not meta.plain_decode:
+                return None
+            sched = meta.scheduler.get(la.sched_key)
+            if sched is None:  # the forward's first layer builds it on the checked path
+                return None
+            snap = self._snap
+            if snap is None:
+                snap = self._snap = raw.new_empty(0)  # ``stage``'s undo buffer, sized by the op
+            keys = meta.self_keys
+            out = self._into
+            if out is None:
+                out, code = helper.decode_layer_new(
+                    raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc, keys.seq_lens,
+                    la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads, la.num_heads,
+                    self.attention_op)
+            else:  # a ``forward_into`` buffer: the op checks it is exactly the output (else -1)
+                code = helper.decode_layer(
+                    raw, k, v, loc, snap, q, la.key_cache, la.value_cache, out, keys.query_start_loc, keys.seq_lens,
+                    la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads, la.num_heads,
+                    self.attention_op)
+            if code == 3:
+                return out
+            if code >= 0:  # written, but something not finite: put back, the checked path redoes the layer
+                VllmCpuLayout._torch_write(raw, geometry, loc, snap[0], snap[1])
+            return None
+
+        return call
+
     def compute_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, batch: Any,
                        meta: ForwardMeta) -> torch.Tensor:
         unchecked, self._unchecked = self._unchecked, None
@@ -620,12 +669,12 @@ class VllmCpuBackend(PagedBackend):
                     out, code = helper.decode_layer_new(
                         la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, keys.query_start_loc,
                         keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
-                        self.attention_op)
+                        la.num_heads, self.attention_op)
                 else:
                     code = helper.decode_layer(
                         la.raw, k, v, loc, snap, q, la.key_cache, la.value_cache, out, keys.query_start_loc,
                         keys.seq_lens, la.scaling, la.window, keys.block_table, la.cap, sched, la.sinks, meta.threads,
-                        self.attention_op)
+                        la.num_heads, self.attention_op)
                 if code >= 0:
                     deferred.undo.rows = (loc, snap)
                     if code == 3:

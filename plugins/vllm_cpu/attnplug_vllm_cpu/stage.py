@@ -11,8 +11,11 @@ fake implementations for ``torch.library.opcheck`` / tracing:
 * ``torch.ops.attnplug_vllm_cpu.decode_layer_new(...) -> (Tensor, int)`` (``decode_layer``: into a given output):
   a plain decode layer in one call from Python: ``stage``, then vLLM's attention op (found through the dispatcher by
   name, called with the arguments ``backend._attend`` passes), then ``all_finite`` of the output. ``-1``: one of the
-  path's conditions does not hold, nothing was done; else bit 0 = k/v finite, bit 1 = the output finite. An
-  attention op that raises has the replaced rows put back before its error propagates.
+  path's conditions does not hold (q/k/v's dtype, device, ``[n, num_heads, d]`` / ``[n, H, d]`` shapes and dense
+  rows, the thread count), nothing was done; else bit 0 = k/v finite, bit 1 = the output finite. An attention op
+  that raises has the replaced rows put back before its error propagates. It checks every argument of a layer's
+  call itself, so ``VllmCpuBackend`` hands it the layer before the skeleton's q/k/v checks
+  (``PagedBackend.checked_layer_call``).
 
 They replace, for a decode layer, the undo copy (``VllmCpuLayout.page_snapshot``'s short-write branch: one
 ``torch.take`` through a flat index), the writer call of ``VllmCpuBackend.write_new_kv`` and the three float32 sums
@@ -81,6 +84,12 @@ def load() -> tuple[Helper | None, str | None]:
 
 
 @functools.cache
+def _same_device(*tensors: Any) -> bool:
+    """All of ``tensors`` on one device (a fake tensor reports the device it stands for)."""
+    device = tensors[0].device
+    return all(t.device == device for t in tensors[1:])
+
+
 def _register_fake() -> None:
     import torch
 
@@ -97,12 +106,16 @@ def _register_fake() -> None:
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer")
     def _decode_layer_fake(raw, k, v, slots, snap, q, key_cache, value_cache, out, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
-                           scale, window, block_table, softcap, sched, sinks, threads, op):
-        return 3
+                           scale, window, block_table, softcap, sched, sinks, threads, num_heads, op):
+        """A trace's answer is the common one (3: written, all finite); real meta tensors beside the CPU cache
+        (a caller's q/k/v/out on another device than the cache) get the real op's -1: nothing done."""
+        return 3 if _same_device(raw, q, k, v, out) else -1
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer_new")
     def _decode_layer_new_fake(raw, k, v, slots, snap, q, key_cache, value_cache, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
-                               scale, window, block_table, softcap, sched, sinks, threads, op):
+                               scale, window, block_table, softcap, sched, sinks, threads, num_heads, op):
+        if not _same_device(raw, q, k, v):
+            return q.new_empty((0,)), -1
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2])), 3
 
     @torch.library.register_fake(f"{NAMESPACE}::all_finite")

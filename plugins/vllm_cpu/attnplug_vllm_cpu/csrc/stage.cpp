@@ -14,7 +14,9 @@
 //   backend calls it), then all_finite of the output (into `out`, or a fresh one). code -1: a condition of this
 //   path does not hold (nothing was done: the caller takes its other paths); else bit 0 = k/v finite, bit 1 =
 //   output finite (3: all finite). If the attention op raises, the rows the write replaced are put back before
-//   the error propagates.
+//   the error propagates. Every argument a layer's forward hands it is checked here (q [n, num_heads, d] and k/v
+//   [n, H, d] in the cache's dtype, CPU, rows dense; the thread count the scheduler metadata was built at), so
+//   the backend may call it before the skeleton's own q/k/v checks (PagedBackend.checked_layer_call).
 //
 // Plain C++ (the compiler vectorises the integer OR-reductions at -O3): no -march flag, one build for every
 // x86-64 CPU.
@@ -158,7 +160,7 @@ std::tuple<at::Tensor, int64_t> decode_layer_impl(at::Tensor raw, const at::Tens
                                              double scale, int64_t window, const at::Tensor& block_table,
                                              double softcap, const at::Tensor& sched,
                                              const c10::optional<at::Tensor>& sinks, int64_t threads,
-                                             c10::string_view op_name) {
+                                             int64_t num_heads, c10::string_view op_name) {
   const at::Tensor none;
   const at::ScalarType dt = raw.scalar_type();
   if (at::get_num_threads() != threads ||  // the scheduler metadata was built at another thread count
@@ -168,14 +170,16 @@ std::tuple<at::Tensor, int64_t> decode_layer_impl(at::Tensor raw, const at::Tens
     return {none, -1};
   const int64_t P = raw.size(0), H = raw.size(1), ps = raw.size(2), d = raw.size(3) / 2, n = slots.size(0);
   if (n == 0 || !dense_rows(k, n, H, d, dt) || !dense_rows(v, n, H, d, dt) || q.scalar_type() != dt ||
-      q.dim() != 3 || q.size(0) != n || q.size(2) != d || q.stride(2) != 1 || q.stride(1) != d ||
+      q.dim() != 3 || q.size(0) != n || q.size(1) != num_heads || q.size(2) != d || q.stride(2) != 1 ||
+      q.stride(1) != d || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu() ||
+      !snap.device().is_cpu() || !slots.device().is_cpu() ||
       query_start_loc.scalar_type() != at::kInt || seq_lens.scalar_type() != at::kInt ||
       block_table.scalar_type() != at::kInt)
     return {none, -1};
   at::Tensor out;
   if (out_given.has_value()) {
     out = *out_given;
-    if (out.scalar_type() != dt || !out.is_contiguous() || out.dim() != 3 || out.size(0) != n ||
+    if (out.scalar_type() != dt || !out.device().is_cpu() || !out.is_contiguous() || out.dim() != 3 || out.size(0) != n ||
         out.size(1) != q.size(1) || out.size(2) != d)
       return {none, -1};
   } else {
@@ -241,9 +245,11 @@ int64_t decode_layer(at::Tensor raw, const at::Tensor& k, const at::Tensor& v, c
                      const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, at::Tensor out,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale, int64_t window,
                      const at::Tensor& block_table, double softcap, const at::Tensor& sched,
-                     const c10::optional<at::Tensor>& sinks, int64_t threads, c10::string_view op) {
+                     const c10::optional<at::Tensor>& sinks, int64_t threads, int64_t num_heads,
+                     c10::string_view op) {
   return std::get<1>(decode_layer_impl(raw, k, v, slots, snap, q, key_cache, value_cache, out, query_start_loc,
-                                       seq_lens, scale, window, block_table, softcap, sched, sinks, threads, op));
+                                       seq_lens, scale, window, block_table, softcap, sched, sinks, threads,
+                                       num_heads, op));
 }
 
 std::tuple<at::Tensor, int64_t> decode_layer_new(at::Tensor raw, const at::Tensor& k, const at::Tensor& v,
@@ -253,9 +259,9 @@ std::tuple<at::Tensor, int64_t> decode_layer_new(at::Tensor raw, const at::Tenso
                                                  double scale, int64_t window, const at::Tensor& block_table,
                                                  double softcap, const at::Tensor& sched,
                                                  const c10::optional<at::Tensor>& sinks, int64_t threads,
-                                                 c10::string_view op) {
+                                                 int64_t num_heads, c10::string_view op) {
   auto r = decode_layer_impl(raw, k, v, slots, snap, q, key_cache, value_cache, c10::nullopt, query_start_loc,
-                             seq_lens, scale, window, block_table, softcap, sched, sinks, threads, op);
+                             seq_lens, scale, window, block_table, softcap, sched, sinks, threads, num_heads, op);
   if (std::get<1>(r) < 0) std::get<0>(r) = at::empty({0}, q.options());
   return r;
 }
@@ -269,16 +275,22 @@ TORCH_LIBRARY(attnplug_vllm_cpu, m) {
   m.def(
       "decode_layer(Tensor(a!) raw, Tensor k, Tensor v, Tensor slots, Tensor(b!) snap, Tensor q, Tensor key_cache, "
       "Tensor value_cache, Tensor(c!) out, Tensor query_start_loc, Tensor seq_lens, float scale, int window, "
-      "Tensor block_table, float softcap, Tensor sched, Tensor? sinks, int threads, str op) -> int");
+      "Tensor block_table, float softcap, Tensor sched, Tensor? sinks, int threads, int num_heads, str op) -> int");
   m.def(
       "decode_layer_new(Tensor(a!) raw, Tensor k, Tensor v, Tensor slots, Tensor(b!) snap, Tensor q, "
       "Tensor key_cache, Tensor value_cache, Tensor query_start_loc, Tensor seq_lens, float scale, int window, "
-      "Tensor block_table, float softcap, Tensor sched, Tensor? sinks, int threads, str op) -> (Tensor, int)");
+      "Tensor block_table, float softcap, Tensor sched, Tensor? sinks, int threads, int num_heads, str op) -> (Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(attnplug_vllm_cpu, CPU, m) {
   m.impl("stage", &attnplug_vllm_cpu::stage);
   m.impl("all_finite", &attnplug_vllm_cpu::all_finite);
+}
+
+// The one-call ops take tensors of any device (the Meta key keeps stage.py's fake): a q/k/v or out that is not on
+// the CPU reaches the function, which returns -1 having done nothing (the backend's checked path then names it),
+// instead of a dispatcher error for a device the op has no kernel for.
+TORCH_LIBRARY_IMPL(attnplug_vllm_cpu, CompositeExplicitAutograd, m) {
   m.impl("decode_layer", &attnplug_vllm_cpu::decode_layer);
   m.impl("decode_layer_new", &attnplug_vllm_cpu::decode_layer_new);
 }
