@@ -411,8 +411,8 @@ inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_str
 // over their compute, `per` lines before each key's work, instead of in one burst as the block's rows are
 // gathered (bf16_rows): a burst of 64 line misses holds every line-fill buffer while the loads and the
 // dot products behind it wait. Measured with accumulate_bf16 below (issue 25, kdec5: bf16 decode 32 x 1024,
-// one thread, caches flushed, three builds): 4-15% faster than main's in every alternated pair, medians
-// -7 to -9%, outputs bit-identical; the burst 2-4 blocks ahead or prefetcht1: within noise; no software
+// one thread, caches flushed, three builds): faster than before in 19 of 23 alternated pairs, medians -7
+// to -9% (a marginal gain: the placement noise is +-5-7%), outputs bit-identical; the burst 2-4 blocks ahead or prefetcht1: within noise; no software
 // prefetch +43%; online softmax (K and V of a block in one pass) slower (docs/performance.md, kdec5).
 struct SpreadPrefetch {
   const char* lines[KB * 64];  // up to KB rows of 4 KiB
