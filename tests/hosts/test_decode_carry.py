@@ -15,6 +15,18 @@ import hf_models as models
 from attnplug import AttentionConfig, ForwardMode
 from attnplug.integrations.transformers import Request, TransformersRunner, generate
 
+def _record(monkeypatch, runner) -> list:
+    """Every metadata the runner's backend builds, in order."""
+    metas: list = []
+    build = runner.backend.build_metadata
+
+    def recorded(batch):
+        metas.append(build(batch))
+        return metas[-1]
+    monkeypatch.setattr(runner.backend, "build_metadata", recorded)
+    return metas
+
+
 pytestmark = pytest.mark.skipif(models.cpu_default() != "cpu_fused", reason="cpu_fused's kernel is not installed")
 
 
@@ -29,9 +41,7 @@ def test_the_carry_gives_the_very_logits_of_the_rebuilt_work(page_size, monkeypa
         monkeypatch.setattr(cf_backend, "_CARRY", on)
         runner = TransformersRunner(models.build("llama"), AttentionConfig(attention_backend="cpu_fused"),
                                     max_requests=3, max_context_len=64, page_size=page_size)
-        metas = []
-        build = runner.backend.build_metadata
-        monkeypatch.setattr(runner.backend, "build_metadata", lambda b: metas.append(build(b)) or metas[-1])
+        metas = _record(monkeypatch, runner)
         out[on] = generate(runner, reqs, max_running=2, record_logits=True)
         carried[on] = sum(m.carried for m in metas)
     assert out[True].tokens == out[False].tokens
@@ -43,9 +53,7 @@ def test_the_carry_gives_the_very_logits_of_the_rebuilt_work(page_size, monkeypa
 def test_every_decode_forward_at_batch_1_after_the_first_carries(monkeypatch):
     runner = TransformersRunner(models.build("llama"), AttentionConfig(attention_backend="cpu_fused"),
                                 max_requests=1, max_context_len=64, page_size=4)
-    metas = []
-    build = runner.backend.build_metadata
-    monkeypatch.setattr(runner.backend, "build_metadata", lambda b: metas.append(build(b)) or metas[-1])
+    metas = _record(monkeypatch, runner)
     for _ in range(2):  # the second request follows the first's decode forwards: an extend between
         generate(runner, [Request(models.prompts((6,))[0], 10)], max_running=1)
     modes = [(m.mode, m.carried) for m in metas]

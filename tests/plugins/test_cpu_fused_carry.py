@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from attnplug import ForwardBatch, ForwardMode, ShapeError
+from attnplug.errors import ResourceLimitError
 from attnplug.testing.suite.harness import same_bytes
 from attnplug_cpu_fused import backend as cf_backend
 from attnplug_cpu_fused import kernel
@@ -74,6 +75,9 @@ class Pair:
             assert a.work.keys() == b.work.keys()
             for key in a.work:
                 wa, wb = a.work[key], b.work[key]
+                if not isinstance(wb, cf_backend.FusedForward):  # Declined: the same answer
+                    assert wa == wb
+                    continue
                 assert torch.equal(wa.work, wb.work) and torch.equal(wa.plan, wb.plan), (wa.work, wb.work)
                 assert wa.per_item == wb.per_item and wa.requests == wb.requests
         return a, b
@@ -169,6 +173,20 @@ def test_a_split_that_changes_is_not_carried(monkeypatch):
         m2 = p.decode([7, 6], [17, 5])
         assert not m2.carried and [w.per_item for w in m2.work.values()] == [1]
         assert p.decode([7, 6], [18, 6]).carried
+        # the workspace limit lowered under one head's scratch between two steps: declined, never carried (the
+        # eager paths then run, and refuse their own workspace over that limit, as without the carry)
+        errors = []
+        for s, carry in ((p.a, True), (p.b, False)):
+            monkeypatch.setattr(cf_backend, "_CARRY", carry)
+            s.backend.max_workspace_bytes = kernel.scratch_bytes(1, 1, 1, G, 19, D, D) - 1
+            batch = _step(s, [7, 6], [19, 7])
+            s.backend.init_forward_metadata(batch)
+            meta = s.backend.forward_metadata(batch)
+            with pytest.raises(ResourceLimitError) as err:
+                s.backend.forward(*inputs(s, 2), s.layer, batch)
+            errors.append(str(err.value))
+            assert not meta.carried and all(isinstance(w, cf_backend.Declined) for w in meta.work.values())
+        assert errors[0] == errors[1]
     finally:
         torch.set_num_threads(threads)
 

@@ -269,10 +269,10 @@ def decode_rows(rows: list[int], prefix: list[int], window: int | None, head: tu
 
 
 class DecodeRows:
-    """How a DECODE forward's self-attention ``work`` (header and rows in one ``array`` buffer, ``FusedForward.work``
-    its tensor view) was split, so that the next decode forward of as many requests rewrites the buffer in place
-    (``renew``) where the split is the same, instead of building a new tensor: the window, what the scratch
-    depends on (``split``'s arguments) and the KV heads per work item chosen."""
+    """How a DECODE forward's self-attention ``work`` (header and rows in one ``array`` buffer ``buf``,
+    ``FusedForward.work`` the tensor over it) was made, so that the next decode forward of as many requests rewrites
+    ``buf`` in place where the split is the same (``CpuFusedBackend._carry``) instead of building a new tensor: the
+    window, the layer geometry the scratch depends on (``_decode_values``'s) and the KV heads per work item chosen."""
 
     __slots__ = ("window", "geometry", "per_item", "buf")
 
@@ -459,17 +459,17 @@ class CpuFusedBackend(TorchNativeBackend):
         G, D, Dv, Hkv, amx = geometry
         aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
         B = len(meta.rows)
-        rows, most_keys = decode_rows(meta.rows, meta.prefix, window)
+        # the header (its KV heads per item set below), then the rows, in one buffer
+        values, most_keys = decode_rows(meta.rows, meta.prefix, window, (B, 0, 0, 0, 0, 0, 0, 0))
         per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
         need = kernel.scratch_bytes(threads, per_item, 1, G, most_keys, D, Dv, amx)
         while per_item > 1 and need > aim:
             per_item = (per_item + 1) // 2
             need = kernel.scratch_bytes(threads, per_item, 1, G, most_keys, D, Dv, amx)
         if need > self.max_workspace_bytes:
-            return rows, Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
-                                  f"{self.max_workspace_bytes}")
-        values = array.array("q", (B, per_item, 0, 0, 0, 0, 0, 0))
-        values.extend(rows)
+            return values, Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
+                                    f"{self.max_workspace_bytes}")
+        values[1] = per_item
         return values, per_item
 
     def _decode_work(self, window: int | None, geometry: tuple[Any, ...], meta: FusedMeta, threads: int) -> Work:
