@@ -1166,8 +1166,12 @@ def test_layers_of_one_forward_share_its_plans(mode):
         out = s.backend.forward(q, k, v, layer, batch, save_kv_cache=False)
         want = reference_attention(q, k, v, layer, batch, kc0, vc0, s.cache.req_to_token)
         torch.testing.assert_close(out.double(), want, atol=tol.atol, rtol=tol.rtol)
-    assert len(meta._plan) == 1, meta._plan.keys()  # planned once, used by both geometries
     assert len(meta.work) == 2  # one work split per geometry
+    if mode is ForwardMode.DECODE:  # each geometry's header and rows in one buffer (_decode_work): the same rows
+        a, b = meta.work.values()
+        assert torch.equal(a.plan, b.plan) and meta._plan == {}, (a.plan, b.plan)
+    else:
+        assert len(meta._plan) == 1, meta._plan.keys()  # planned once, used by both geometries
     if mode is ForwardMode.EXTEND:
         assert list(meta._tiled) == [None] and len(meta.tiled_why) == 2
 
@@ -1285,7 +1289,8 @@ def test_the_prepared_call_is_made_again_whenever_what_it_holds_may_differ(case)
         torch.set_num_threads(threads)
     if case == "another layer object":
         assert meta.calls[id(layers[0])] is not meta.calls[id(layers[1])]
-        assert len(meta._plan) == 1  # one geometry: the work rows planned once for both
+        # one geometry: the work rows planned once for both (a decode forward's in one buffer: _decode_work)
+        assert len(meta.work) == 1 and meta.calls[id(layers[0])].work is meta.calls[id(layers[1])].work
 
 
 @needs_kernel

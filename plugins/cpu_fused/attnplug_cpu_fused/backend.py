@@ -93,6 +93,9 @@ class FusedForward:
     #: plan's rows and the mask's bytes in one int64 tensor: one argument instead of four (each costs the op's
     #: dispatch ~0.1 us per call); made by ``work_tensor``
     work: torch.Tensor
+    #: a DECODE forward's self-attention work (``CpuFusedBackend._decode_work``): how the next decode forward of as
+    #: many requests rewrites ``work`` in place instead of building it (``DecodeRows``); ``None`` elsewhere
+    rows: "DecodeRows | None" = None
 
 
 def work_tensor(plan: torch.Tensor, mask: torch.Tensor | None, per_item: int) -> torch.Tensor:
@@ -156,6 +159,9 @@ class FusedMeta(ForwardMeta):
         self.work: dict[tuple[Any, ...], Work] = {}
         #: per layer object (by ``id``): its prepared call in this forward (``FusedCall``)
         self.calls: dict[int, FusedCall] = {}
+        #: ``work`` and ``calls`` are the previous decode forward's, their work rows rewritten for this one
+        #: (``CpuFusedBackend._carry``)
+        self.carried = False
 
     def fused_requests(self) -> tuple[int, ...]:
         """The requests the kernel takes in this forward: every one in decode; in the extend modes
@@ -231,13 +237,7 @@ class FusedMeta(ForwardMeta):
         """``plan`` of a DECODE forward's self-attention: one work row per request holding its one new token,
         whatever the chunk (what the general loop gives, without the chunk list): ``(row, start, cached, i, 1,
         p, i, 0)`` for request ``i`` with ``p`` cached tokens, ``start`` the window's first."""
-        rows = array.array("q")
-        most = 0
-        for i, (r, p) in enumerate(zip(self.rows, self.prefix)):
-            start = 0 if window is None else min(p, max(0, p - window))
-            rows.extend((r, start, p - start, i, 1, p, i, 0))
-            if p - start + 1 > most:
-                most = p - start + 1
+        rows, most = decode_rows(self.rows, self.prefix, window)
         return _table(rows), most, 1 if self.rows else 0
 
 
@@ -251,6 +251,38 @@ def _table(values: array.array) -> torch.Tensor:
     if not values:
         return torch.zeros((0, 8), dtype=torch.int64)
     return torch.frombuffer(values, dtype=torch.int64).view(-1, 8)
+
+
+def decode_rows(rows: list[int], prefix: list[int], window: int | None, head: tuple[int, ...] = ()
+                ) -> tuple[array.array, int]:
+    """A DECODE forward's self-attention work rows as int64 values, row after row, after ``head`` (a ``work``
+    header's values, or nothing): ``(row, start, cached, i, 1, p, i, 0)`` for request ``i`` with ``p`` cached
+    tokens, ``start`` the window's first; and the most keys of any row (its cached keys and its new one)."""
+    values = array.array("q", head)
+    most = 0
+    for i, (r, p) in enumerate(zip(rows, prefix)):
+        start = 0 if window is None else min(p, max(0, p - window))
+        values.extend((r, start, p - start, i, 1, p, i, 0))
+        if p - start + 1 > most:
+            most = p - start + 1
+    return values, most
+
+
+class DecodeRows:
+    """How a DECODE forward's self-attention ``work`` (header and rows in one ``array`` buffer ``buf``,
+    ``FusedForward.work`` the tensor over it) was made, so that the next decode forward of as many requests rewrites
+    ``buf`` in place where the split is the same (``CpuFusedBackend._carry``) instead of building a new tensor: the
+    window, the layer geometry the scratch depends on (``_decode_values``'s) and the KV heads per work item chosen."""
+
+    __slots__ = ("window", "geometry", "per_item", "buf")
+
+    def __init__(self, window: int | None, geometry: tuple[Any, ...], per_item: int, buf: array.array) -> None:
+        self.window, self.geometry, self.per_item, self.buf = window, geometry, per_item, buf
+
+
+#: a decode forward following a decode forward of as many requests rewrites the previous one's work rows in place
+#: and keeps its prepared calls (``CpuFusedBackend._carry``; tests switch it off to compare)
+_CARRY = True
 
 
 class FusedCall:
@@ -304,9 +336,47 @@ class CpuFusedBackend(TorchNativeBackend):
         #: the FMA tiles) and why: without AMX, by ``vdpbf16ps``'s rate measured once a process
         #: (``kernel.tiled_bf16_body``)
         self.tiled_bf16_body, self.tiled_bf16_why = kernel.tiled_bf16_body()
+        #: the last DECODE forward's metadata (``build_metadata``: the next one may carry its work and calls)
+        self._last_decode: FusedMeta | None = None
 
     def build_metadata(self, batch: Any) -> FusedMeta:
-        return FusedMeta(batch, self.cache)
+        meta = FusedMeta(batch, self.cache)
+        if meta.mode is ForwardMode.DECODE:
+            prev, self._last_decode = self._last_decode, meta
+            if prev is not None and _CARRY and prev.work and len(prev.rows) == len(meta.rows):
+                self._carry(prev, meta)
+        else:
+            self._last_decode = None
+        return meta
+
+    def _carry(self, prev: FusedMeta, meta: FusedMeta) -> None:
+        """``meta`` (a DECODE forward) takes ``prev``'s work and prepared calls (``prev``: the previous decode
+        forward of as many requests) where every work ``prev`` made is a decode self-attention work whose split
+        this forward keeps: each ``DecodeRows`` buffer is rewritten in place with this forward's header and rows,
+        the values ``_decode_work`` would build (the same lengths: only the values move). A prepared call is kept
+        only while the layer's plan is the one it was made from and the cache's ``req_to_token`` the tensor it
+        holds; ``_call`` checks its layer, dtype and thread count as for a call made in this forward. Anything
+        else: nothing is carried, the forward builds its own."""
+        threads = torch.get_num_threads()
+        renewed = []
+        for key, fw in prev.work.items():
+            dr = fw.rows if isinstance(fw, FusedForward) else None
+            if dr is None or key[1] != threads:
+                return
+            values, per_item = self._decode_values(dr.window, dr.geometry, meta, threads)
+            if per_item != dr.per_item or len(values) != len(dr.buf):
+                return
+            renewed.append((dr.buf, values))
+        for buf, values in renewed:
+            buf[:] = values  # the same length: the tensor over the buffer sees the new rows (no reallocation)
+        r2t, plans = self.cache.req_to_token, self._layer_plans
+        calls = {}
+        for lid, call in prev.calls.items():
+            plan = plans.get(lid)
+            if plan is not None and plan.layer is call.layer and plan.kernel is call.fl and \
+                    (call.head is None or call.head[2] is r2t):
+                calls[lid] = call
+        meta.work, meta.calls, meta.carried = prev.work, calls, True
 
     def runtime_notes(self) -> list[str]:
         amx = self.isa == "avx512bf16" and self.tiled_body == "amx"
@@ -351,6 +421,8 @@ class CpuFusedBackend(TorchNativeBackend):
         # a bf16 layer may run its scores and value sum on AMX tiles, whose buffer counts too (over-counted
         # where the kernel declines the tiles for a layer: the workspace limit is never under-counted)
         amx = self.tiled_body == "amx" and self.isa == "avx512bf16" and self.cache.dtype == torch.bfloat16
+        if meta.mode is ForwardMode.DECODE and not cross and _DECODE_PLAN and meta.rows:
+            return self._decode_work(window, (G, D, Dv, Hkv, amx), meta, threads)
         # work items are (chunk of a request's queries, KV heads): all heads unless that leaves
         # threads idle, then fewer heads and shorter chunks until the scratch is under the aim
         chunk = FUSED_QUERY_CHUNK
@@ -377,6 +449,39 @@ class CpuFusedBackend(TorchNativeBackend):
         # a decode forward's work rows are its requests in order (one query each), whatever the chunk
         requests = list(range(B)) if meta.mode is ForwardMode.DECODE else [i for i, _, _ in meta.chunks(chunk)]
         return FusedForward(plan, mask, per_item, requests, work_tensor(plan, mask, per_item))
+
+    def _decode_values(self, window: int | None, geometry: tuple[Any, ...], meta: FusedMeta,
+                       threads: int) -> tuple[array.array, int | Declined]:
+        """A DECODE forward's self-attention ``work`` values (header, then one row per request: ``decode_rows``) and
+        the KV heads per work item (``_prepare``'s split: every head unless that leaves threads idle, halved while
+        the scratch is over the aim; one query a row), or the ``Declined`` for a scratch over the workspace
+        limit."""
+        G, D, Dv, Hkv, amx = geometry
+        aim = min(self.max_workspace_bytes, FUSED_SCRATCH_BYTES)
+        B = len(meta.rows)
+        # the header (its KV heads per item set below), then the rows, in one buffer
+        values, most_keys = decode_rows(meta.rows, meta.prefix, window, (B, 0, 0, 0, 0, 0, 0, 0))
+        per_item = Hkv if B >= 2 * threads else max(1, Hkv * B // (2 * threads))
+        need = kernel.scratch_bytes(threads, per_item, 1, G, most_keys, D, Dv, amx)
+        while per_item > 1 and need > aim:
+            per_item = (per_item + 1) // 2
+            need = kernel.scratch_bytes(threads, per_item, 1, G, most_keys, D, Dv, amx)
+        if need > self.max_workspace_bytes:
+            return values, Declined(f"the kernel's scratch ({need} bytes) exceeds max_workspace_bytes="
+                                    f"{self.max_workspace_bytes}")
+        values[1] = per_item
+        return values, per_item
+
+    def _decode_work(self, window: int | None, geometry: tuple[Any, ...], meta: FusedMeta, threads: int) -> Work:
+        """``_prepare`` for a DECODE forward's self-attention: the rows ``plan`` gives (``_decode_plan``) and the
+        header ``work_tensor`` puts before them, built in one buffer (no header tensor, no concatenation); the
+        ``DecodeRows`` record lets the next decode forward rewrite it (``_carry``)."""
+        values, per_item = self._decode_values(window, geometry, meta, threads)
+        if isinstance(per_item, Declined):
+            return per_item
+        work = _table(values)
+        return FusedForward(work[1:], None, per_item, list(range(len(meta.rows))), work,
+                            DecodeRows(window, geometry, per_item, values))
 
     # -- the call -----------------------------------------------------------------
     def _args(self, q: torch.Tensor, k: Any, v: Any, layer: Any, fl: FusedLayer,
