@@ -1,8 +1,9 @@
 """Slow tier: attnplug-cpu-fused is compiled when its wheel is built, never at first use.
 
 Builds the wheels of the core, torch_native and cpu_fused (the kernel compiled here, once per
-instruction set), installs them into a fresh virtual environment that sees torch through the
-system site packages, and runs a forward through the kernel there with a PATH that holds no C++
+instruction set), installs them into a fresh virtual environment that sees this environment's torch (a ``.pth`` naming the
+directory torch is installed in: the tox environment's, which a venv made from it with
+``--system-site-packages`` would not see, since that names the base interpreter's), and runs a forward through the kernel there with a PATH that holds no C++
 compiler (no g++, c++, cc, clang++): the installed wheel needs none.
 """
 
@@ -82,9 +83,17 @@ def test_the_wheel_runs_the_kernel_in_a_fresh_venv_without_a_compiler(tmp_path: 
     assert len(libs) == 1, f"the wheel holds no compiled kernel: {libs}"
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
     py = venv / "bin" / "python"
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", *map(str, built)], cwd=tmp_path)
+    # then torch (and its dependencies) from the environment running this test, after the venv's own packages
+    # (written after pip ran, so pip installs the wheels instead of finding them there): the wheels are found
+    # first, which the assertion on ``PACKAGE`` checks
+    import torch
+
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "_parent_torch.pth").write_text(str(Path(torch.__file__).resolve().parent.parent) + "\n")
     # a PATH with the venv's tools only: no compiler reachable, and none named by $CXX/$CC
     path = str(venv / "bin")
     assert all(shutil.which(c, path=path) is None for c in COMPILERS)
