@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from attnplug import LayerSpec, NotSupportedError, ShapeError
+from attnplug import LayerSpec, NotSupportedError, PagedBackend, ShapeError
 from attnplug.kvcache import PagedKVCache, indptr
 
 from test_paged_base import CacheReadingToy, H, KV, D, LAYER, ToyBackend, decode_batch, make, qkv, same, snapshot
@@ -457,3 +457,56 @@ def test_an_accepted_checked_call_is_the_layers_forward():
     (o1, c1), (o2, c2) = results
     assert torch.equal(o1, o2)
     assert all(torch.equal(a, b) for pa, pb in zip(c1, c2) for a, b in zip(pa, pb))
+
+
+class OwnWriteToy(ToyBackend):
+    """Overrides ``write_new_kv``: the skeleton must call it, never its own inline write."""
+
+    writes = 0
+
+    def write_new_kv(self, cache, plan, loc, k, v):
+        self.writes += 1
+        super().write_new_kv(cache, plan, loc, k, v)
+
+
+class OwnComputeAndWriteToy(ToyBackend):
+    """Overrides ``compute_and_write``: the skeleton must call it, never its own inline write."""
+
+    calls = 0
+
+    def compute_and_write(self, compute, cache, plan, loc, q, k, v, layer, batch, meta):
+        self.calls += 1
+        return super().compute_and_write(compute, cache, plan, loc, q, k, v, layer, batch, meta)
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, OwnWriteToy, OwnComputeAndWriteToy])
+def test_the_inline_write_is_the_hooks_write_and_only_where_no_hook_is_overridden(cls):
+    """``_forward`` writes the new K/V itself (no ``compute_and_write`` / ``write_new_kv`` frame) only for a backend
+    keeping both hooks; the cache then holds exactly what the hooks write, and a raising compute writes nothing.
+    A backend overriding either hook gets its override on every planned call."""
+    backend, cache, batch = _planned(cls)
+    assert backend._plain_write is (cls is ToyBackend)
+    q, k, v = qkv(2)
+    k, v = 2 * k + 1, 3 * v  # not the planning forward's values: this forward's write must show
+    before = snapshot(cache)
+    out = backend.forward(q, k, v, LAYER, batch)
+    want_cache = snapshot(cache)
+    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
+        kb.copy_(a)
+        vb.copy_(b)
+    plan = backend.layer_plan(LAYER)
+    PagedBackend.write_new_kv(backend, cache, plan, batch.out_cache_loc.to(torch.int64), k, v)
+    assert same(cache, want_cache)  # the forward wrote what the hook writes: the slots of this forward, k and v
+    assert not same(cache, before)
+    if cls is OwnWriteToy:
+        assert backend.writes == 2  # the planning forward and this one
+    if cls is OwnComputeAndWriteToy:
+        assert backend.calls == 2
+    torch.testing.assert_close(out, backend.kernel_call(q, k, v, LAYER, batch)())
+    backend.fail_with = RuntimeError("kernel failed")
+    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
+        kb.copy_(a)
+        vb.copy_(b)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        backend.forward(q, k, v, LAYER, batch)
+    assert same(cache, before)  # a raising compute writes nothing

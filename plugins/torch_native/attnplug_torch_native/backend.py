@@ -349,18 +349,6 @@ class TorchNativeBackend(PagedBackend):
     def build_metadata(self, batch: Any) -> ForwardMeta:
         return ForwardMeta(batch, self.cache)
 
-    def write_new_kv(self, cache: Any, plan: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The skeleton's write after the kernel returned: an unquantized ``nhd`` cache of the model dtype takes
-        the two index copies here (``PagedBackend._write``'s usual case, one call less per layer); anything
-        else goes through ``_write`` (conversion, quantization, another layout). No finite verdict is skipped:
-        this layout keeps none."""
-        if plan.nhd and k.dtype == cache.dtype:
-            kb, vb = plan.storage
-            kb.index_copy_(0, loc, k)
-            vb.index_copy_(0, loc, v)
-        else:
-            self._write(cache, plan, plan.layer_id, loc, k, v)
-
     # -- MLA layers (docs/mla.md): both forms, eager, in mla.py ------------------
     def compute_mla(self, q: torch.Tensor, latent: torch.Tensor, layer: Any, batch: Any, meta: Any) -> torch.Tensor:
         from . import mla
