@@ -442,13 +442,29 @@ class PagedBackend(AttentionBackend):
         self._into = None
         return out
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass keeping the skeleton's ``forward_decode`` / ``forward_extend`` and defining no ``forward`` gets
+        ``_forward`` itself as its ``forward`` (a class attribute: nothing per instance); one overriding either
+        gets the dispatching ``forward`` below back, even where its parent had the skeleton's."""
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            return
+        direct = cls.forward_decode is PagedBackend.forward_decode and \
+            cls.forward_extend is PagedBackend.forward_extend
+        inherited = cls.forward
+        if direct and inherited is PagedBackend.forward:
+            cls.forward = PagedBackend._forward  # type: ignore[method-assign]
+        elif not direct and inherited is PagedBackend._forward:
+            cls.forward = PagedBackend.forward  # type: ignore[method-assign]
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
         batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """``AttentionBackend.forward`` (dispatch by mode), straight into the skeleton when this class keeps the
         skeleton's ``forward_decode`` / ``forward_extend`` (both run ``_forward``, which picks the compute by the
-        batch's mode); an IDLE batch or an overriding subclass takes the base dispatch."""
+        batch's mode); an IDLE batch or an overriding subclass takes the base dispatch. (A subclass keeping both
+        has ``_forward`` itself as its ``forward``: ``__init_subclass__``.)"""
         if self._direct and batch.forward_mode is not ForwardMode.IDLE:
             return self._forward(q, k, v, layer, batch, save_kv_cache)
         return super().forward(q, k, v, layer, batch, save_kv_cache)
@@ -469,9 +485,17 @@ class PagedBackend(AttentionBackend):
 
     def _forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
-        batch: ForwardBatch, save_kv_cache: bool
+        batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        meta = self._guard.require(batch)
+        """The skeleton (checks, KV write, compute; the kernel chosen by the batch's mode). Also **the** ``forward``
+        of every class keeping the skeleton's ``forward_decode`` / ``forward_extend`` (``__init_subclass__``): a
+        caller's ``backend.forward(...)`` lands here with no dispatch frame between (~3 µs a layer once the kernel
+        has evicted it: the method lookups, the mode read). An IDLE batch without metadata gets
+        ``AttentionBackend.forward``'s empty output, as the dispatch gave it."""
+        guard = self._guard
+        if guard._batch is not batch and batch.forward_mode is ForwardMode.IDLE:
+            return AttentionBackend.forward(self, q, k, v, layer, batch, save_kv_cache)
+        meta = guard.require(batch)
         fwd = self._fwd
         if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
             fwd = self._fwd = _Forward(self, batch, meta)

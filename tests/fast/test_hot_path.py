@@ -15,7 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-from attnplug import LayerSpec, NotSupportedError, PagedBackend, ShapeError
+from attnplug import ForwardBatch, LayerSpec, NotSupportedError, PagedBackend, ShapeError
+from attnplug.errors import MetadataNotInitializedError
 from attnplug.kvcache import PagedKVCache, indptr
 
 from test_paged_base import CacheReadingToy, H, KV, D, LAYER, ToyBackend, decode_batch, make, qkv, same, snapshot
@@ -510,3 +511,57 @@ def test_the_inline_write_is_the_hooks_write_and_only_where_no_hook_is_overridde
     with pytest.raises(RuntimeError, match="kernel failed"):
         backend.forward(q, k, v, LAYER, batch)
     assert same(cache, before)  # a raising compute writes nothing
+
+
+class DecodeHookToy(ToyBackend):
+    """Overrides ``forward_decode``: its ``forward`` must dispatch to it."""
+
+    decodes = 0
+
+    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
+        self.decodes += 1
+        return super().forward_decode(q, k, v, layer, batch, save_kv_cache)
+
+
+class DecodeHookChild(DecodeHookToy):
+    pass
+
+
+class DirectAgain(DecodeHookToy):
+    forward_decode = PagedBackend.forward_decode  # both hooks the skeleton's again
+
+
+class OwnForwardToy(ToyBackend):
+    def forward(self, q, k, v, layer, batch, save_kv_cache=True):
+        self.own = True
+        return super().forward(q, k, v, layer, batch, save_kv_cache)
+
+
+def test_a_class_keeping_the_skeletons_hooks_has_the_skeleton_as_its_forward():
+    """No dispatch frame for a class keeping ``forward_decode`` / ``forward_extend``; the dispatching ``forward``
+    for one overriding either (and its subclasses), and a class's own ``forward`` is never replaced."""
+    assert ToyBackend.forward is PagedBackend._forward
+    assert DecodeHookToy.forward is PagedBackend.forward and DecodeHookChild.forward is PagedBackend.forward
+    assert DirectAgain.forward is PagedBackend._forward
+    assert OwnForwardToy.__dict__["forward"] is OwnForwardToy.forward
+    for cls in (ToyBackend, DecodeHookToy, DecodeHookChild, DirectAgain, OwnForwardToy):
+        backend, cache, batch = _planned(cls)
+        out = backend.forward(*qkv(2), LAYER, batch)
+        torch.testing.assert_close(out, backend.kernel_call(*qkv(2), LAYER, batch)())  # the layer's attention
+        if cls in (DecodeHookToy, DecodeHookChild):
+            assert backend.decodes == 2  # the planning forward and this one went through the override
+        if cls is OwnForwardToy:
+            assert backend.own
+
+
+@pytest.mark.parametrize("cls", [ToyBackend, DecodeHookToy])
+def test_forward_without_metadata_idle_is_empty_and_any_other_mode_is_refused(cls):
+    """As ``AttentionBackend.forward`` dispatched it: an IDLE batch needs no metadata (an empty output), any other
+    batch without ``init_forward_metadata`` is refused by name."""
+    backend, cache = make(cls)
+    q, k, v = qkv(2)
+    idle = ForwardBatch.idle()
+    out = backend.forward(q[:0], k[:0], v[:0], LAYER, idle)
+    assert out.shape == (0, H, D)
+    with pytest.raises(MetadataNotInitializedError, match="before init_forward_metadata"):
+        backend.forward(q, k, v, LAYER, decode_batch(cache))
