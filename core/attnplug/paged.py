@@ -193,15 +193,6 @@ class PagedBackend(AttentionBackend):
         #: the cache is on the CPU: the per-call device check reads ``Tensor.is_cpu`` (one flag) instead of
         #: ``Tensor.device.type`` (a device object and a string made per read: ~10 µs a layer with cold caches)
         self._on_cpu = self._device_type == "cpu"
-        #: ``forward_decode`` / ``forward_extend`` are the skeleton's own (not overridden): ``forward`` goes
-        #: straight to ``_forward`` (two Python frames less a layer)
-        cls = type(self)
-        self._direct = cls.forward_decode is PagedBackend.forward_decode and \
-            cls.forward_extend is PagedBackend.forward_extend
-        #: ``compute_and_write`` and ``write_new_kv`` are the skeleton's own (not overridden): ``_forward`` runs their
-        #: usual case (compute, then two index copies into an unquantized ``nhd`` cache of the model dtype) inline
-        self._plain_write = cls.compute_and_write is PagedBackend.compute_and_write and \
-            cls.write_new_kv is PagedBackend.write_new_kv
         #: the caller's output buffer during a ``forward_into`` call (``None`` otherwise): a compute whose kernel
         #: writes its output in place may take it (``output_buffer``) instead of allocating
         self._into: torch.Tensor | None = None
@@ -442,15 +433,26 @@ class PagedBackend(AttentionBackend):
         self._into = None
         return out
 
+    #: the class keeps ``forward_decode`` / ``forward_extend`` (the dispatching ``forward`` goes straight to
+    #: ``_forward``); set per class by ``__init_subclass__``
+    _direct: ClassVar[bool] = True
+    #: the class keeps ``compute_and_write`` and ``write_new_kv``: ``_forward`` runs their usual case (compute, then
+    #: two index copies into an unquantized ``nhd`` cache of the model dtype) inline; set per class by
+    #: ``__init_subclass__``
+    _plain_write: ClassVar[bool] = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass keeping the skeleton's ``forward_decode`` / ``forward_extend`` and defining no ``forward`` gets
-        ``_forward`` itself as its ``forward`` (a class attribute: nothing per instance); one overriding either
-        gets the dispatching ``forward`` below back, even where its parent had the skeleton's."""
+        """Once per subclass: ``_direct`` and ``_plain_write``; and a subclass keeping the skeleton's
+        ``forward_decode`` / ``forward_extend`` and defining no ``forward`` gets ``_forward`` itself as its
+        ``forward`` (a class attribute: nothing per instance); one overriding either gets the dispatching
+        ``forward`` below back, even where its parent had the skeleton's."""
         super().__init_subclass__(**kwargs)
+        cls._direct = direct = cls.forward_decode is PagedBackend.forward_decode and \
+            cls.forward_extend is PagedBackend.forward_extend
+        cls._plain_write = cls.compute_and_write is PagedBackend.compute_and_write and \
+            cls.write_new_kv is PagedBackend.write_new_kv
         if "forward" in cls.__dict__:
             return
-        direct = cls.forward_decode is PagedBackend.forward_decode and \
-            cls.forward_extend is PagedBackend.forward_extend
         inherited = cls.forward
         if direct and inherited is PagedBackend.forward:
             cls.forward = PagedBackend._forward  # type: ignore[method-assign]

@@ -19,7 +19,8 @@ from attnplug import ForwardBatch, LayerSpec, NotSupportedError, PagedBackend, S
 from attnplug.errors import MetadataNotInitializedError
 from attnplug.kvcache import PagedKVCache, indptr
 
-from test_paged_base import CacheReadingToy, H, KV, D, LAYER, ToyBackend, decode_batch, make, qkv, same, snapshot
+from test_paged_base import (CacheReadingToy, H, KV, D, LAYER, ToyBackend, decode_batch, make, qkv, restore, same,
+                             snapshot)
 
 
 def _planned(cls=ToyBackend):
@@ -174,9 +175,7 @@ def test_kernel_call_does_the_forwards_work(cls, save):
     before = snapshot(cache)
     want = backend.forward(q, k, v, LAYER, batch)
     after = snapshot(cache)
-    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
-        kb.copy_(a)
-        vb.copy_(b)
+    restore(cache, before)
     call = backend.kernel_call(q, k, v, LAYER, batch)
     got = call()
     torch.testing.assert_close(got, want)
@@ -306,9 +305,7 @@ def test_a_forward_under_inference_mode_writes_through_a_private_copy_of_the_slo
     q, k, v = qkv(2)
     want = backend.forward(q, k, v, LAYER, b0)
     written = snapshot(cache)
-    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), initial):
-        kb.copy_(a)
-        vb.copy_(b)
+    restore(cache, initial)
     with torch.inference_mode():
         batch = decode_batch(cache)
         backend.init_forward_metadata(batch)
@@ -492,9 +489,7 @@ def test_the_inline_write_is_the_hooks_write_and_only_where_no_hook_is_overridde
     before = snapshot(cache)
     out = backend.forward(q, k, v, LAYER, batch)
     want_cache = snapshot(cache)
-    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
-        kb.copy_(a)
-        vb.copy_(b)
+    restore(cache, before)
     plan = backend.layer_plan(LAYER)
     PagedBackend.write_new_kv(backend, cache, plan, batch.out_cache_loc.to(torch.int64), k, v)
     assert same(cache, want_cache)  # the forward wrote what the hook writes: the slots of this forward, k and v
@@ -505,9 +500,7 @@ def test_the_inline_write_is_the_hooks_write_and_only_where_no_hook_is_overridde
         assert backend.calls == 2
     torch.testing.assert_close(out, backend.kernel_call(q, k, v, LAYER, batch)())
     backend.fail_with = RuntimeError("kernel failed")
-    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), before):
-        kb.copy_(a)
-        vb.copy_(b)
+    restore(cache, before)
     with pytest.raises(RuntimeError, match="kernel failed"):
         backend.forward(q, k, v, LAYER, batch)
     assert same(cache, before)  # a raising compute writes nothing

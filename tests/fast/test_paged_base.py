@@ -84,6 +84,13 @@ def snapshot(cache):
     return [(k.clone(), v.clone()) for k, v in zip(cache.k_buffers, cache.v_buffers)]
 
 
+def restore(cache, snap):
+    """Put ``snapshot``'s buffers back into ``cache``."""
+    for (kb, vb), (a, b) in zip(zip(cache.k_buffers, cache.v_buffers), snap):
+        kb.copy_(a)
+        vb.copy_(b)
+
+
 def same(cache, snap):
     return all(torch.equal(k, a) and torch.equal(v, b) for (k, v), (a, b) in zip(zip(cache.k_buffers,
                                                                                        cache.v_buffers), snap))

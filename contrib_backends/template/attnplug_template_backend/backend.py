@@ -93,15 +93,17 @@ class TemplateSDPABackend(PagedBackend):
             # float32 goes through SDPA's fused kernel (it takes 4-d inputs: ~1.4x faster, and it never copies K);
             # float16/bfloat16 through the 3-d math form, whose rounding the suite's bf16 requirement accepts (the
             # fused kernel's bf16 probabilities bias a masked target-verify case by +0.2 ulp on average)
+            qs, ks, vs = qg, keys.transpose(0, 1), vals.transpose(0, 1)  # [kv_heads, group * new | n, d]
             fused = q.dtype == torch.float32
+            if fused:
+                qs, ks, vs = qs[None], ks[None], vs[None]
             o = F.scaled_dot_product_attention(
-                qg[None] if fused else qg,  # [(1,) kv_heads, group * new, d]
-                keys.transpose(0, 1)[None] if fused else keys.transpose(0, 1),  # [(1,) kv_heads, n, d]
-                vals.transpose(0, 1)[None] if fused else vals.transpose(0, 1),
+                qs, ks, vs,
                 attn_mask=None if mask is None else mask.repeat(group, 1),  # [group * new, n]
                 scale=layer.scaling,
             )
-            o = o[0] if fused else o
+            if fused:
+                o = o[0]
             if bad is not None:  # a query that sees a non-finite key reads garbage: NaN, as the reference
                 seen = bad.t()[:, None, :] if mask is None else mask[None] & bad.t()[:, None, :]
                 sees_bad = seen.any(dim=2).expand(kv_heads, r.new)  # [kv_heads, new]
