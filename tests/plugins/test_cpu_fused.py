@@ -207,6 +207,22 @@ def test_gqa_groups_page_sizes_and_threads(group, dtype, page_size, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_kernel_runs_its_work_items_on_torchs_thread_pool(dtype, threads):
+    # the op reports in its work header (WORK_THREADS) how many distinct threads ran the call's work items: with
+    # torch at 2 threads and 4 requests (4 items) both pool threads work, at 1 thread one does. A call that never
+    # hands its items to the pool (a lost `parallel` pointer: 73c0b1c..a fix, decode ran on one thread whatever
+    # torch's count) reports 1, and this fails.
+    s = make(dtype=dtype, kv_heads=2, group=4, head_dim=32, seed=31)
+    batch = decode_batch(s, [40, 33, 29, 51])
+    run_and_check(s, batch)
+    assert_fused_ran(s)
+    (fw,) = s.backend.forward_metadata(batch).work.values()
+    assert int(fw.work[0, kernel.WORK_THREADS]) == threads
+    assert int(fw.work[0, kernel.WORK_ERR]) == 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("kv_heads,group,nthreads", [(5, 3, 1), (3, 5, 2), (7, 1, 2)],
                          ids=["items_2_2_1", "items_1_1_1_group5", "items_of_1"])
 def test_kv_heads_not_dividing_into_work_items(kv_heads, group, nthreads):

@@ -218,4 +218,9 @@ def test_a_failure_recorded_in_a_carried_header_does_not_stay(monkeypatch):
     monkeypatch.setattr(cf_backend, "_CARRY", False)
     fresh = s.backend.build_metadata(batch)
     want = s.backend._work(q, s.layer, fresh, s.backend.layer_plan(s.layer).kernel)
-    assert not fresh.carried and torch.equal(fw.work, want.work)
+    # (the header's WORK_THREADS column is what the last call wrote, not an input: the fresh one is unused)
+    used = fw.work.clone()
+    assert 1 <= int(used[0, kernel.WORK_THREADS]) <= torch.get_num_threads()
+    assert int(want.work[0, kernel.WORK_THREADS]) == 0
+    used[0, kernel.WORK_THREADS] = 0
+    assert not fresh.carried and torch.equal(used, want.work)

@@ -50,9 +50,11 @@ ISA_FLAGS = {
 #: row, position, slot value) and in ``extend_tiled``'s ``err`` tensor
 RC_SHAPE, RC_DTYPE, RC_BAD_SLOT, RC_NO_MEMORY, RC_SCRATCH_PLAN = 1, 2, 3, 4, 5
 #: ``attend``'s ``work`` tensor (ops.cpp): int64 ``[1 + B + M, 8]``, row 0 the header (B, KV heads per work item,
-#: the target-verify mask's side E (0: none), 0, then the error record from column ``WORK_ERR``), the plan's B
-#: rows, then the mask ``[B, E, E]`` as bytes in M = ceil(B E E / 64) rows; built once per forward
-WORK_COLS, WORK_ERR = 8, 4
+#: the target-verify mask's side E (0: none), at ``WORK_THREADS`` the distinct threads the last call ran its work
+#: items on (written by each call: torch's intra-op pool reached or not), then the error record from column
+#: ``WORK_ERR``), the plan's B rows, then the mask ``[B, E, E]`` as bytes in M = ceil(B E E / 64) rows; built once
+#: per forward
+WORK_COLS, WORK_THREADS, WORK_ERR = 8, 3, 4
 #: ``attend``'s ``params`` (float64, once per layer): group, window (-1: none), scale, cap (0: none), k_scale,
 #: v_scale, sinks (0 / 1), then the H sinks when that is 1
 PARAMS = 7

@@ -498,17 +498,32 @@ inline void fail(const DecodeArgs& a, int64_t code, int64_t row, int64_t pos, in
 }
 
 // Run item(it) for it in [0, n) on the caller's pool: `workers` threads take items one at a time
-// from a shared counter (dynamic scheduling: work rows differ in length)
+// from a shared counter (dynamic scheduling: work rows differ in length). Each worker notes its thread
+// (tl_marker's address, unique per live thread); the distinct threads are reported in a.threads_used.
+thread_local char tl_marker;
 template <class F>
 void for_items(const DecodeArgs& a, int64_t n, const F& item) {
-  struct Ctx { const F* item; int64_t n; int64_t next; } ctx{&item, n, 0};
+  constexpr int64_t NOTE = 64;
+  struct Ctx { const F* item; int64_t n; int64_t next; int64_t started; const void* who[NOTE]; } ctx{&item, n, 0, 0, {}};
   auto body = [](void* p) {
     Ctx* c = static_cast<Ctx*>(p);
+    const int64_t k = __atomic_fetch_add(&c->started, 1, __ATOMIC_RELAXED);
+    if (k < NOTE) c->who[k] = &tl_marker;
     for (int64_t it; (it = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->n;) (*c->item)(it);
   };
   const int64_t workers = a.nthreads < n ? a.nthreads : n;
   if (a.parallel == nullptr || workers <= 1) body(&ctx);
   else a.parallel(workers, &ctx, body);
+  if (a.threads_used != nullptr) {
+    const int64_t seen = ctx.started < NOTE ? ctx.started : NOTE;
+    int64_t distinct = 0;
+    for (int64_t i = 0; i < seen; ++i) {
+      bool first = true;
+      for (int64_t j = 0; j < i; ++j) first &= ctx.who[j] != ctx.who[i];
+      distinct += first;
+    }
+    *a.threads_used = distinct;
+  }
 }
 
 inline float hmax16(vf v) {

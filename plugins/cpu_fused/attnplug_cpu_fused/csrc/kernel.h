@@ -38,6 +38,9 @@ struct DecodeArgs {
                                             // past the scratch sized for the call: a bug here), work row,
                                             // position, slot value (the first failure recorded)
   ParallelFn parallel;                      // the thread pool (null: run on the calling thread)
+  int64_t* threads_used;                    // out (or null): how many distinct threads ran the call's work
+                                            // items (the pool's use is observable: a call that never reaches
+                                            // the pool reports 1 whatever torch's thread count)
 };
 
 // return codes: 0 done; 1 a shape the kernel does not take; 2 a dtype pairing it does not take;

@@ -98,11 +98,12 @@ void check_plan_args(const char* op, const at::Tensor& plan, const at::Tensor& r
 // int64 tensor `work` and what depends only on the layer one float64 tensor `params`, each made once:
 //
 // work [1 + B + M, 8] int64 (contiguous): row 0 the header (B work rows, KV heads per work item, E: the
-// target-verify mask's side (0: none), 0, then the error record: code, work row, position, slot value,
+// target-verify mask's side (0: none), the threads the last call ran its work items on (written by the
+// call), then the error record: code, work row, position, slot value,
 // the kernel's first failure, also raised as an error; the code is 0 after a call that succeeded); rows
 // 1 .. B the plan (kernel.h: DecodeArgs.plan); then, when E > 0, the mask [B, E, E] as bytes (1: the
 // query sees the draft key), M = ceil(B * E * E / 64) rows.
-constexpr int64_t WORK_COLS = 8, WORK_ERR = 4;
+constexpr int64_t WORK_COLS = 8, WORK_THREADS = 3, WORK_ERR = 4;
 // params [7] or [7 + H] float64: group, window (-1: none), scale, cap (0: none), k_scale, v_scale, sinks
 // (0: none; 1: the H query heads' sinks follow)
 constexpr int64_t PARAMS = 7;
@@ -197,6 +198,8 @@ void attend(const at::Tensor& q, const std::optional<at::Tensor>& k_new, const s
   a.num_slots = k_sz[0];
   int64_t* err = wk + WORK_ERR;
   a.err = err;
+  a.parallel = run_parallel;  // torch's intra-op pool: one OpenMP runtime in the process
+  a.threads_used = wk + WORK_THREADS;
   const int rc = variant().fn(&a);
   if (rc == RC_OK) return;
   if (rc == RC_SHAPE || rc == RC_DTYPE) err[0] = rc;
