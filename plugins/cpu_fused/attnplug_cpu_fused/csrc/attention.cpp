@@ -346,8 +346,21 @@ inline void values_amx(float*, int, const uint16_t*, const uint16_t*, int64_t, c
 inline bool rows_finite(const uint16_t* const*, int) { return true; }
 #endif
 
+// The decode passes' prefetch: one cached row (`bytes` from p) into L2, not L1 (prefetcht2). Each row read
+// prefetches the same head's row a block of keys on; a block's 8 heads then have 16-64 KiB in flight, more
+// than L1 holds and more misses than its fill buffers track: with prefetcht0 (into L1) a block's burst of
+// line misses stalled the loads behind it. Measured (issue 25, kdec6, 2026-12-03, AMD EPYC family 25 /
+// Zen 4, one thread, 32 x 1024 decode, 32/8 heads, d128, page 32, three alternated runs of one binary):
+// float32 33.6-38.5 -> 19.9-22.6 ms (prefetcht1 alike; prefetchnta 34-38: no gain; 2 or 4 blocks ahead:
+// no further gain); bf16 without AMX 17.1-20.3 -> 11.7-13.3 ms (this burst into L2 against kdec5's
+// prefetcht0 spread over the key steps, which it replaces). On the Xeon of kdec5, prefetcht1 measured
+// within noise of prefetcht0.
+inline void prefetch_row_l2(const char* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
+
 // Pointers to NK keys' bf16 rows of head h as stored (cache rows through slots, then new token
-// rows; zeros past the end), prefetching the same head's row NK keys on. Measured (a scratch driver of
+// rows; zeros past the end), prefetching the same head's row NK keys on (prefetch_row_l2). Measured (a scratch driver of
 // this file, one thread, bf16 32 x 1024, caches flushed, side by side): prefetching instead each block's
 // whole run of the cache (its keys x all the item's heads) in address order, 1, 2 or 4 blocks ahead,
 // was 5-7% slower; prefetcht1 / nta, a line per 4 KiB page or none at all within noise of this.
@@ -359,8 +372,7 @@ inline void bf16_rows(const uint16_t** out, const uint16_t* zeros, const uint16_
   for (int j = 0; j < NK; ++j) {
     const int64_t key = j0 + j;
     if (pf && key + NK < nc) {
-      const char* p = reinterpret_cast<const char*>(cache + slots[key + NK] * c_ss + h * c_sh);
-      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+      prefetch_row_l2(reinterpret_cast<const char*>(cache + slots[key + NK] * c_ss + h * c_sh), row_bytes);
     }
     out[j] = key >= n ? zeros : key < nc ? cache + slots[key] * c_ss + h * c_sh : nw + (key - nc) * n_st + h * n_sh;
   }
@@ -407,62 +419,20 @@ inline void accumulate(float* acc, int acc_stride, const float* p, int64_t p_str
   for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
 }
 
-// The bf16 passes without AMX (run's `dp`) prefetch the next block's lines of the head they work on spread
-// over their compute, `per` lines before each key's work, instead of in one burst as the block's rows are
-// gathered (bf16_rows): a burst of 64 line misses holds every line-fill buffer while the loads and the
-// dot products behind it wait. Measured with accumulate_bf16 below (issue 25, kdec5: bf16 decode 32 x 1024,
-// one thread, caches flushed, three builds): faster than before in 19 of 23 alternated pairs, medians -7
-// to -9% (a marginal gain: the placement noise is +-5-7%), outputs bit-identical; the burst 2-4 blocks ahead or prefetcht1: within noise; no software
-// prefetch +43%; online softmax (K and V of a block in one pass) slower (docs/performance.md, kdec5).
-struct SpreadPrefetch {
-  const char* lines[KB * 64];  // up to KB rows of 4 KiB
-  int i = 0, n = 0, per = 0;
-  // the next block's rows of head h from key j1 (cached keys only: new tokens are in the arguments), to be
-  // issued over `steps` key steps; what the last block left is issued first
-  void start(const uint16_t* cache, int64_t c_ss, int64_t c_sh, const int64_t* slots, int64_t j1, int64_t nc, int h,
-             int dim, int steps) {
-    rest();
-    n = 0;
-    i = 0;
-    const int64_t row_bytes = int64_t(dim) * 2;
-    if (row_bytes > 4096) return;
-    for (int j = 0; j < KB && j1 + j < nc; ++j) {
-      const char* p = reinterpret_cast<const char*>(cache + slots[j1 + j] * c_ss + h * c_sh);
-      for (int64_t o = 0; o < row_bytes; o += 64) lines[n++] = p + o;
-    }
-    per = (n + steps - 1) / steps;
-  }
-  inline void step() { for (int k = 0; k < per && i < n; ++k) __builtin_prefetch(lines[i++]); }
-  inline void rest() { while (i < n) __builtin_prefetch(lines[i++]); }
-};
-
 #ifdef __AVX512BF16__
-// scores_bf16 with the spread prefetch's share of each key step
-inline vf scores_bf16_pf(const uint16_t* qr, const uint16_t* const* rp, int chunks, SpreadPrefetch& pf) {
-  vf part[KB];
-  for (int j = 0; j < KB; ++j) {
-    pf.step();
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < chunks; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qr + c * 32), (__m512bh)_mm512_loadu_si512(rp[j] + c * 32));
-    part[j] = (vf)acc;
-  }
-  return reduce16(part);
-}
 // accumulate's form for bf16 value rows read as stored (run's `dp` path, Dv a multiple of 32): each 32 bf16 of
 // a row widen in two operations into its even dims (x << 16) and its odd dims (x & 0xffff0000), so the
 // accumulator holds each 32 columns as their 16 even then their 16 odd (dvperm: the output's order); the
 // same products, summed in the same order, as accumulate over rows widened into a buffer. CN: vectors of
-// 16 columns (even); pf: the spread prefetch's share of each key step
+// 16 columns (even)
 template <int GN, int CN, bool SEL = false>
 inline void accumulate_bf16(float* acc, int acc_stride, const float* p, int64_t p_stride, const uint16_t* const* rp,
-                            int col, SpreadPrefetch& pf) {
+                            int col) {
   static_assert(CN % 2 == 0, "pairs of vectors: 32 bf16 columns");
   vf t[GN][CN];
   for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) t[g][c] = loadf(acc + g * acc_stride + c * W);
   const __m512i hi = _mm512_set1_epi32(int32_t(0xffff0000u));
   for (int j = 0; j < KB; ++j) {
-    pf.step();
     vf x[CN];
     for (int c = 0; c < CN; c += 2) {
       const __m512i u = _mm512_loadu_si512(rp[j] + col + c * W);
@@ -481,9 +451,8 @@ inline void accumulate_bf16(float* acc, int acc_stride, const float* p, int64_t 
   for (int g = 0; g < GN; ++g) for (int c = 0; c < CN; ++c) storef(acc + g * acc_stride + c * W, t[g][c]);
 }
 #else
-inline vf scores_bf16_pf(const uint16_t*, const uint16_t* const*, int, SpreadPrefetch&) { return vf{}; }
 template <int GN, int CN, bool SEL = false>
-inline void accumulate_bf16(float*, int, const float*, int64_t, const uint16_t* const*, int, SpreadPrefetch&) {}
+inline void accumulate_bf16(float*, int, const float*, int64_t, const uint16_t* const*, int) {}
 #endif
 // where accumulate_bf16 keeps column d: each 32 columns as their 16 even then their 16 odd
 inline int dvperm(int d) { return (d & ~31) + ((d & 31) >> 1) + ((d & 1) << 4); }
@@ -541,7 +510,7 @@ inline float hmax16(vf v) {
 // others are widened (stored * scale) into dst[j][dim]. Keys past the end point at zeros. Keys
 // j < nc are cached (KV rows through slots), key nc + i is new token i (a Q row, or float32 when
 // new_f32, at byte address nw + (i * n_st + h * n_sh) * its size). Each cached row read prefetches
-// the same head's row KB keys on.
+// the same head's row KB keys on (prefetch_row_l2).
 template <class Q, class KV>
 void block_rows(const float** out, float* dst, const float* zeros, const typename KV::T* cache, int64_t c_ss,
                 int64_t c_sh, const char* nw, int64_t n_st, int64_t n_sh, bool new_f32, const int64_t* slots,
@@ -552,8 +521,7 @@ void block_rows(const float** out, float* dst, const float* zeros, const typenam
     const int64_t key = j0 + j;
     float* d = dst + int64_t(j) * dim;
     if (key + KB < nc) {
-      const char* p = reinterpret_cast<const char*>(cache + slots[key + KB] * c_ss + h * c_sh);
-      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+      prefetch_row_l2(reinterpret_cast<const char*>(cache + slots[key + KB] * c_ss + h * c_sh), row_bytes);
     }
     if (key >= n) {
       out[j] = zeros;
@@ -698,7 +666,6 @@ int run(const DecodeArgs& a) {
       }
       amx_configure(RH);
     }
-    SpreadPrefetch spf;  // dp: the next block's rows, prefetched over the key steps
     // pass 1: scores, a block of KB keys and one head at a time
     for (int64_t j0 = 0; j0 < n; j0 += KB) {
       for (int h = h0; h < h1; ++h) {
@@ -709,8 +676,7 @@ int run(const DecodeArgs& a) {
                     a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc, n, h, D, false);
         } else if (dp) {
           bf16_rows(rp16, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(K), a.k_ss,
-                    a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc, n, h, D, false);
-          spf.start(reinterpret_cast<const uint16_t*>(K), a.k_ss, a.k_sh, slots, j0 + KB, nc, h, D, RH * KB);
+                    a.k_sh, reinterpret_cast<const uint16_t*>(kn), a.kn_st, a.kn_sh, slots, j0, nc, n, h, D);
         }
         else
           block_rows<Q, KV>(rp, rows, zeros, K, a.k_ss, a.k_sh, kn, a.kn_st, a.kn_sh, a.new_f32 != 0, slots, j0,
@@ -728,7 +694,7 @@ int run(const DecodeArgs& a) {
               s = sv[qi * G + g] * a.scale;
             } else if (dp) {
               const QT* qp = q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
-              s = scores_bf16_pf(reinterpret_cast<const uint16_t*>(qp), rp16, D / 32, spf) * a.scale;
+              s = scores_bf16(reinterpret_cast<const uint16_t*>(qp), rp16, D / 32) * a.scale;
             } else {
               s = scores<DC>(qf + r * D, rp, D / W);
             }
@@ -820,32 +786,30 @@ int run(const DecodeArgs& a) {
       const bool hidden = j0 + KB > nc || start + j0 < lo_last;
       for (int h = h0; h < h1; ++h) {
         bf16_rows(rp16, reinterpret_cast<const uint16_t*>(zeros), reinterpret_cast<const uint16_t*>(V), a.v_ss,
-                  a.v_sh, reinterpret_cast<const uint16_t*>(vn), a.vn_st, a.vn_sh, slots, j0, nc, n, h, Dv, false);
+                  a.v_sh, reinterpret_cast<const uint16_t*>(vn), a.vn_st, a.vn_sh, slots, j0, nc, n, h, Dv);
         const int hr = (h - h0) * RH;
-        spf.start(reinterpret_cast<const uint16_t*>(V), a.v_ss, a.v_sh, slots, j0 + KB, nc, h, Dv,
-                  (RH / 4 + RH % 4) * (Dv / 64 + (Dv % 64) / 32) * KB);
         const float* p0 = sc + size_t(hr) * npad + j0;
         float* a0r = acc + size_t(hr) * Dv;
         if (hidden) {
           int g0 = 0;
           for (; g0 + 4 <= RH; g0 += 4)
             for (int c0 = 0; c0 < Dv; c0 += 32)
-              accumulate_bf16<4, 2, true>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
+              accumulate_bf16<4, 2, true>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
           for (; g0 < RH; ++g0)
             for (int c0 = 0; c0 < Dv; c0 += 32)
-              accumulate_bf16<1, 2, true>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
+              accumulate_bf16<1, 2, true>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
           continue;
         }
         int g0 = 0;
         for (; g0 + 4 <= RH; g0 += 4) {
           int c0 = 0;
-          for (; c0 + 64 <= Dv; c0 += 64) accumulate_bf16<4, 4>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
-          for (; c0 < Dv; c0 += 32) accumulate_bf16<4, 2>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
+          for (; c0 + 64 <= Dv; c0 += 64) accumulate_bf16<4, 4>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
+          for (; c0 < Dv; c0 += 32) accumulate_bf16<4, 2>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
         }
         for (; g0 < RH; ++g0) {
           int c0 = 0;
-          for (; c0 + 64 <= Dv; c0 += 64) accumulate_bf16<1, 4>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
-          for (; c0 < Dv; c0 += 32) accumulate_bf16<1, 2>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0, spf);
+          for (; c0 + 64 <= Dv; c0 += 64) accumulate_bf16<1, 4>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
+          for (; c0 < Dv; c0 += 32) accumulate_bf16<1, 2>(a0r + g0 * Dv + c0, Dv, p0 + g0 * npad, npad, rp16, c0);
         }
       }
     }
