@@ -223,6 +223,26 @@ def test_the_kernel_runs_its_work_items_on_torchs_thread_pool(dtype, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("group,new", [(4, 1), (2, 2), (1, 4), (2, 3)], ids=["g4_decode", "g2_two_new", "g1_four_new",
+                                                                           "g2_three_new"])
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_bf16_four_query_rows_a_head_share_one_pass_over_k(group, new, head_dim):
+    # bf16 without AMX scores a head's rows in one pass over the block's K rows where the head has exactly 4 rows
+    # (scores_bf16_x4: a decode step of G = 4, or 2 queries of G = 2, 4 of G = 1); 3 queries of G = 2 (6 rows)
+    # take the per-row form. Against the float64 reference with a window and a soft-cap (masked lanes, capped
+    # scores), on the path a CPU with AMX takes too when AMX is refused.
+    s = make(dtype=BF16, kv_heads=2, group=group, head_dim=head_dim, seed=group * 7 + new,
+             layer_kw=dict(scaling=1.0, sliding_window=21, logit_cap=4.0))
+    if new == 1:
+        batch = decode_batch(s, [53, 17, 30])
+    else:
+        batch = extend_batch(s, ForwardMode.EXTEND, [48, 0, 19], [new, new, new])
+    out = run_and_check(s, batch, q_gain=4.0 / head_dim ** 0.5)
+    assert_fused_ran(s)
+    assert bool(torch.isfinite(out).all())
+
+
+@needs_kernel
 @pytest.mark.parametrize("kv_heads,group,nthreads", [(5, 3, 1), (3, 5, 2), (7, 1, 2)],
                          ids=["items_2_2_1", "items_1_1_1_group5", "items_of_1"])
 def test_kv_heads_not_dividing_into_work_items(kv_heads, group, nthreads):
