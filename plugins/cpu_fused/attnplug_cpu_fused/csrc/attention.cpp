@@ -198,6 +198,53 @@ inline vf scores(const float* qr, const float* const* rp, int chunks) {
   return reduce16(part);
 }
 
+// The 4 rows' scores from the 4 key groups' reductions (grp[g] lane 4k + r: key 4g + k, row r): sv[r] lane j =
+// grp[j / 4] lane 4 (j % 4) + r
+inline void regroup4(vf* sv, const vf* grp) {
+#ifdef __AVX512F__
+  for (int r = 0; r < 4; ++r) {  // lanes 0-7 of lo from grp[0] and grp[1], of hi from grp[2] and grp[3]
+    const __m512i idx = _mm512_setr_epi32(r, 4 + r, 8 + r, 12 + r, 16 + r, 20 + r, 24 + r, 28 + r, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 lo = _mm512_permutex2var_ps((__m512)grp[0], idx, (__m512)grp[1]);
+    const __m512 hi = _mm512_permutex2var_ps((__m512)grp[2], idx, (__m512)grp[3]);
+    sv[r] = (vf)_mm512_shuffle_f32x4(lo, hi, 0x44);
+  }
+#else
+  for (int r = 0; r < 4; ++r) {
+    vf lo, hi;
+    for (int m = 0; m < 4; ++m) {
+      lo[m] = grp[0][4 * m + r]; lo[4 + m] = grp[1][4 * m + r];
+      hi[m] = grp[2][4 * m + r]; hi[4 + m] = grp[3][4 * m + r];
+    }
+    sv[r] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  }
+#endif
+}
+
+// scores<DC> of 4 query rows at once (qr: row r at qr + r * D): sv[r] lane j = q_r . row j, each key row
+// loaded once for the 4 rows (4 keys x 4 rows of accumulators at a time, reduced together). Float32 sums of
+// the same products, but not bit-identical to four scores<DC> calls as compiled (measured: 1-2 float32 ulp
+// apart in ~70% of float32 outputs, max 2.1e-7 on outputs up to 1.04; float16 outputs 0.1% apart by one
+// half ulp); held to the float64 reference like every path. Measured (kdec6, Zen 4, one thread): float32
+// 4 x 256 decode 0.43-0.50 -> 0.32 ms (in cache), 32 x 1024 18.2-19.5 -> 18.1-18.4 ms (memory-bound).
+template <int DC>
+inline void scores_x4(vf* sv, const float* qr, int D, const float* const* rp, int chunks) {
+  const int nc = DC > 0 ? DC : chunks;
+  vf grp[KB / 4];
+  for (int g = 0; g < KB / 4; ++g) {
+    vf acc[16];
+    for (int c = 0; c < nc; ++c) {
+      vf qv[4];
+      for (int r = 0; r < 4; ++r) qv[r] = loadf(qr + r * D + c * W);
+      for (int k = 0; k < 4; ++k) {
+        const vf kv = loadf(rp[4 * g + k] + c * W);
+        for (int r = 0; r < 4; ++r) acc[4 * k + r] = c == 0 ? qv[r] * kv : acc[4 * k + r] + qv[r] * kv;
+      }
+    }
+    grp[g] = reduce16(acc);
+  }
+  regroup4(sv, grp);
+}
+
 #ifdef __AVX512BF16__
 // Unscaled scores of one bf16 query row against KB bf16 rows with the CPU's bf16 dot product
 // (vdpbf16ps: pairs of bf16 products, exact in float32, accumulated in float32); `chunks` is the
@@ -234,13 +281,7 @@ inline void scores_bf16_x4(vf* sv, const uint16_t* const* qr, const uint16_t* co
     for (int i = 0; i < 16; ++i) part[i] = (vf)acc[i];
     grp[g] = reduce16(part);
   }
-  for (int r = 0; r < 4; ++r) {
-    // lanes 0-3: grp[0] (or grp[2]) lanes r, 4 + r, 8 + r, 12 + r; lanes 4-7: the same of grp[1] (grp[3])
-    const __m512i idx = _mm512_setr_epi32(r, 4 + r, 8 + r, 12 + r, 16 + r, 20 + r, 24 + r, 28 + r, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512 lo = _mm512_permutex2var_ps((__m512)grp[0], idx, (__m512)grp[1]);
-    const __m512 hi = _mm512_permutex2var_ps((__m512)grp[2], idx, (__m512)grp[3]);
-    sv[r] = (vf)_mm512_shuffle_f32x4(lo, hi, 0x44);
-  }
+  regroup4(sv, grp);
 }
 constexpr bool kNativeBF16 = true;
 #else
@@ -669,6 +710,8 @@ int run(const DecodeArgs& a) {
     // the block's K rows (scores_bf16_x4). Measured (kdec6, Zen 4, one thread, alternated in one binary):
     // 32 x 1024 14.3-14.8 -> 11.5-12.1 ms, 4 x 256 0.44-0.46 -> 0.35-0.36 ms; outputs bit-identical
     const bool dp4 = dp && RH == 4;
+    // the same for the float32 rows (float32 caches, widened fp16 / fp8 rows): scores_x4
+    const bool fx4 = !amx && !dp && RH == 4;
     // and the value sum too (P in NPV bf16 parts times V as stored), where the value rows are pairs of 16
     const bool amx_pv = amx && Dv % 32 == 0;
     const int64_t np32 = (npad + PVK - 1) / PVK * PVK;  // P's row stride (bf16 elements)
@@ -723,6 +766,7 @@ int run(const DecodeArgs& a) {
             qrs[r] = reinterpret_cast<const uint16_t*>(q + (t0 + r / G) * a.q_st + int64_t(h * G + r % G) * a.q_sh);
           scores_bf16_x4(sv, qrs, rp16, D / 32);
         }
+        if (fx4) scores_x4<DC>(sv, qf + size_t(h - h0) * RH * D, D, rp, D / W);
         for (int qi = 0; qi < nq; ++qi) {
           // keys a query cannot see in this block: past the end, a new token after it (causal) or
           // hidden by the target-verify mask, a cached key before its window
@@ -733,6 +777,8 @@ int run(const DecodeArgs& a) {
             vf s;
             if (amx || dp4) {
               s = sv[qi * G + g] * a.scale;
+            } else if (fx4) {
+              s = sv[qi * G + g];
             } else if (dp) {
               const QT* qp = q + (t0 + qi) * a.q_st + int64_t(h * G + g) * a.q_sh;
               s = scores_bf16(reinterpret_cast<const uint16_t*>(qp), rp16, D / 32) * a.scale;
