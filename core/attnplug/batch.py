@@ -63,6 +63,19 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = dataclasses.field(default_factory=list)
     req_pool_indices_cpu: list[int] = dataclasses.field(default_factory=list)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a field; replacing an index field of a validated batch by another object also replaces the
+        validation record by a copy (same entries, a new object): the per-layer guard compares that record's
+        identity only (``PagedBackend._unchanged``: one read where a read per field cost ~4 µs a layer after a
+        kernel that streamed the caches), and ``changed_since_validate`` names the field from the copy's
+        entries. (Writing into ``__dict__`` directly bypasses this and is not supported.)"""
+        if name in _INDEX_FIELD_SET:
+            d = self.__dict__
+            snap = d.get("_validated")
+            if snap is not None and snap[name][0] is not value:
+                d["_validated"] = dict(snap)
+        object.__setattr__(self, name, value)
+
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
@@ -134,12 +147,22 @@ class ForwardBatch:
                 ones_t = made[2]
             if made[4]._version == 0 and made[3] == prefix:
                 pos_t = made[4]
+        # the fields not taken from ``after``, made as views of one int64 buffer (``_host_i64_views``): one
+        # allocation, and one write counter for all of them (a view shares its base's), so the per-layer guard
+        # reads one counter for the lot (``_Forward``); ``changed_since_validate`` still names the field written
+        fresh: list[tuple[str, list[int]]] = [("seq_lens", seq), ("out_cache_loc", loc), ("extend_prefix_lens", prefix)]
+        if req_t is None:
+            fresh.append(("req_pool_indices", rows))
+        if ones_t is None:
+            fresh.append(("extend_seq_lens", [1] * b))
+        if pos_t is None:
+            fresh.append(("positions", prefix))
         with _not_inference():
-            self = cls(ForwardMode.DECODE, req_t if req_t is not None else _host_i64("req_pool_indices", rows),
-                       _host_i64("seq_lens", seq), _host_i64("out_cache_loc", loc),
-                       extend_prefix_lens=_host_i64("extend_prefix_lens", prefix),
-                       extend_seq_lens=ones_t if ones_t is not None else _host_i64("extend_seq_lens", [1] * b),
-                       positions=pos_t if pos_t is not None else _host_i64("positions", prefix), mla_form=mla_form)
+            made_t = _host_i64_views(fresh)
+            self = cls(ForwardMode.DECODE, req_t if req_t is not None else made_t["req_pool_indices"],
+                       made_t["seq_lens"], made_t["out_cache_loc"], extend_prefix_lens=made_t["extend_prefix_lens"],
+                       extend_seq_lens=ones_t if ones_t is not None else made_t["extend_seq_lens"],
+                       positions=pos_t if pos_t is not None else made_t["positions"], mla_form=mla_form)
         # the validation record ``_validated_as`` makes, written out: fresh tensors with write counters
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, [1] * b
         self.req_pool_indices_cpu = rows
@@ -276,16 +299,43 @@ class ForwardBatch:
     def changed_since_validate(self) -> str | None:
         """The first index field (``extend_prefix_lens``, ``seq_lens`` …) replaced or written in place
         since the last ``validate()``, else ``None`` (also when never validated). Cheap (no reduction,
-        no sync: torch's per-tensor version counter), so it runs per layer: the host copies and the
-        metadata built from them describe the validated values, never the new ones."""
+        no sync: torch's per-tensor version counter): the host copies and the metadata built from them
+        describe the validated values, never the new ones. Fields that are views of one buffer (a decode
+        batch made from host ints) share one write counter: the field named is the one whose values
+        changed; a write of the same values names every field of the buffer ("a, b or c (views of one
+        buffer, …)")."""
         snap: dict[str, tuple[torch.Tensor | None, int | None]] | None = self.__dict__.get("_validated")
         if snap is None:
             return None
-        d = self.__dict__  # the dataclass's fields (a plain dict read per field: this runs per layer)
+        d = self.__dict__  # the dataclass's fields (a plain dict read per field)
+        moved: list[str] = []
         for field, (tensor, version) in snap.items():
-            # the same object with a recorded counter is a normal tensor: its counter is read directly
-            if d.get(field) is not tensor or (version is not None and tensor is not None and tensor._version != version):
+            if d.get(field) is not tensor:
                 return field
+            # the same object with a recorded counter is a normal tensor: its counter is read directly
+            if version is not None and tensor is not None and tensor._version != version:
+                moved.append(field)
+        if len(moved) > 1:
+            # fields made as views of one buffer share its write counter (``_decode_from_host``): a write into
+            # one moves them all; the field written is the one whose values are no longer those validated, and
+            # where none is (a write of the same values), the fields that share the counter are all named
+            for field in moved:
+                was = self._validated_values(field)
+                if was is not None and d[field].tolist() != was:
+                    return field
+            return f"{', '.join(moved[:-1])} or {moved[-1]} (views of one buffer, one of them written in place)"
+        return moved[0] if moved else None
+
+    def _validated_values(self, field: str) -> list[int] | None:
+        """The values ``field`` had when validated, where the batch knows them without its tensor (the host
+        copies; ``out_cache_loc`` of a batch made from host ints), else ``None``. For error messages only."""
+        if field == "positions" and self.forward_mode.is_decode():
+            field = "extend_prefix_lens"
+        if field in ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens"):
+            return list(getattr(self, field + "_cpu"))
+        rec = self.__dict__.get("_host_ints")
+        if field == "out_cache_loc" and rec is not None and rec[0][2] is self.out_cache_loc:
+            return list(rec[1][2])
         return None
 
     # -- derived kernel inputs (built on first use from the validated host copies, memoised per device) --
@@ -385,6 +435,7 @@ def check_mla_qkv(q: torch.Tensor, k: torch.Tensor | None, v: Any, layer: Any, n
 #: the fields ``validate`` derives host copies and kernel inputs from
 _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens", "extend_seq_lens",
                  "positions", "encoder_lens", "spec_custom_mask")
+_INDEX_FIELD_SET = frozenset(_INDEX_FIELDS)
 
 
 def _version(t: torch.Tensor | None) -> int | None:
@@ -434,6 +485,26 @@ def _host_i64(field: str, xs: list[int]) -> torch.Tensor:
     except OverflowError:
         raise ShapeError(f"ForwardBatch.{field} holds a value outside int64: {xs}") from None
     return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def _host_i64_views(fields: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """``{field: int64 CPU tensor of its ints}``, every tensor a view of one buffer holding them all (one
+    allocation; the views share the buffer's write counter). A value outside int64 is ``_host_i64``'s
+    ``ShapeError`` naming its field."""
+    xs: list[int] = []
+    for _, ints in fields:
+        xs += ints
+    if not xs:
+        return {f: torch.empty(0, dtype=torch.int64) for f, _ in fields}
+    try:
+        buf = array.array("q", xs)
+    except OverflowError:
+        for f, ints in fields:  # the field holding it, named
+            _host_i64(f, ints)
+        raise
+    parts = torch.frombuffer(buf, dtype=torch.int64).split(  # type: ignore[no-untyped-call]
+        [len(ints) for _, ints in fields])
+    return {f: t for (f, _), t in zip(fields, parts)}
 
 
 def _int32(xs: list[int], device: torch.device) -> torch.Tensor:

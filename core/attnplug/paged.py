@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .backend import AttentionBackend, MetadataGuard
-from .batch import _version, check_mla_qkv, check_qkv
+from .batch import ForwardBatch, _version, check_mla_qkv, check_qkv
 from .capabilities import support_reasons
 from .support import SupportQuery
 from .support import reasons as support_reasons_of
@@ -62,7 +62,6 @@ from .layer import UNABSORBED, LayerSpec
 from .modes import ForwardMode
 
 if TYPE_CHECKING:
-    from .batch import ForwardBatch
     from .build_context import BuildContext
     from .kvcache import PagedKVCache
 
@@ -87,7 +86,7 @@ class LayerPlan:
     """
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
-                 "shapes", "checked_call")
+                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -98,6 +97,8 @@ class LayerPlan:
         #: ``(tokens, q shape, k shape, v shape)`` the per-call check compares with, for the last token count
         self.shapes: tuple[Any, ...] = (-1,)
         self.cross = bool(layer.is_cross_attention)
+        #: an MLA layer (``LayerSpec.mla``): its forwards take ``_forward_mla``
+        self.mla = getattr(layer, "mla", None) is not None
         #: the KV write is staged around the kernel (``new_kv_source == "cache"``, self-attention)
         self.staged = staged and not self.cross
         self.kernel: Any = None  # what the backend's plan_layer returned: its own type
@@ -108,13 +109,27 @@ class LayerPlan:
         self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
         #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
         self.checked_call: Callable[..., torch.Tensor | None] | None = None
+        #: the backend's per-call constants, held here (the skeleton reads the plan anyway; a slot is cheaper
+        #: than the backend's ``__dict__`` once a kernel has evicted both): the claimed torch dtypes, whether the
+        #: cache is on the CPU, and the dtype of a self-attention layer's plain write (``PagedBackend._forward``:
+        #: two index copies into an unquantized ``nhd`` cache of that dtype, the write after the compute; ``None``
+        #: where the backend writes another way)
+        self.claimed: frozenset[torch.dtype] = frozenset()
+        self.cpu = cache is not None and cache.device.type == "cpu"
+        self.plain_dtype: torch.dtype | None = None
+
+
+#: ``_Forward.watch`` of a batch whose validation record is replaced whenever an index field is
+#: (``ForwardBatch.__setattr__``): the per-layer guard reads the record's identity only
+_RECORD_TRACKS_FIELDS: Any = object()
+_BATCH_SETATTR = ForwardBatch.__setattr__
 
 
 class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
 
     __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "fields", "snap",
-                 "watch", "r2t", "r2t_version")
+                 "watch", "counters", "r2t", "r2t_version")
 
     def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
@@ -148,14 +163,38 @@ class _Forward:
         d = getattr(batch, "__dict__", None)
         snap = None if self.changed is None or d is None else d.get("_validated")
         self.fields, self.snap = d, snap
-        self.watch: tuple[tuple[str, Any, int | None], ...] | None = None if snap is None else tuple(
-            (f, t, ver if t is not None else None) for f, (t, ver) in snap.items())
+        #: ``watch``: the ``(field, tensor)`` pairs (each field still holds its object); ``counters``: one
+        #: ``(tensor, version)`` per write counter among them — fields that are views of one buffer share its
+        #: counter (``ForwardBatch.decode`` from host ints makes them so), read once through the buffer, so a
+        #: layer touches one counter for the lot instead of one per field (after a kernel that streamed the
+        #: caches each is a miss). Fields recorded with different versions of one counter: never "unchanged"
+        self.watch: tuple[tuple[str, Any], ...] | None = None
+        self.counters: tuple[tuple[Any, int], ...] = ()
+        if snap is not None:
+            self.watch = tuple((f, t) for f, (t, _) in snap.items())
+            # a ``ForwardBatch`` (its own setter) whose fields are the recorded objects now: a replacement from
+            # here on replaces the record (``ForwardBatch.__setattr__``), so the record's identity stands for
+            # every field's
+            if type(batch).__setattr__ is _BATCH_SETATTR and \
+                    all(d.get(f) is t for f, t in self.watch):  # type: ignore[union-attr]  # (snap: d is set)
+                self.watch = _RECORD_TRACKS_FIELDS
+            counters: dict[int, tuple[Any, int]] = {}
+            for t, ver in snap.values():
+                if t is None or ver is None:
+                    continue
+                base = t._base if t._base is not None else t
+                seen = counters.setdefault(id(base), (base, ver))
+                if seen[1] != ver:
+                    counters[id(base)] = (base, -1)  # (a counter never reads -1)
+            self.counters = tuple(counters.values())
         #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
         #: tensor, which keeps none, or no cache: a backend built to be inspected may still run an IDLE
-        #: forward): a write into it before a layer runs re-checks that layer's call
-        #: (``Any``: a tensor whenever ``r2t_version`` is set, which the per-layer check reads first)
+        #: forward): a write into it before a layer runs re-checks that layer's call; read per layer as one of
+        #: ``counters``
         self.r2t: Any = None if backend.kv_cache is None else backend.kv_cache.req_to_token
         self.r2t_version = _version(self.r2t)
+        if self.r2t_version is not None:
+            self.counters += ((self.r2t, self.r2t_version),)
 
 
 class PagedBackend(AttentionBackend):
@@ -294,6 +333,9 @@ class PagedBackend(AttentionBackend):
         plan = LayerPlan(layer, type(self).new_kv_source == "cache", cache)
         plan.kernel = self.plan_layer(layer)
         plan.checked_call = self.checked_layer_call(plan)
+        plan.claimed, plan.cpu = self._claimed_torch, self._on_cpu
+        if self._plain_write and plan.nhd and not plan.staged and not plan.cross:
+            plan.plain_dtype = cache.dtype
         if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
             self._layer_plans[id(layer)] = plan
         return plan
@@ -495,30 +537,49 @@ class PagedBackend(AttentionBackend):
         has evicted it: the method lookups, the mode read). An IDLE batch without metadata gets
         ``AttentionBackend.forward``'s empty output, as the dispatch gave it."""
         guard = self._guard
-        if guard._batch is not batch and batch.forward_mode is ForwardMode.IDLE:
-            return AttentionBackend.forward(self, q, k, v, layer, batch, save_kv_cache)
-        meta = guard.require(batch)
+        if guard._batch is not batch:  # (``MetadataGuard.require`` written out: it raises here)
+            if batch.forward_mode is ForwardMode.IDLE:
+                return AttentionBackend.forward(self, q, k, v, layer, batch, save_kv_cache)
+            guard.require(batch)
+        meta = guard._metadata
         fwd = self._fwd
         if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
             fwd = self._fwd = _Forward(self, batch, meta)
-        if getattr(layer, "mla", None) is not None:
-            out: torch.Tensor = self._forward_mla(q, k, v, layer, batch, save_kv_cache, fwd, meta)
+        # the layer's plan, found by identity (the layer object itself is not read: after a kernel that
+        # streamed the caches every object read is a miss); a plan knows whether its layer is MLA
+        plan: Any = self._layer_plans.get(id(layer))  # (a LayerPlan once the checks below passed)
+        if plan is None or plan.layer is not layer:
+            plan = None
+            if getattr(layer, "mla", None) is not None:
+                out: torch.Tensor = self._forward_mla(q, k, v, layer, batch, save_kv_cache, fwd, meta)
+                return out
+        elif plan.mla:
+            out = self._forward_mla(q, k, v, layer, batch, save_kv_cache, fwd, meta)
             return out
         if fwd.idle:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
         T = fwd.num_tokens
-        plan = self._layer_plans.get(id(layer))
         # the per-call checks against what the plan and the forward recorded; anything unexpected
         # (or a layer without a plan) runs the full check_forward, which raises the precise error
-        cpu = self._on_cpu
-        if plan is None or plan.layer is not layer or not self._unchanged(fwd) \
-                or (fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version) \
-                or (plan.cross and not fwd.has_encoder):
+        # the batch and ``req_to_token`` unchanged since the forward was recorded (``_unchanged``; its usual case,
+        # a ``ForwardBatch`` keeping its setter, written out: the record's identity and one write counter per
+        # buffer, ``req_to_token``'s among them — no call)
+        ok = plan is not None and fwd.watch is _RECORD_TRACKS_FIELDS and \
+            fwd.fields.get("_validated") is fwd.snap  # type: ignore[union-attr]  # (set with watch)
+        if ok:
+            for tensor, version in fwd.counters:
+                if tensor._version != version:
+                    ok = False
+                    break
+        elif plan is not None:
+            ok = self._unchanged(fwd)
+        if not ok or (plan.cross and not fwd.has_encoder):  # (ok: a plan)
             plan = self._checked_plan(q, k, v, layer, batch)
         elif plan.checked_call is not None and (  # the backend's call checks q/k/v itself (None: it did nothing)
                 done := plan.checked_call(q, k, v, meta, fwd.loc, save_kv_cache)) is not None:
-            return done
-        elif q.dtype not in self._claimed_torch or not (q.is_cpu if cpu else q.device.type == self._device_type):
+            return done  # type: ignore[no-any-return]  # (LayerPlan.checked_call: a tensor or None)
+        elif (dt := q.dtype) not in plan.claimed or not (q.is_cpu if (cpu := plan.cpu) else
+                                                           q.device.type == self._device_type):
             plan = self._checked_plan(q, k, v, layer, batch)
         else:
             shapes = plan.shapes
@@ -526,10 +587,20 @@ class PagedBackend(AttentionBackend):
                 shapes = plan.shapes = (T, (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest)
             if q.shape != shapes[1] or not (
                     (k is not None and v is not None and k.shape == shapes[2] and v.shape == shapes[3]
-                     and k.dtype == q.dtype and v.dtype == q.dtype
+                     and k.dtype is dt and v.dtype is dt
                      and (k.is_cpu if cpu else k.device.type == self._device_type))
                     or (k is None and v is None and plan.cross)):
                 plan = self._checked_plan(q, k, v, layer, batch)
+            elif plan.plain_dtype is dt and save_kv_cache and T:
+                # the usual case of ``compute_and_write`` and ``write_new_kv`` (the skeleton's own), written out
+                # here: the compute, then two index copies into the plan's ``nhd`` storage (two Python frames and
+                # the cache's attributes less a layer: ~2-3 µs once the kernel has evicted their code and data)
+                out = fwd.compute(q, k, v, layer, batch, meta)
+                kb, vb = plan.storage
+                loc = fwd.loc
+                kb.index_copy_(0, loc, k)
+                vb.index_copy_(0, loc, v)
+                return out
         if T == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
             return self.empty_output(q, layer, 0)
         compute = fwd.compute
@@ -542,9 +613,7 @@ class PagedBackend(AttentionBackend):
             self.write_new_kv(cache, plan, loc, k, v)  # type: ignore[arg-type]  # v is given with k (check_qkv)
             return self._compute_or_undo(cache, plan, loc, undo, save_kv_cache, compute, q, k, v, layer, batch, meta)
         if save_kv_cache:
-            if self._plain_write and plan.nhd and k.dtype == cache.dtype:
-                # ``compute_and_write`` and ``write_new_kv`` are the skeleton's own: their usual case written out
-                # here (two Python frames less a layer: ~2-3 µs once the kernel has evicted their code and data)
+            if plan.plain_dtype is k.dtype:  # (as above, for a call that took the full check)
                 out = compute(q, k, v, layer, batch, meta)
                 kb, vb = plan.storage
                 kb.index_copy_(0, loc, k)
@@ -569,17 +638,27 @@ class PagedBackend(AttentionBackend):
     @staticmethod
     def _unchanged(fwd: _Forward) -> bool:
         """``fwd.batch.changed_since_validate() is None`` (no index field replaced or written in place since the
-        validation this forward was checked with), read from what ``_Forward`` recorded: the same comparisons,
-        field by field, without the call. ``False`` also where the batch was validated again since: then
-        ``check_forward`` asks ``changed_since_validate`` itself (the precise answer and words)."""
+        validation this forward was checked with) and ``req_to_token`` not written since the forward was checked,
+        read from what ``_Forward`` recorded: the validation record's identity (field by field for a batch whose
+        setter does not replace the record on a replacement) and each distinct write counter, without the call.
+        ``False`` also where the batch was validated again since: then ``check_forward`` asks
+        ``changed_since_validate`` itself (the precise answer and words). ``_forward`` runs its usual case
+        inline."""
         watch = fwd.watch
         if watch is None:
+            if fwd.r2t_version is not None and fwd.r2t._version != fwd.r2t_version:
+                return False
             return fwd.changed is None or fwd.changed() is None
-        d = fwd.fields
-        if d.get("_validated") is not fwd.snap:  # type: ignore[union-attr]  # set with watch
+        # a field replaced since replaces the record too (``ForwardBatch.__setattr__``): its identity covers both
+        if fwd.fields.get("_validated") is not fwd.snap:  # type: ignore[union-attr]  # set with watch
             return False
-        for field, tensor, version in watch:
-            if d.get(field) is not tensor or (version is not None and tensor._version != version):  # type: ignore[union-attr]
+        if watch is not _RECORD_TRACKS_FIELDS:  # a batch class without that setter: each field's identity
+            d = fwd.fields
+            for field, tensor in watch:
+                if d.get(field) is not tensor:  # type: ignore[union-attr]
+                    return False
+        for tensor, version in fwd.counters:
+            if tensor._version != version:
                 return False
         return True
 

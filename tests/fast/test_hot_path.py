@@ -23,10 +23,37 @@ from test_paged_base import (CacheReadingToy, H, KV, D, LAYER, ToyBackend, decod
                              snapshot)
 
 
-def _planned(cls=ToyBackend):
+class _NoSetterBatch(ForwardBatch):
+    """A ``ForwardBatch`` whose class replaces the setter (a host's subclass): a replaced field does not replace the
+    validation record, so the per-layer guard must compare every field's identity for it."""
+
+    __setattr__ = object.__setattr__  # type: ignore[assignment]
+
+
+def _batch_of_kind(cache, kind):
+    """The test's decode batch made the ways a host makes one: from tensors (one write counter per field); from
+    host ints (every field a view of one buffer: one counter); from host ints after a previous step (fields taken
+    from the previous batch's buffer: two counters); and the host-ints batch of a class without the setter."""
+    batch = decode_batch(cache)
+    loc = batch.out_cache_loc.tolist()
+    if kind == "tensors":
+        return batch
+    if kind == "host ints":
+        return ForwardBatch.decode([2, 0], [6, 3], loc)
+    if kind == "host ints after":
+        prev = ForwardBatch.decode([2, 0], [5, 2], [0, 1])
+        return ForwardBatch.decode([2, 0], [6, 3], loc, after=prev)
+    assert kind == "no setter"
+    return _NoSetterBatch.decode([2, 0], [6, 3], loc)
+
+
+BATCH_KINDS = ("tensors", "host ints", "host ints after", "no setter")
+
+
+def _planned(cls=ToyBackend, kind="tensors"):
     """A backend whose LAYER already ran one good forward (so it has a plan)."""
     backend, cache = make(cls)
-    batch = decode_batch(cache)
+    batch = _batch_of_kind(cache, kind)
     backend.init_forward_metadata(batch)
     backend.forward(*qkv(2), LAYER, batch)
     assert backend.layer_plan(LAYER) is backend.layer_plan(LAYER)  # cached per layer object
@@ -324,21 +351,34 @@ _TENSOR_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefi
                   "positions")
 
 
+def _shares_counter(batch, field):
+    """``field``'s tensor is a view of a buffer another index field of ``batch`` is a view of too."""
+    base = getattr(batch, field)._base
+    return base is not None and any(getattr(batch, f)._base is base for f in _TENSOR_FIELDS if f != field)
+
+
+@pytest.mark.parametrize("kind", BATCH_KINDS)
 @pytest.mark.parametrize("field", _TENSOR_FIELDS)
-@pytest.mark.parametrize("how", ["in_place", "replaced", "replaced_equal", "revalidated", "none"])
-def test_the_per_layer_unchanged_test_answers_as_changed_since_validate(field, how):
+@pytest.mark.parametrize("how", ["in_place", "in_place_value", "replaced", "replaced_equal", "revalidated", "none"])
+def test_the_per_layer_unchanged_test_answers_as_changed_since_validate(field, how, kind):
     """``PagedBackend._unchanged(fwd)`` (what each layer asks) is ``changed_since_validate() is None`` whenever
-    that says a field changed, for every index field and every way to change it; after a re-validation it
-    answers False (the full check then asks ``changed_since_validate`` itself), and a forward then runs or
-    refuses exactly as before: the same error words naming the field."""
+    that says a field changed, for every index field, every way to change it and every way a host makes the batch
+    (issue 30, sixth session: one write counter for the views of one buffer; the validation record replaced with
+    a replaced field); after a re-validation it answers False (the full check then asks
+    ``changed_since_validate`` itself), and a forward then runs or refuses: the error names the field — a write of
+    the same values into a buffer several fields are views of names all of them."""
     from attnplug import PagedBackend
 
-    backend, cache, batch = _planned()
+    backend, cache, batch = _planned(kind=kind)
     fwd = backend._fwd
     assert PagedBackend._unchanged(fwd) and batch.changed_since_validate() is None
     t = getattr(batch, field)
+    shared = _shares_counter(batch, field)
+    assert shared == (kind in ("host ints", "host ints after", "no setter"))
     if how == "in_place":
         t.add_(0)  # the same values: the write counter moves
+    elif how == "in_place_value":
+        t[0] += 1
     elif how in ("replaced", "replaced_equal"):
         setattr(batch, field, t.clone() if how == "replaced_equal" else t + 0)
     elif how == "revalidated":
@@ -347,16 +387,41 @@ def test_the_per_layer_unchanged_test_answers_as_changed_since_validate(field, h
     changed = batch.changed_since_validate()
     fast = PagedBackend._unchanged(fwd)
     if changed is not None:
-        assert changed == field and not fast
+        assert not fast
+        if how == "in_place" and shared:
+            assert changed.endswith("(views of one buffer, one of them written in place)") and field in changed
+        else:
+            assert changed == field
     elif how == "none":
         assert fast
     else:  # re-validated: the cheap test is conservative, the full check decides
         assert not fast
     if changed is not None:
-        with pytest.raises(ShapeError, match=rf"ForwardBatch\.{field} changed after init_forward_metadata"):
+        with pytest.raises(ShapeError, match=rf"ForwardBatch\.(?:[a-z_, ]*\b)?{field}\b.* changed after "
+                                             rf"init_forward_metadata"):
             backend.forward(*qkv(2), LAYER, batch)
     else:
         backend.forward(*qkv(2), LAYER, batch)
+
+
+@pytest.mark.parametrize("kind", BATCH_KINDS)
+def test_the_per_layer_guard_reads_one_counter_per_buffer_and_trusts_the_record_only_with_the_setter(kind):
+    """What the per-layer guard reads (``_Forward.counters``, ``_Forward.watch``): one write counter per buffer
+    the index fields are views of (a host-ints batch: one; one taking fields from the previous step: two; a batch
+    of tensors: one per field) and ``req_to_token``'s, and the record's identity alone only for a class whose setter replaces the
+    record when a field is replaced; a field replaced before the forward record is made is compared field by
+    field (the record would not show it)."""
+    from attnplug.paged import _RECORD_TRACKS_FIELDS, _Forward
+
+    backend, cache, batch = _planned(kind=kind)
+    fwd = backend._fwd
+    # the batch's counters, then ``req_to_token``'s
+    assert len(fwd.counters) == {"tensors": 6, "host ints": 1, "host ints after": 2, "no setter": 1}[kind] + 1
+    assert fwd.counters[-1][0] is cache.req_to_token
+    assert (fwd.watch is _RECORD_TRACKS_FIELDS) == (kind != "no setter")
+    object.__setattr__(batch, "seq_lens", batch.seq_lens.clone())  # past the setter: the record is not replaced
+    again = _Forward(backend, batch, fwd.meta)
+    assert again.watch is not _RECORD_TRACKS_FIELDS and not PagedBackend._unchanged(again)
 
 
 def test_the_unchanged_test_of_a_batch_without_a_validation_record_is_the_call_s():
