@@ -259,13 +259,58 @@ def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
             tokens = res["problem"]["batch"] * res["problem"]["context"]
             assert r["init_goal_us"] == init_goal_us(r["forward_us"], tokens, caches)
             assert r["init_goal_met"] == (r["init_forward_metadata_us"] <= r["init_goal_us"])
-        assert row["warm"]["overhead_goal_met"] == overhead_verdict(row["warm"]["overhead_us"],
-                                                                    row["warm"]["overhead_band_us"])
+        # both backends' kernel is their own compute: it is timed from inside too, and the verdict uses the time
+        # outside it (bands of a fraction of the forward - kernel band)
+        w = row["warm"]
+        assert w["overhead_judged_by"] == "outside the compute"
+        assert w["outside_band_us"] >= 0 and w["compute_diff_band_us"] >= 0
+        assert w["overhead_goal_met"] == overhead_verdict(w["outside_us"], w["outside_band_us"])
         assert row["flushed"]["overhead_goal_met"] is None  # the goal is stated for warm caches
     assert main(["bench", *TINY, "--overhead", "--warm"]) == 0
     table = capsys.readouterr().out
     assert "per-layer overhead above each backend's own kernel" in table
     assert "torch_native     warm" in table and "flushed" not in table.split("per-layer overhead")[1].split("\n\n")[1]
+
+
+def test_the_time_outside_the_compute_takes_each_calls_compute_out_of_its_own_time():
+    """``paired_outside_ms``: each call's time minus the time its compute recorded from inside
+    (``timed_compute``), paired by round. With computes whose times swing by 100 ms and calls that add 3 (a)
+    and 1 (b) around them, the outside difference is exactly 2 while the totals' difference follows the
+    computes' swing; the computes' own difference is reported apart. A fake clock makes it exact."""
+    from attnplug.bench.timing import paired_outside_ms, timed_compute
+
+    now = [0.0]
+
+    class Backend:
+        def __init__(self):
+            self.swing = iter([0, 100, 5, 300, 0, 7, 50, 0, 9, 80])
+
+        def compute_decode(self, *args):
+            now[0] += next(self.swing) / 1e3
+            return "out"
+
+        def compute_extend(self, *args):  # pragma: no cover - not called here
+            raise AssertionError
+
+    be = Backend()
+    inner = timed_compute(be, lambda: now[0])
+
+    def call(around):
+        def fn():
+            now[0] += around / 2e3
+            assert be.compute_decode(1, 2) == "out"  # the wrapper passes arguments and the result through
+            now[0] += around / 2e3
+        return fn
+
+    r = paired_outside_ms(call(3), call(1), inner, 5, 0, clock=lambda: now[0])
+    assert r["a"] == pytest.approx(3) and r["b"] == pytest.approx(1)
+    assert r["diff"] == pytest.approx(2) and r["diff_band"] == pytest.approx(0)
+    # a, b per round (order swapped each round): computes 0|100, 300|5, 0|7, 0|50, 9|80 -> a - b = -100, 295, ...
+    assert r["inner_diff"] == pytest.approx(-50) and r["total_diff"] == pytest.approx(-48)
+    assert len(inner) == 10
+
+    with pytest.raises(RuntimeError, match="ran no timed compute"):
+        paired_outside_ms(lambda: None, call(1), inner, 2, 0, clock=lambda: now[0])
 
 
 def test_paired_difference_is_the_median_of_per_round_differences():

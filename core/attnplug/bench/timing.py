@@ -89,6 +89,76 @@ def paired_difference_ms(a: Callable[[], Any], b: Callable[[], Any], repeats: in
             "diff": statistics.median(diffs) * 1e3, "diff_band": 1.57 * (q3 - q1) / n ** 0.5 * 1e3}
 
 
+def timed_compute(backend: Any, clock: Callable[[], float]) -> list[float]:
+    """Time ``backend``'s compute from inside: its ``compute_decode`` and ``compute_extend`` replaced on the
+    instance by wrappers that append each call's duration (``clock`` seconds) to the list returned. Install it
+    before ``init_forward_metadata`` and ``kernel_call`` (both take the bound methods then). For
+    ``paired_outside_ms``: the time of a call outside its compute is its total minus the list's last entry (an
+    outer wrapper returns last when one compute calls the other: the kernel side's outside is then the smaller,
+    so the forward's excess is not understated)."""
+    inner: list[float] = []
+    for attr in ("compute_decode", "compute_extend"):
+        orig = getattr(backend, attr)
+
+        def timed(*args: Any, _orig: Callable[..., Any] = orig) -> Any:
+            t0 = clock()
+            out = _orig(*args)
+            inner.append(clock() - t0)
+            return out
+        setattr(backend, attr, timed)
+    return inner
+
+
+def paired_outside_ms(a: Callable[[], Any], b: Callable[[], Any], inner: list[float], repeats: int, warmup: int,
+                      sync: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """``paired_difference_ms`` of the time each call spends **outside** its compute: ``a`` and ``b`` each run one
+    compute timed from inside (``timed_compute``, whose list is ``inner``), and each timed call counts its total
+    minus that compute's time (``a``, ``b``, ``diff``, ``diff_band``). The compute's own run-to-run spread
+    (milliseconds for an eager kernel) then leaves the difference, which resolves to a fraction of a µs. From the
+    same calls: the paired median of the computes' own times (``inner_diff`` a - b with ``inner_diff_band``:
+    what the code around a compute does to the compute itself) and of the totals (``a_total``, ``b_total``,
+    ``total_diff``, ``total_diff_band``: ``paired_difference_ms``'s numbers)."""
+    for _ in range(warmup):
+        a()
+        b()
+    sync()
+    # per call: its total time and its compute's
+    tot: dict[str, list[float]] = {"a": [], "b": []}
+    ins: dict[str, list[float]] = {"a": [], "b": []}
+    n = max(2, repeats)
+    for i in range(n):
+        for fn, key in ((a, "a"), (b, "b")) if i % 2 == 0 else ((b, "b"), (a, "a")):
+            flush()
+            sync()
+            count = len(inner)
+            t0 = clock()
+            fn()
+            sync()
+            t = clock() - t0
+            if len(inner) == count:
+                raise RuntimeError("a call timed outside its compute ran no timed compute")
+            tot[key].append(t)
+            ins[key].append(inner[-1])
+        if len(inner) > 4096:
+            del inner[:]
+
+    def paired(x: list[float], y: list[float]) -> tuple[float, float]:
+        d = [u - w for u, w in zip(x, y)]
+        q1, _, q3 = statistics.quantiles(d, n=4)
+        return statistics.median(d) * 1e3, 1.57 * (q3 - q1) / n ** 0.5 * 1e3
+
+    out_a = [t - c for t, c in zip(tot["a"], ins["a"])]
+    out_b = [t - c for t, c in zip(tot["b"], ins["b"])]
+    diff, band = paired(out_a, out_b)
+    inner_diff, inner_band = paired(ins["a"], ins["b"])
+    total_diff, total_band = paired(tot["a"], tot["b"])
+    return {"a": statistics.median(out_a) * 1e3, "b": statistics.median(out_b) * 1e3, "diff": diff, "diff_band": band,
+            "inner_diff": inner_diff, "inner_diff_band": inner_band,
+            "a_total": statistics.median(tot["a"]) * 1e3, "b_total": statistics.median(tot["b"]) * 1e3,
+            "total_diff": total_diff, "total_diff_band": total_band}
+
+
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size", encoding="utf-8") as fh:

@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="instead of the usual rows: per backend, one layer's forward against the backend's own kernel called "
       "directly with prepared arguments (the per-layer overhead: the median of their differences, the two timed "
       "in pairs, with its "
-      "~95%% noise band; a goal verdict only where the band clears it), and init_forward_metadata per forward, with "
+      "~95%% noise band; a goal verdict only where the band clears it; for a backend whose kernel is its own "
+      "compute, on the CPU, also the time outside the compute, timed from inside, which the verdict then uses), "
+      "and init_forward_metadata per forward, with "
       "caches warm and flushed (default shapes: batch x context 1x128, 4x256, 32x1024; page 32; 200 repeats)")
     a("--mla", action="store_true",
       help="instead of the usual rows: MLA absorbed decode (DeepSeek-V3 latent 512+64, one new token a request) "

@@ -261,10 +261,13 @@ class ForwardMeta:
             b1, length = b0 + 1, max(total[b0], 1)
             if block_bytes is not None and length * row_bytes > block_bytes and Hkv > 1:
                 # one request's keys alone overflow the block (long context): split its KV heads,
-                # which attend independently, so each block's K stays in cache
+                # which attend independently, so each block's K stays in cache (the request's slots
+                # read once for all of them)
                 hs = max(1, block_bytes * Hkv // (length * row_bytes))
+                slots = self._slots(b0, b1, length, start, cached)
                 for h0 in range(0, Hkv, hs):
-                    blocks.append(self._block(b0, b1, length, start, cached, total, cross, True, h0, min(Hkv, h0 + hs)))
+                    blocks.append(self._block(b0, b1, length, start, cached, total, cross, True, h0, min(Hkv, h0 + hs),
+                                              slots))
                 b0 = b1
                 continue
             if block_bytes is not None:
@@ -281,43 +284,67 @@ class ForwardMeta:
             b0 = b1
         return blocks
 
-    def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
-               cross: bool, head_major: bool, h0: int, h1: int) -> _Block:
+    def _slots(self, b0: int, b1: int, length: int, start: list[int], cached: list[int]) -> torch.Tensor:
+        """``[n, length]`` int64: the slot of each key position requests ``b0 … b1-1`` read from the cache, 0 past
+        a request's cached keys (the new token's place and padding read slot 0 and are overwritten / zeroed after
+        the gather). A few requests: each one's ``req_to_token`` entries copied as a slice (~4 ops a request);
+        more: one vectorised gather (~12 ops whatever the count)."""
         cache = self._cache
-        dev, Hkv, r2t = cache.device, cache.num_kv_heads, cache.req_to_token
+        dev, r2t = cache.device, cache.req_to_token
         n = b1 - b0
+        if n <= 4:
+            slots = torch.zeros((n, length), dtype=torch.int64, device=dev)
+            for i in range(n):
+                s0, c = start[b0 + i], cached[b0 + i]
+                if c:
+                    slots[i, :c] = r2t[self.rows[b0 + i], s0:s0 + c]
+            return slots
         pos = torch.arange(length, device=dev)
         st = torch.as_tensor(start[b0:b1], dtype=torch.int64, device=dev)
         nc = torch.as_tensor(cached[b0:b1], dtype=torch.int64, device=dev)
-        nt = torch.as_tensor(total[b0:b1], dtype=torch.int64, device=dev)
         owned = pos[None, :] < nc[:, None]  # [n, length]: a cached position the request reads
         cols = (st[:, None] + pos[None, :]).clamp_(max=r2t.shape[1] - 1)
         rows = torch.as_tensor(self.rows[b0:b1], dtype=torch.int64, device=dev)
-        # only owned entries are read through req_to_token; padding and the new token's place
-        # read slot 0 and are zeroed / overwritten after the gather
-        slots = torch.where(owned, r2t.index_select(0, rows).gather(1, cols), torch.zeros_like(cols))
-        pad = pos[None, :] >= nt[:, None]  # [n, length]
-        any_pad = any(t < length for t in total[b0:b1])
+        # only owned entries are read through req_to_token
+        return torch.where(owned, r2t.index_select(0, rows).gather(1, cols).to(torch.int64), torch.zeros_like(cols))
+
+    def _block(self, b0: int, b1: int, length: int, start: list[int], cached: list[int], total: list[int],
+               cross: bool, head_major: bool, h0: int, h1: int, slots: torch.Tensor | None = None) -> _Block:
+        """One block's gather plan (``_Block``); ``slots``: the block's ``_slots`` when already read. The rows of
+        the new token are computed as host ints (one tensor made from them); padding, where a request has
+        fewer keys than the block's length, by the vectorised mask (its size is the padding's)."""
+        cache = self._cache
+        dev, Hkv = cache.device, cache.num_kv_heads
+        n = b1 - b0
+        if slots is None:
+            slots = self._slots(b0, b1, length, start, cached)
+        tot = total[b0:b1]
+        any_pad = any(t < length for t in tot)
         new_rows = pad_rows = hidden = None
+        pad = None
+        if any_pad:
+            nt = torch.as_tensor(tot, dtype=torch.int64, device=dev)
+            pad = torch.arange(length, device=dev)[None, :] >= nt[:, None]  # [n, length]
         if head_major:  # workspace [n, h1 - h0, length] rows of dim
             hh = h1 - h0
             heads = torch.arange(h0, h1, device=dev)
             index = (slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
-            flat = torch.arange(n * hh * length, device=dev).view(n, hh, length)
-            if not cross:
-                new_rows = flat.gather(2, (nt - 1).view(n, 1, 1).expand(n, hh, 1)).reshape(-1)
-            if any_pad:
+            if not cross:  # request i's new token at key position tot[i] - 1, in each of its heads' matrices
+                new_rows = torch.tensor([(i * hh + h) * length + tot[i] - 1 for i in range(n) for h in range(hh)],
+                                        dtype=torch.int64, device=dev)
+            if pad is not None:
+                flat = torch.arange(n * hh * length, device=dev).view(n, hh, length)
                 pad_rows = flat[pad[:, None, :].expand(n, hh, length)].reshape(-1)
         else:  # workspace [length, n] rows of Hkv * dim
             index = slots.t().reshape(-1)
-            flat = torch.arange(length * n, device=dev).view(length, n)
             if not cross:
-                new_rows = flat.gather(0, (nt - 1).view(1, n)).reshape(-1)
-            if any_pad:
+                new_rows = torch.tensor([(tot[i] - 1) * n + i for i in range(n)], dtype=torch.int64, device=dev)
+            if pad is not None:
+                flat = torch.arange(length * n, device=dev).view(length, n)
                 pad_rows = flat[pad.t()].reshape(-1)
-        if any_pad:
+        if pad is not None:
             hidden = pad.view(n, 1, 1, length)
-        empty = [i for i, t in enumerate(total[b0:b1]) if t == 0]
+        empty = [i for i, t in enumerate(tot) if t == 0]
         return _Block(b0, b1, length, head_major, index, new_rows, pad_rows, hidden, empty, h0, h1)
 
 
