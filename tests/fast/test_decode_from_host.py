@@ -61,6 +61,35 @@ def test_host_ints_build_the_batch_the_tensor_path_builds(case, mla_form, infere
     assert torch.equal(fast.qo_indptr(), ref.qo_indptr()) and torch.equal(fast.kv_indptr(), ref.kv_indptr())
 
 
+class _Sub(ForwardBatch):
+    """A host's subclass: made through its own constructor (``_decode_from_host`` sets ``ForwardBatch``'s fields
+    straight into ``__dict__`` only for ``ForwardBatch`` itself)."""
+
+
+@pytest.mark.parametrize("cls", [ForwardBatch, _Sub])
+@pytest.mark.parametrize("case", sorted(VALID))
+def test_the_batch_made_from_host_ints_has_every_field_the_constructor_gives(case, cls):
+    """The host-ints path fills ``ForwardBatch``'s ``__dict__`` directly (no setter calls): the same keys, in the
+    same order, with the same values as the dataclass constructor with those fields (every field of the class,
+    defaults included — a field added to the class and not to that path fails here), plus the validation record."""
+    import dataclasses
+
+    rows, seq, loc = VALID[case]
+    fast = cls.decode(rows, seq, loc)
+    assert type(fast) is cls
+    made = cls(**{f.name: getattr(fast, f.name) for f in dataclasses.fields(cls)})
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert [k for k in fast.__dict__ if not k.startswith("_")] == names == list(made.__dict__)
+    for name in names:
+        assert getattr(fast, name) is getattr(made, name), name
+    defaults = cls(ForwardMode.DECODE, fast.req_pool_indices, fast.seq_lens, fast.out_cache_loc)
+    for f in dataclasses.fields(cls):
+        if f.name in ("spec_num_draft_tokens", "spec_custom_mask", "encoder_lens", "mla_form"):
+            assert getattr(fast, f.name) == getattr(defaults, f.name), f.name  # the constructor's defaults
+    assert {"_validated", "_host_ints", "_made"} <= set(fast.__dict__)
+
+
+
 INVALID = {
     "negative row": (([0, -1], [3, 3], [1, 2]), {}),
     "zero length": (([0, 1], [3, 0], [1, 2]), {}),
