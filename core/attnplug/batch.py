@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -67,13 +68,14 @@ class ForwardBatch:
         """Set a field; replacing an index field of a validated batch by another object also replaces the
         validation record by a copy (same entries, a new object): the per-layer guard compares that record's
         identity only (``PagedBackend._unchanged``: one read where a read per field cost ~4 µs a layer after a
-        kernel that streamed the caches), and ``changed_since_validate`` names the field from the copy's
-        entries. (Writing into ``__dict__`` directly bypasses this and is not supported.)"""
+        kernel that streamed the caches) — or, cheaper still, the old record's own mark (``ValidationRecord``:
+        marked superseded here) — and ``changed_since_validate`` names the field from the copy's entries.
+        (Writing into ``__dict__`` directly bypasses this and is not supported.)"""
         if name in _INDEX_FIELD_SET:
             d = self.__dict__
             snap = d.get("_validated")
             if snap is not None and (snap.get(name) or (None,))[0] is not value:
-                d["_validated"] = dict(snap)
+                d["_validated"] = _supersede(snap, ValidationRecord(snap))
         object.__setattr__(self, name, value)
 
     @property
@@ -182,8 +184,8 @@ class ForwardBatch:
             self.__dict__.update(host)
         # the validation record ``_validated_as`` makes, written out: fresh tensors with write counters
         d = self.__dict__
-        d["_validated"] = {f: (t, None if t is None else t._version)
-                           for f in _INDEX_FIELDS for t in (d[f],)}
+        d["_validated"] = ValidationRecord({f: (t, None if t is None else t._version)
+                                            for f in _INDEX_FIELDS for t in (d[f],)})
         # the ints the three tensors were made from (private copies), for ``host_ints``
         d["_host_ints"] = ((d["req_pool_indices"], d["seq_lens"], d["out_cache_loc"]),
                            (list(rows), list(seq), list(loc)))
@@ -309,7 +311,10 @@ class ForwardBatch:
         self.seq_lens_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu = seq, prefix, ext
         self.req_pool_indices_cpu = rows
         self.__dict__.pop("_derived_memo", None)  # derived kernel inputs follow the fields validated now
-        self.__dict__["_validated"] = {f: (getattr(self, f), _version(getattr(self, f))) for f in _INDEX_FIELDS}
+        d = self.__dict__
+        record = ValidationRecord({f: (getattr(self, f), _version(getattr(self, f))) for f in _INDEX_FIELDS})
+        old = d.get("_validated")
+        d["_validated"] = record if old is None else _supersede(old, record)
 
     def changed_since_validate(self) -> str | None:
         """The first index field (``extend_prefix_lens``, ``seq_lens`` …) replaced or written in place
@@ -451,6 +456,54 @@ def check_mla_qkv(q: torch.Tensor, k: torch.Tensor | None, v: Any, layer: Any, n
 _INDEX_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens", "extend_seq_lens",
                  "positions", "encoder_lens", "spec_custom_mask")
 _INDEX_FIELD_SET = frozenset(_INDEX_FIELDS)
+
+
+class ValidationRecord(dict):  # type: ignore[type-arg]  # field -> (tensor, write counter)
+    """A batch's validation record (``ForwardBatch.validate``): each index field's tensor and its write counter
+    then, plus ``superseded``, set when the batch replaces this record by another (``validate`` again, or an
+    index field replaced: ``ForwardBatch.__setattr__``). Whoever trusts the record (a backend's per-forward
+    record, ``paged._Forward``) registers with ``watch``: superseding the record sets its ``trusted`` to
+    ``False``, so the per-layer guard reads a flag of an object it holds already, where finding the batch's
+    current record costs a dictionary lookup in the batch's ``__dict__`` and a read of the record (~1.7 µs a
+    layer once a kernel streamed the caches). Watchers are held weakly (no cycle keeps a forward's metadata
+    alive through the batch)."""
+
+    __slots__ = ("superseded", "watchers")
+
+    def __init__(self, entries: Any = ()) -> None:
+        super().__init__(entries)
+        self.superseded = False
+        self.watchers: list[weakref.ref[Any]] = []
+
+    def watch(self, watcher: Any) -> None:
+        """Set ``watcher.trusted = False`` when this record is superseded (held weakly; dead ones dropped)."""
+        ws = self.watchers
+        if ws:
+            ws[:] = [r for r in ws if r() is not None]
+        ws.append(weakref.ref(watcher))
+
+    def __copy__(self) -> ValidationRecord:
+        return ValidationRecord(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ValidationRecord:
+        import copy
+        return ValidationRecord({k: copy.deepcopy(v, memo) for k, v in self.items()})
+
+    def __reduce__(self) -> Any:
+        return (ValidationRecord, (dict(self),))
+
+
+def _supersede(old: Any, new: ValidationRecord) -> ValidationRecord:
+    """``new``, having marked ``old`` superseded (a record made before records were ``ValidationRecord``s, or
+    put there by hand, is a plain dict: nothing to mark; the guard then compares the batch's record)."""
+    if old.__class__ is ValidationRecord:
+        old.superseded = True
+        for ref in old.watchers:
+            w = ref()
+            if w is not None:
+                w.trusted = False
+        old.watchers = []
+    return new
 
 
 def _version(t: torch.Tensor | None) -> int | None:

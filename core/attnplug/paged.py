@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .backend import AttentionBackend, MetadataGuard
-from .batch import ForwardBatch, _version, check_mla_qkv, check_qkv
+from .batch import ForwardBatch, ValidationRecord, _version, check_mla_qkv, check_qkv
 from .capabilities import support_reasons
 from .support import SupportQuery
 from .support import reasons as support_reasons_of
@@ -86,7 +86,7 @@ class LayerPlan:
     """
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
-                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype")
+                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype", "next")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -117,7 +117,13 @@ class LayerPlan:
         self.claimed: frozenset[torch.dtype] = frozenset()
         self.cpu = cache is not None and cache.device.type == "cpu"
         self.plain_dtype: torch.dtype | None = None
+        #: the plan of the layer that followed this one in the backend's last forward (``PagedBackend._forward``
+        #: expects it next: the plan is then found without a dictionary lookup); ``None``: not known
+        self.next: LayerPlan | None = None
 
+
+#: ``_Forward.prev`` at a forward's start: the first plan found becomes the backend's ``_first_plan``
+_CHAIN_START: Any = object()
 
 #: ``_Forward.watch`` of a batch whose validation record is replaced whenever an index field is
 #: (``ForwardBatch.__setattr__``): the per-layer guard reads the record's identity only
@@ -129,7 +135,7 @@ class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
 
     __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "fields", "snap",
-                 "watch", "counters", "r2t", "r2t_version")
+                 "watch", "counters", "r2t", "r2t_version", "trusted", "expect", "prev", "__weakref__")
 
     def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
@@ -170,6 +176,14 @@ class _Forward:
         #: caches each is a miss). Fields recorded with different versions of one counter: never "unchanged"
         self.watch: tuple[tuple[str, Any], ...] | None = None
         self.counters: tuple[tuple[Any, int], ...] = ()
+        #: the validation record not superseded since (``ValidationRecord.watch``: the record sets it ``False``),
+        #: where the batch's setter replaces the record whenever a field is (``watch is _RECORD_TRACKS_FIELDS``):
+        #: the per-layer guard reads this flag; ``False`` from the start: it compares the batch's record instead
+        self.trusted = False
+        #: the plan chain (``LayerPlan.next``): the plan expected at the next layer, and the last layer's plan
+        #: (``_CHAIN_START`` before the first; ``None``: a layer without a plan ran, nothing to link to)
+        self.expect: LayerPlan | None = backend._first_plan
+        self.prev: Any = _CHAIN_START
         if snap is not None:
             self.watch = tuple((f, t) for f, (t, _) in snap.items())
             # a ``ForwardBatch`` (its own setter) whose fields are the recorded objects now: a replacement from
@@ -178,6 +192,9 @@ class _Forward:
             if type(batch).__setattr__ is _BATCH_SETATTR and \
                     all(d.get(f) is t for f, t in self.watch):  # type: ignore[union-attr]  # (snap: d is set)
                 self.watch = _RECORD_TRACKS_FIELDS
+                if snap.__class__ is ValidationRecord and not snap.superseded:
+                    self.trusted = True
+                    snap.watch(self)
             counters: dict[int, tuple[Any, int]] = {}
             for t, ver in snap.values():
                 if t is None or ver is None:
@@ -186,7 +203,11 @@ class _Forward:
                 seen = counters.setdefault(id(base), (base, ver))
                 if seen[1] != ver:
                     counters[id(base)] = (base, -1)  # (a counter never reads -1)
-            self.counters = tuple(counters.values())
+            # a counter is read through the write slots where they share it (``loc`` is ``out_cache_loc``, a view of
+            # the buffer): the layer's write touches that tensor anyway, so the read costs no object of its own
+            lb = loc._base if loc._base is not None else loc
+            self.counters = tuple((loc, ver) if id(lb) == key else (base, ver)
+                                  for key, (base, ver) in counters.items())
         #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
         #: tensor, which keeps none, or no cache: a backend built to be inspected may still run an IDLE
         #: forward): a write into it before a layer runs re-checks that layer's call; read per layer as one of
@@ -210,6 +231,7 @@ class PagedBackend(AttentionBackend):
     reads_page_table: ClassVar[bool] = False
 
     ctx: BuildContext  # always set: a paged backend is built with a context
+    _first_plan: LayerPlan | None = None  # (``__init__`` sets it; here for a subclass that skips it)
 
     def __init__(self, ctx: BuildContext) -> None:
         self.ctx = ctx
@@ -228,6 +250,8 @@ class PagedBackend(AttentionBackend):
         self._layer_plans: dict[int, LayerPlan] = {}
         #: this forward's record (``_Forward``), set by ``init_forward_metadata``
         self._fwd: _Forward | None = None
+        #: the plan of the first layer of the last forward (the start of the plan chain, ``LayerPlan.next``)
+        self._first_plan: LayerPlan | None = None
         self._device_type = None if self.kv_cache is None else self.kv_cache.device.type
         #: the cache is on the CPU: the per-call device check reads ``Tensor.is_cpu`` (one flag) instead of
         #: ``Tensor.device.type`` (a device object and a string made per read: ~10 µs a layer with cold caches)
@@ -338,6 +362,7 @@ class PagedBackend(AttentionBackend):
             plan.plain_dtype = cache.dtype
         if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
             self._layer_plans[id(layer)] = plan
+            self._unlink_plans()
         return plan
 
     # -- attention sinks as a kernel reads them ----------------------------------------
@@ -421,6 +446,7 @@ class PagedBackend(AttentionBackend):
                 setattr(meta, field, buf[:n])
         except BaseException:
             self._guard.set(None, None)  # no forward may run on half-moved metadata
+            self._fwd = None
             raise
         return meta
 
@@ -536,20 +562,27 @@ class PagedBackend(AttentionBackend):
         caller's ``backend.forward(...)`` lands here with no dispatch frame between (~3 µs a layer once the kernel
         has evicted it: the method lookups, the mode read). An IDLE batch without metadata gets
         ``AttentionBackend.forward``'s empty output, as the dispatch gave it."""
-        guard = self._guard
-        if guard._batch is not batch:  # (``MetadataGuard.require`` written out: it raises here)
-            if batch.forward_mode is ForwardMode.IDLE:
-                return AttentionBackend.forward(self, q, k, v, layer, batch, save_kv_cache)
-            guard.require(batch)
-        meta = guard._metadata
+        # this forward's record, set with the metadata guard (``init_forward_metadata``) and cleared with it: its
+        # batch is the guard's, its metadata the guard's (one object read where the guard's test read two)
         fwd = self._fwd
-        if fwd is None or fwd.batch is not batch or fwd.meta is not meta:  # metadata set another way
-            fwd = self._fwd = _Forward(self, batch, meta)
+        if fwd is None or fwd.batch is not batch:
+            guard = self._guard
+            if guard._batch is not batch:  # (``MetadataGuard.require`` written out: it raises here)
+                if batch.forward_mode is ForwardMode.IDLE:
+                    return AttentionBackend.forward(self, q, k, v, layer, batch, save_kv_cache)
+                guard.require(batch)
+            fwd = self._fwd = _Forward(self, batch, guard._metadata)  # (the guard set another way)
+        meta = fwd.meta
         # the layer's plan, found by identity (the layer object itself is not read: after a kernel that
-        # streamed the caches every object read is a miss); a plan knows whether its layer is MLA
-        plan: Any = self._layer_plans.get(id(layer))  # (a LayerPlan once the checks below passed)
+        # streamed the caches every object read is a miss): the one the chain expects (the plan of the layer
+        # that followed the last one in the last forward), else looked up; a plan knows whether its layer is MLA
+        plan: Any = fwd.expect  # (a LayerPlan once the checks below passed)
         if plan is None or plan.layer is not layer:
-            plan = None
+            plan = self._find_plan(fwd, layer)
+        else:
+            fwd.prev = plan
+            fwd.expect = plan.next
+        if plan is None:
             if getattr(layer, "mla", None) is not None:
                 out: torch.Tensor = self._forward_mla(q, k, v, layer, batch, save_kv_cache, fwd, meta)
                 return out
@@ -562,10 +595,9 @@ class PagedBackend(AttentionBackend):
         # the per-call checks against what the plan and the forward recorded; anything unexpected
         # (or a layer without a plan) runs the full check_forward, which raises the precise error
         # the batch and ``req_to_token`` unchanged since the forward was recorded (``_unchanged``; its usual case,
-        # a ``ForwardBatch`` keeping its setter, written out: the record's identity and one write counter per
-        # buffer, ``req_to_token``'s among them — no call)
-        ok = plan is not None and fwd.watch is _RECORD_TRACKS_FIELDS and \
-            fwd.fields.get("_validated") is fwd.snap  # type: ignore[union-attr]  # (set with watch)
+        # a ``ForwardBatch`` keeping its setter, written out: the record not superseded and one write counter
+        # per buffer, ``req_to_token``'s among them — no call)
+        ok = plan is not None and fwd.trusted
         if ok:
             for tensor, version in fwd.counters:
                 if tensor._version != version:
@@ -634,6 +666,38 @@ class PagedBackend(AttentionBackend):
         out = compute(q, k, v, layer, batch, meta)
         self.write_new_kv(cache, plan, loc, k, v)
         return out
+
+    def _find_plan(self, fwd: _Forward, layer: LayerSpec) -> LayerPlan | None:
+        """The plan of ``layer`` when the chain expected another (``_forward``): looked up by identity, linked
+        after the previous layer's plan (or as the first of a forward) so the next forward finds it without
+        the lookup; ``None`` for a layer without a plan yet (nothing linked to it)."""
+        plan = self._layer_plans.get(id(layer))
+        if plan is None or plan.layer is not layer:
+            fwd.prev, fwd.expect = None, None
+            return None
+        prev = fwd.prev
+        if prev is _CHAIN_START:
+            self._first_plan = plan
+        elif prev is not None:
+            prev.next = plan
+        fwd.prev, fwd.expect = plan, plan.next
+        return plan
+
+    def forget_layer_plans(self) -> None:
+        """Drop every layer's plan (the next forward of each layer makes it again, after its layer checks) and
+        the chain linking them."""
+        self._unlink_plans()
+        self._layer_plans.clear()
+
+    def _unlink_plans(self) -> None:
+        """Forget the plan chain (``LayerPlan.next``, the first plan, the current forward's expectation): done
+        whenever a plan is stored, so the chain never leads to a plan the lookup would not give."""
+        for plan in self._layer_plans.values():
+            plan.next = None
+        self._first_plan = None
+        fwd = self._fwd
+        if fwd is not None:
+            fwd.prev, fwd.expect = None, None
 
     @staticmethod
     def _unchanged(fwd: _Forward) -> bool:

@@ -386,6 +386,9 @@ def test_the_per_layer_unchanged_test_answers_as_changed_since_validate(field, h
         batch.validate()
     changed = batch.changed_since_validate()
     fast = PagedBackend._unchanged(fwd)
+    # the flag the layer reads first (``_Forward.trusted``, pushed by the record when superseded): set only for a
+    # batch whose setter replaces the record, and cleared exactly when the record was replaced
+    assert fwd.trusted == (kind != "no setter" and how in ("in_place", "in_place_value", "none"))
     if changed is not None:
         assert not fast
         if how == "in_place" and shared:
@@ -623,3 +626,150 @@ def test_forward_without_metadata_idle_is_empty_and_any_other_mode_is_refused(cl
     assert out.shape == (0, H, D)
     with pytest.raises(MetadataNotInitializedError, match="before init_forward_metadata"):
         backend.forward(q, k, v, LAYER, decode_batch(cache))
+
+
+# -- the plan chain and the record's push (issue 30, seventh session) ------------------------------------------
+class _PlanRecordingToy(ToyBackend):
+    """Records, per call, the plan the skeleton holds when it offers the backend's checked call (declined: the
+    skeleton's checked path runs), so a test sees which plan each layer call used."""
+
+    def checked_layer_call(self, plan):
+        def call(q, k, v, meta, loc, save_kv_cache):
+            self.used = getattr(self, "used", [])
+            self.used.append(plan)
+            return None
+        return call
+
+
+_LAYERS = tuple(LayerSpec(layer_id=i, num_heads=H, num_kv_heads=KV, head_dim=D) for i in range(4))
+
+
+def _chain_forward(backend, cache, order, lookups):
+    """One decode forward running the layers in ``order``; returns the outputs and how many plan lookups
+    (``_find_plan``) it took."""
+    batch = decode_batch(cache)
+    backend.init_forward_metadata(batch)
+    n = len(lookups)
+    outs = [backend.forward(*qkv(2), _LAYERS[i], batch, save_kv_cache=False) for i in order]
+    return outs, len(lookups) - n
+
+
+def _one_successor(order):
+    """Each layer of ``order`` followed by one layer only, the last by the first (the next forward's)."""
+    succ = {}
+    for a, b in zip(order, order[1:] + order[:1]):
+        succ.setdefault(a, set()).add(b)
+    return all(len(x) == 1 for x in succ.values())
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 1, 0, 2), (0, 0, 1, 1), (2,), (0, 1, 2, 3, 0, 1, 2, 3)])
+def test_the_plan_chain_finds_each_layers_own_plan_and_looks_up_only_what_it_did_not_expect(order, monkeypatch):
+    """``PagedBackend._forward`` takes the plan the chain expects (``LayerPlan.next``: the layer that followed
+    in the last forward) and looks it up only when the layer is another: from the third forward of one layer
+    order, no lookup at all; a new order costs one lookup per layer whose successor changed, then none. Every
+    call holds the plan the lookup would give (its own layer's), and the outputs are the reference's."""
+    torch.manual_seed(0)
+    backend, cache = make(_PlanRecordingToy, num_layers=4)
+    torch.manual_seed(0)  # (the same cache contents)
+    ref, _ = make(ToyBackend, num_layers=4)
+    lookups = []
+    find = PagedBackend._find_plan
+
+    def counting(self, fwd, layer):
+        lookups.append(layer.layer_id)
+        return find(self, fwd, layer)
+
+    monkeypatch.setattr(PagedBackend, "_find_plan", counting)
+    for step in range(3):
+        outs, n = _chain_forward(backend, cache, order, lookups)
+        expect, _ = _chain_forward(ref, ref.cache, order, [])
+        assert all(torch.equal(a, b) for a, b in zip(outs, expect))
+        # a layer followed by one layer only (within and across forwards) is always expected; one followed by
+        # several (0 then 0, 0 then 1) costs a lookup where the last successor differs, never a wrong plan
+        if step == 0:  # (every call looked up: a layer's first calls have no plan, later ones link)
+            assert n == len(order)
+        elif step == 2:
+            assert n == 0 if _one_successor(order) else 0 < n < len(order), n
+    used = backend.used[-len(order):]
+    assert [p.layer for p in used] == [_LAYERS[i] for i in order]
+    assert all(p is backend._layer_plans[id(p.layer)] for p in used)
+    # another order: lookups only where the expectation fails, then none
+    other = tuple(reversed(order))
+    _, n = _chain_forward(backend, cache, other, lookups)
+    assert 0 < n <= len(other) or other == order
+    _, n = _chain_forward(backend, cache, other, lookups)
+    assert n == 0 if _one_successor(other) else 0 < n < len(other)
+    used = backend.used[-len(other):]
+    assert [p.layer for p in used] == [_LAYERS[i] for i in other]
+
+
+def test_a_plan_made_again_is_the_one_used_never_the_chains_old_one():
+    """The chain never leads to a plan the lookup would not give: storing a plan (``layer_plan``) and
+    ``forget_layer_plans`` unlink every plan; the next forwards use the new plans (found by lookup, then
+    chained)."""
+    backend, cache = make(_PlanRecordingToy, num_layers=4)
+    for _ in range(3):
+        _chain_forward(backend, cache, (0, 1, 2, 3), [])
+    old = [backend.layer_plan(layer) for layer in _LAYERS]
+    assert [p.next for p in old] == [old[1], old[2], old[3], None] and backend._first_plan is old[0]
+    backend.forget_layer_plans()
+    assert backend._first_plan is None and not backend._layer_plans and all(p.next is None for p in old)
+    for step in range(3):
+        backend.used = []
+        _chain_forward(backend, cache, (0, 1, 2, 3), [])
+        new = [backend._layer_plans[id(layer)] for layer in _LAYERS]
+        assert not any(a is b for a, b in zip(new, old))
+        if step:  # (the first forward after forgetting plans each layer on its full check: no checked call)
+            assert backend.used == new
+    # a plan stored while a forward runs (a layer seen for the first time) unlinks the chain, current forward too
+    extra = LayerSpec(layer_id=0, num_heads=H, num_kv_heads=KV, head_dim=D)  # (equal, another object)
+    batch = decode_batch(cache)
+    backend.init_forward_metadata(batch)
+    backend.forward(*qkv(2), _LAYERS[0], batch, save_kv_cache=False)
+    assert backend._fwd.expect is new[1]
+    backend.forward(*qkv(2), extra, batch, save_kv_cache=False)
+    assert backend._fwd.expect is None and backend._first_plan is None and all(p.next is None for p in new)
+
+
+def test_the_forward_record_is_told_when_the_batch_replaces_its_validation_record():
+    """``ValidationRecord.watch``: the per-forward record (``_Forward.trusted``) is cleared when the batch
+    replaces its validation record (a field replaced, ``validate`` again), whichever batch object shares it; the
+    record holds its watchers weakly (an old forward's record is freed by reference counting alone, with its
+    metadata); a copy, deep copy or pickle of a batch carries no watcher."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    from attnplug.batch import ValidationRecord
+
+    backend, cache, batch = _planned(kind="host ints")
+    fwd = backend._fwd
+    record = batch.__dict__["_validated"]
+    assert type(record) is ValidationRecord and fwd.trusted and [r() for r in record.watchers] == [fwd]
+    # copies: the record's entries, no watcher; the original's forward still trusted
+    for clone in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
+        rec = clone.__dict__["_validated"]
+        assert type(rec) is ValidationRecord and rec.watchers == [] and not rec.superseded
+        assert list(rec) == list(record)
+        clone.validate()
+    assert fwd.trusted
+    # a shallow copy shares the record: a field replaced on it clears the original's forward (conservative),
+    # and the original's forward still runs (its batch unchanged: the full comparison says so)
+    shallow = copy.copy(batch)
+    shallow.seq_lens = shallow.seq_lens.clone()
+    assert not fwd.trusted and record.superseded and PagedBackend._unchanged(fwd)
+    backend.forward(*qkv(2), LAYER, batch)
+    # a new forward on a new batch: the old record keeps no strong reference to the old forward
+    gc.disable()
+    try:
+        old = weakref.ref(fwd)
+        del fwd
+        other = _batch_of_kind(cache, "host ints")
+        backend.init_forward_metadata(other)
+        assert old() is None
+        assert backend._fwd.trusted
+        other.validate()
+        assert not backend._fwd.trusted
+    finally:
+        gc.enable()
