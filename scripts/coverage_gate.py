@@ -9,7 +9,7 @@ threshold is stated. The modules are matched by their path inside the
 installed package, so the gate works on an editable checkout and on the
 wheels tox installs.
 
-    python scripts/coverage_gate.py                      # the CI step (tox -e conformance)
+    python scripts/coverage_gate.py                      # the CI step (tox -e tests, its conformance stream)
     python scripts/coverage_gate.py --report-only -- --backend=torch_native -q
     python scripts/coverage_gate.py --also "VAR=VALUE --backend=NAME -q" -- --backend=all -q
 

@@ -466,14 +466,23 @@ class ValidationRecord(dict):  # type: ignore[type-arg]  # field -> (tensor, wri
     ``False``, so the per-layer guard reads a flag of an object it holds already, where finding the batch's
     current record costs a dictionary lookup in the batch's ``__dict__`` and a read of the record (~1.7 µs a
     layer once a kernel streamed the caches). Watchers are held weakly (no cycle keeps a forward's metadata
-    alive through the batch)."""
+    alive through the batch). ``counters()``: the write counters a forward reads per layer, worked out once per
+    record (its entries never change)."""
 
-    __slots__ = ("superseded", "watchers")
+    __slots__ = ("superseded", "watchers", "_counters")
 
     def __init__(self, entries: Any = ()) -> None:
         super().__init__(entries)
         self.superseded = False
         self.watchers: list[weakref.ref[Any]] = []
+        self._counters: tuple[tuple[Any, int], ...] | None = None
+
+    def counters(self) -> tuple[tuple[Any, int], ...]:
+        """``counters_of(self)``, computed at the first call and kept (``paged._Forward`` asks it per forward)."""
+        c = self._counters
+        if c is None:
+            c = self._counters = counters_of(self)
+        return c
 
     def watch(self, watcher: Any) -> None:
         """Set ``watcher.trusted = False`` when this record is superseded (held weakly; dead ones dropped)."""
@@ -491,6 +500,29 @@ class ValidationRecord(dict):  # type: ignore[type-arg]  # field -> (tensor, wri
 
     def __reduce__(self) -> Any:
         return (ValidationRecord, (dict(self),))
+
+
+def counters_of(entries: Any) -> tuple[tuple[Any, int], ...]:
+    """One ``(tensor, version)`` per write counter among a validation record's ``field -> (tensor, version)``
+    entries: fields that are views of one buffer share its counter (``ForwardBatch.decode`` from host ints makes
+    them so), so a forward reads one counter for the lot. Each is read through the ``out_cache_loc`` entry where
+    that is a view of the buffer (a view shares its base's counter; it is the tensor a layer's K/V write touches
+    anyway), else through the buffer. Fields recorded with different versions of one counter get ``-1`` (a
+    counter never reads it: never "unchanged")."""
+    counters: dict[int, tuple[Any, int]] = {}
+    for t, ver in entries.values():
+        if t is None or ver is None:
+            continue
+        base = t._base if t._base is not None else t
+        seen = counters.setdefault(id(base), (base, ver))
+        if seen[1] != ver:
+            counters[id(base)] = (base, -1)
+    loc = (entries.get("out_cache_loc") or (None, None))[0]
+    if loc is not None:
+        key = id(loc._base if loc._base is not None else loc)
+        if key in counters:
+            counters[key] = (loc, counters[key][1])
+    return tuple(counters.values())
 
 
 def _supersede(old: Any, new: ValidationRecord) -> ValidationRecord:

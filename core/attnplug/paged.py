@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .backend import AttentionBackend, MetadataGuard
-from .batch import ForwardBatch, ValidationRecord, _version, check_mla_qkv, check_qkv
+from .batch import ForwardBatch, ValidationRecord, _version, check_mla_qkv, check_qkv, counters_of
 from .capabilities import support_reasons
 from .support import SupportQuery
 from .support import reasons as support_reasons_of
@@ -185,29 +185,24 @@ class _Forward:
         self.expect: LayerPlan | None = backend._first_plan
         self.prev: Any = _CHAIN_START
         if snap is not None:
-            self.watch = tuple((f, t) for f, (t, _) in snap.items())
             # a ``ForwardBatch`` (its own setter) whose fields are the recorded objects now: a replacement from
             # here on replaces the record (``ForwardBatch.__setattr__``), so the record's identity stands for
             # every field's
-            if type(batch).__setattr__ is _BATCH_SETATTR and \
-                    all(d.get(f) is t for f, t in self.watch):  # type: ignore[union-attr]  # (snap: d is set)
+            tracks = type(batch).__setattr__ is _BATCH_SETATTR
+            if tracks:
+                for f, (t, _) in snap.items():
+                    if d.get(f) is not t:  # type: ignore[union-attr]  # (snap: d is set)
+                        tracks = False
+                        break
+            if tracks:
                 self.watch = _RECORD_TRACKS_FIELDS
                 if snap.__class__ is ValidationRecord and not snap.superseded:
                     self.trusted = True
                     snap.watch(self)
-            counters: dict[int, tuple[Any, int]] = {}
-            for t, ver in snap.values():
-                if t is None or ver is None:
-                    continue
-                base = t._base if t._base is not None else t
-                seen = counters.setdefault(id(base), (base, ver))
-                if seen[1] != ver:
-                    counters[id(base)] = (base, -1)  # (a counter never reads -1)
-            # a counter is read through the write slots where they share it (``loc`` is ``out_cache_loc``, a view of
-            # the buffer): the layer's write touches that tensor anyway, so the read costs no object of its own
-            lb = loc._base if loc._base is not None else loc
-            self.counters = tuple((loc, ver) if id(lb) == key else (base, ver)
-                                  for key, (base, ver) in counters.items())
+            else:
+                self.watch = tuple((f, t) for f, (t, _) in snap.items())
+            # one counter per buffer, read through ``out_cache_loc`` where it is a view of it (``counters_of``)
+            self.counters = snap.counters() if snap.__class__ is ValidationRecord else counters_of(snap)
         #: ``req_to_token``'s in-place write counter when the forward was checked (``None``: an inference
         #: tensor, which keeps none, or no cache: a backend built to be inspected may still run an IDLE
         #: forward): a write into it before a layer runs re-checks that layer's call; read per layer as one of

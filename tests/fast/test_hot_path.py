@@ -421,6 +421,14 @@ def test_the_per_layer_guard_reads_one_counter_per_buffer_and_trusts_the_record_
     # the batch's counters, then ``req_to_token``'s
     assert len(fwd.counters) == {"tensors": 6, "host ints": 1, "host ints after": 2, "no setter": 1}[kind] + 1
     assert fwd.counters[-1][0] is cache.req_to_token
+    # the buffer out_cache_loc is a view of is read through out_cache_loc itself (the tensor the K/V write touches)
+    loc = batch.out_cache_loc
+    assert sum(t is loc for t, _ in fwd.counters) == 1
+    base = loc._base if loc._base is not None else loc
+    assert not any(t is base for t, _ in fwd.counters) or base is loc
+    # worked out once per record: a second forward record of the batch takes the very same tuple
+    record = batch.__dict__["_validated"]
+    assert record.counters() is record.counters() and fwd.counters[:-1] == record.counters()
     assert (fwd.watch is _RECORD_TRACKS_FIELDS) == (kind != "no setter")
     object.__setattr__(batch, "seq_lens", batch.seq_lens.clone())  # past the setter: the record is not replaced
     again = _Forward(backend, batch, fwd.meta)
@@ -773,3 +781,23 @@ def test_the_forward_record_is_told_when_the_batch_replaces_its_validation_recor
         assert not backend._fwd.trusted
     finally:
         gc.enable()
+
+
+def test_counters_of_reads_one_counter_per_buffer_through_out_cache_loc():
+    """``batch.counters_of``: views of one buffer give one entry, read through the ``out_cache_loc`` entry when it
+    is one of them; a buffer recorded with two versions gets -1 (a counter never reads it: never "unchanged");
+    entries without a tensor or a counter are skipped."""
+    from attnplug.batch import counters_of
+
+    buf = torch.zeros(8, dtype=torch.int64)
+    a, loc = buf[:4], buf[4:]
+    other = torch.zeros(3, dtype=torch.int64)
+    got = counters_of({"seq_lens": (a, 0), "out_cache_loc": (loc, 0), "positions": (other, 2), "x": (None, None),
+                       "y": (torch.zeros(1), None)})
+    assert len(got) == 2 and got[0][0] is loc and got[0][1] == 0 and got[1] == (other, 2)
+    got = counters_of({"seq_lens": (a, 0), "req_pool_indices": (buf[:2], 1)})
+    assert got == ((buf, -1),) and buf._version != -1
+    # out_cache_loc on a buffer of its own: read through itself; the others through their buffer
+    own = torch.zeros(2, dtype=torch.int64)
+    got = counters_of({"seq_lens": (a, 0), "out_cache_loc": (own, 0)})
+    assert got[0][0] is buf and got[1][0] is own
