@@ -86,7 +86,8 @@ class LayerPlan:
     """
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
-                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype", "next")
+                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype", "next", "kb", "vb", "tokens", "q_shape",
+                 "k_shape", "v_shape", "dtype")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -106,6 +107,17 @@ class LayerPlan:
         #: (``PagedBackend._write``); ``nhd``: two index copies of an unquantized ``nhd`` cache, else the
         #: layout's own write
         self.storage: Any = None if cache is None else cache.layer_storage(self.layer_id)
+        #: ``storage``'s two tensors where it has two (``nhd``: K and V rows), for the skeleton's plain write
+        pair = self.storage if isinstance(self.storage, tuple) and len(self.storage) == 2 else (None, None)
+        self.kb: torch.Tensor | None = pair[0]
+        self.vb: torch.Tensor | None = pair[1]
+        #: the per-call check's expected shapes at the last token count (``tokens``), held as slots (one object
+        #: fewer to read than a tuple of them), and the query dtype the layer's last full check passed with
+        self.tokens = -1
+        self.q_shape: tuple[int, ...] = ()
+        self.k_shape: tuple[int, ...] = ()
+        self.v_shape: tuple[int, ...] = ()
+        self.dtype: torch.dtype | None = None
         self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
         #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
         self.checked_call: Callable[..., torch.Tensor | None] | None = None
@@ -122,6 +134,15 @@ class LayerPlan:
         self.next: LayerPlan | None = None
 
 
+class _NoCounter:
+    """Stands for an absent write counter among ``_Forward``'s first two: it reads 0, recorded as 0."""
+
+    __slots__ = ()
+    _version = 0
+
+
+_NO_COUNTER = _NoCounter()
+
 #: ``_Forward.prev`` at a forward's start: the first plan found becomes the backend's ``_first_plan``
 _CHAIN_START: Any = object()
 
@@ -135,7 +156,8 @@ class _Forward:
     """What every layer of one forward shares that ``init_forward_metadata`` knows: recorded once."""
 
     __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "fields", "snap",
-                 "watch", "counters", "r2t", "r2t_version", "trusted", "expect", "prev", "__weakref__")
+                 "watch", "counters", "r2t", "r2t_version", "trusted", "expect", "prev", "c0", "v0", "c1", "v1", "more",
+                 "__weakref__")
 
     def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
@@ -211,6 +233,11 @@ class _Forward:
         self.r2t_version = _version(self.r2t)
         if self.r2t_version is not None:
             self.counters += ((self.r2t, self.r2t_version),)
+        #: ``counters`` as the per-layer guard reads them: the first two as slots (``_NO_COUNTER``, which reads 0,
+        #: where there are fewer), the rest in ``more`` (one object fewer to read per counter than the tuples)
+        first = self.counters[:2] + ((_NO_COUNTER, 0),) * (2 - min(2, len(self.counters)))
+        (self.c0, self.v0), (self.c1, self.v1) = first
+        self.more = self.counters[2:]
 
 
 class PagedBackend(AttentionBackend):
@@ -594,10 +621,9 @@ class PagedBackend(AttentionBackend):
         # per buffer, ``req_to_token``'s among them — no call)
         ok = plan is not None and fwd.trusted
         if ok:
-            for tensor, version in fwd.counters:
-                if tensor._version != version:
-                    ok = False
-                    break
+            if fwd.c0._version != fwd.v0 or fwd.c1._version != fwd.v1 or \
+                    ((more := fwd.more) and any(t._version != ver for t, ver in more)):
+                ok = False
         elif plan is not None:
             ok = self._unchanged(fwd)
         if not ok or (plan.cross and not fwd.has_encoder):  # (ok: a plan)
@@ -605,15 +631,16 @@ class PagedBackend(AttentionBackend):
         elif plan.checked_call is not None and (  # the backend's call checks q/k/v itself (None: it did nothing)
                 done := plan.checked_call(q, k, v, meta, fwd.loc, save_kv_cache)) is not None:
             return done  # type: ignore[no-any-return]  # (LayerPlan.checked_call: a tensor or None)
-        elif (dt := q.dtype) not in plan.claimed or not (q.is_cpu if (cpu := plan.cpu) else
-                                                           q.device.type == self._device_type):
-            plan = self._checked_plan(q, k, v, layer, batch)
+        elif (dt := q.dtype) is not plan.dtype or not (q.is_cpu if (cpu := plan.cpu) else
+                                                         q.device.type == self._device_type):
+            plan = self._checked_plan(q, k, v, layer, batch)  # (also another dtype than the last call's: claimed?)
         else:
-            shapes = plan.shapes
-            if shapes[0] != T:  # the expected shapes at this forward's token count (kept while it stays)
-                shapes = plan.shapes = (T, (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest)
-            if q.shape != shapes[1] or not (
-                    (k is not None and v is not None and k.shape == shapes[2] and v.shape == shapes[3]
+            if plan.tokens != T:  # the expected shapes at this forward's token count (kept while it stays)
+                plan.q_shape, plan.k_shape, plan.v_shape = (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest
+                plan.shapes = (T, plan.q_shape, plan.k_shape, plan.v_shape)
+                plan.tokens = T
+            if q.shape != plan.q_shape or not (
+                    (k is not None and v is not None and k.shape == plan.k_shape and v.shape == plan.v_shape
                      and k.dtype is dt and v.dtype is dt
                      and (k.is_cpu if cpu else k.device.type == self._device_type))
                     or (k is None and v is None and plan.cross)):
@@ -623,10 +650,9 @@ class PagedBackend(AttentionBackend):
                 # here: the compute, then two index copies into the plan's ``nhd`` storage (two Python frames and
                 # the cache's attributes less a layer: ~2-3 µs once the kernel has evicted their code and data)
                 out = fwd.compute(q, k, v, layer, batch, meta)
-                kb, vb = plan.storage
                 loc = fwd.loc
-                kb.index_copy_(0, loc, k)
-                vb.index_copy_(0, loc, v)
+                plan.kb.index_copy_(0, loc, k)  # (set with plain_dtype: an ``nhd`` cache's two tensors)
+                plan.vb.index_copy_(0, loc, v)
                 return out
         if T == 0:  # every request extends by 0 tokens: nothing to attend, nothing to write
             return self.empty_output(q, layer, 0)
@@ -723,9 +749,13 @@ class PagedBackend(AttentionBackend):
 
     def _checked_plan(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec,
                       batch: ForwardBatch) -> LayerPlan:
-        """The full ``check_forward`` (raising its precise error), then the layer's plan."""
+        """The full ``check_forward`` (raising its precise error), then the layer's plan, which records q's dtype
+        as the one its last full check passed with (``LayerPlan.dtype``: a later call of another dtype takes
+        this check again)."""
         self.check_forward(q, k, v, layer, batch)
-        return self.layer_plan(layer)
+        plan = self.layer_plan(layer)
+        plan.dtype = q.dtype
+        return plan
 
     @staticmethod
     def _snapshot(cache: PagedKVCache, plan: LayerPlan, loc: torch.Tensor) -> tuple[Any, Any]:

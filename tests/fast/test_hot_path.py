@@ -801,3 +801,28 @@ def test_counters_of_reads_one_counter_per_buffer_through_out_cache_loc():
     own = torch.zeros(2, dtype=torch.int64)
     got = counters_of({"seq_lens": (a, 0), "out_cache_loc": (own, 0)})
     assert got[0][0] is buf and got[1][0] is own
+
+
+def test_a_planned_layer_called_with_another_claimed_dtype_is_checked_again_and_served_as_a_fresh_backend_serves_it():
+    """``LayerPlan.dtype``: the per-call test compares q's dtype with the one the layer's last full check passed
+    with (not with the claimed set): a call in another claimed dtype (bfloat16 after float32 on a float32
+    cache) takes the full check again and gets what a backend without a plan gives it (the same output or the
+    same error), and the layer then serves either dtype, alternating, as a fresh backend does."""
+    results = {}
+    for planned in (False, True):
+        torch.manual_seed(0)
+        backend, cache = make(ToyBackend)
+        batch = decode_batch(cache)
+        backend.init_forward_metadata(batch)
+        if planned:
+            backend.forward(*qkv(2), LAYER, batch, save_kv_cache=False)
+            assert backend.layer_plan(LAYER).dtype is torch.float32
+        got = []
+        for dt in (torch.bfloat16, torch.float32, torch.bfloat16):
+            try:
+                got.append(backend.forward(*qkv(2, dt), LAYER, batch, save_kv_cache=False))
+            except Exception as e:  # the same refusal either way
+                got.append((type(e), str(e)))
+        results[planned] = got
+    for a, b in zip(results[False], results[True]):
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b
