@@ -86,7 +86,7 @@ class LayerPlan:
     """
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
-                 "shapes", "checked_call", "mla", "claimed", "cpu", "plain_dtype", "next", "kb", "vb", "tokens", "q_shape",
+                 "checked_call", "mla", "cpu", "plain_dtype", "next", "kb", "vb", "tokens", "q_shape",
                  "k_shape", "v_shape", "dtype")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
@@ -95,8 +95,6 @@ class LayerPlan:
         self.q_rest = (layer.num_heads, layer.head_dim)
         self.k_rest = (layer.num_kv_heads, layer.head_dim)
         self.v_rest = (layer.num_kv_heads, layer.v_head_dim)
-        #: ``(tokens, q shape, k shape, v shape)`` the per-call check compares with, for the last token count
-        self.shapes: tuple[Any, ...] = (-1,)
         self.cross = bool(layer.is_cross_attention)
         #: an MLA layer (``LayerSpec.mla``): its forwards take ``_forward_mla``
         self.mla = getattr(layer, "mla", None) is not None
@@ -122,11 +120,9 @@ class LayerPlan:
         #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
         self.checked_call: Callable[..., torch.Tensor | None] | None = None
         #: the backend's per-call constants, held here (the skeleton reads the plan anyway; a slot is cheaper
-        #: than the backend's ``__dict__`` once a kernel has evicted both): the claimed torch dtypes, whether the
-        #: cache is on the CPU, and the dtype of a self-attention layer's plain write (``PagedBackend._forward``:
+        #: than the backend's ``__dict__`` once a kernel has evicted both): whether the cache is on the CPU, and the dtype of a self-attention layer's plain write (``PagedBackend._forward``:
         #: two index copies into an unquantized ``nhd`` cache of that dtype, the write after the compute; ``None``
         #: where the backend writes another way)
-        self.claimed: frozenset[torch.dtype] = frozenset()
         self.cpu = cache is not None and cache.device.type == "cpu"
         self.plain_dtype: torch.dtype | None = None
         #: the plan of the layer that followed this one in the backend's last forward (``PagedBackend._forward``
@@ -379,7 +375,7 @@ class PagedBackend(AttentionBackend):
         plan = LayerPlan(layer, type(self).new_kv_source == "cache", cache)
         plan.kernel = self.plan_layer(layer)
         plan.checked_call = self.checked_layer_call(plan)
-        plan.claimed, plan.cpu = self._claimed_torch, self._on_cpu
+        plan.cpu = self._on_cpu
         if self._plain_write and plan.nhd and not plan.staged and not plan.cross:
             plan.plain_dtype = cache.dtype
         if isinstance(layer, LayerSpec):  # frozen: what was checked stays true; other objects: every call
@@ -637,7 +633,6 @@ class PagedBackend(AttentionBackend):
         else:
             if plan.tokens != T:  # the expected shapes at this forward's token count (kept while it stays)
                 plan.q_shape, plan.k_shape, plan.v_shape = (T,) + plan.q_rest, (T,) + plan.k_rest, (T,) + plan.v_rest
-                plan.shapes = (T, plan.q_shape, plan.k_shape, plan.v_shape)
                 plan.tokens = T
             if q.shape != plan.q_shape or not (
                     (k is not None and v is not None and k.shape == plan.k_shape and v.shape == plan.v_shape
