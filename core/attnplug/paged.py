@@ -47,6 +47,8 @@ writes into it.
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,7 +59,7 @@ from .batch import ForwardBatch, ValidationRecord, _version, check_mla_qkv, chec
 from .capabilities import support_reasons
 from .support import SupportQuery
 from .support import reasons as support_reasons_of
-from .errors import AttnplugError, NotSupportedError, ResourceLimitError, ShapeError
+from .errors import AttnplugError, ConfigError, NotSupportedError, ResourceLimitError, ShapeError
 from .layer import UNABSORBED, LayerSpec
 from .modes import ForwardMode
 
@@ -77,6 +79,31 @@ def format_bytes(n: int | float) -> str:
 __all__ = ["LayerPlan", "PagedBackend"]
 
 
+def _load_speedups(env: Any = os.environ) -> tuple[Any, Any, str]:
+    """``(layer_ok, expectation, note)`` of the optional attnplug-speedups package (the per-layer check of a planned
+    layer compiled: ``speedups/``), or ``(None, None, note)`` with why not; ``ATTNPLUG_SPEEDUPS=0`` turns it off,
+    ``1`` or unset uses it when it imports. ``note`` is what ``attnplug doctor`` prints."""
+    setting = env.get("ATTNPLUG_SPEEDUPS", "").strip()
+    if setting not in ("", "0", "1"):
+        raise ConfigError(f"ATTNPLUG_SPEEDUPS={setting!r}: expected 0 (the Python per-layer check) or 1 (the "
+                          f"compiled check of attnplug-speedups where it is installed)")
+    if setting == "0":
+        return None, None, "off (ATTNPLUG_SPEEDUPS=0): the per-layer check runs in Python"
+    try:
+        sp = importlib.import_module("attnplug_speedups")  # (optional, compiled: typed through its two calls)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("attnplug_speedups", "attnplug_speedups._C"):
+            raise
+        return None, None, "not installed (pip install ./speedups): the per-layer check runs in Python"
+    except ImportError as exc:  # installed, but built for another torch or Python
+        return None, None, f"installed but not loadable ({exc}): the per-layer check runs in Python; rebuild it"
+    return sp.layer_ok, sp.expectation, "in use: a planned layer's per-layer check is one compiled call"
+
+
+#: attnplug-speedups' two calls (``None`` without it) and the line doctor prints: read once, when this module loads
+_layer_ok, _expectation, SPEEDUPS_NOTE = _load_speedups()
+
+
 class LayerPlan:
     """What one layer's forwards share, built once per layer object (``PagedBackend.layer_plan``).
 
@@ -87,7 +114,7 @@ class LayerPlan:
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
                  "checked_call", "mla", "cpu", "plain_dtype", "next", "kb", "vb", "tokens", "q_shape",
-                 "k_shape", "v_shape", "dtype")
+                 "k_shape", "v_shape", "dtype", "fast")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -116,6 +143,10 @@ class LayerPlan:
         self.k_shape: tuple[int, ...] = ()
         self.v_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
+        #: attnplug-speedups' expectation of this layer's calls (``_expectation``: q/k/v's heads and dims, the
+        #: checked dtype and device type), set by a full check where the skeleton's plain write applies;
+        #: ``None``: the Python per-call check
+        self.fast: bytes | None = None
         self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
         #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
         self.checked_call: Callable[..., torch.Tensor | None] | None = None
@@ -153,7 +184,7 @@ class _Forward:
 
     __slots__ = ("batch", "meta", "idle", "num_tokens", "compute", "loc", "has_encoder", "changed", "fields", "snap",
                  "watch", "counters", "r2t", "r2t_version", "trusted", "expect", "prev", "c0", "v0", "c1", "v1", "more",
-                 "__weakref__")
+                 "cx", "__weakref__")
 
     def __init__(self, backend: PagedBackend, batch: ForwardBatch, meta: Any) -> None:
         self.batch, self.meta = batch, meta
@@ -234,6 +265,11 @@ class _Forward:
         first = self.counters[:2] + ((_NO_COUNTER, 0),) * (2 - min(2, len(self.counters)))
         (self.c0, self.v0), (self.c1, self.v1) = first
         self.more = self.counters[2:]
+        #: what attnplug-speedups' ``layer_ok`` reads of this forward: the token count, then each counter and its
+        #: recorded version (``None``: no compiled check this forward)
+        self.cx: tuple[Any, ...] | None = None
+        if _layer_ok is not None and not self.idle and type(self.num_tokens) is int and self.num_tokens > 0:
+            self.cx = (self.num_tokens,) + tuple(x for pair in self.counters for x in pair)
 
 
 class PagedBackend(AttentionBackend):
@@ -616,6 +652,15 @@ class PagedBackend(AttentionBackend):
         # a ``ForwardBatch`` keeping its setter, written out: the record not superseded and one write counter
         # per buffer, ``req_to_token``'s among them — no call)
         ok = plan is not None and fwd.trusted
+        if ok and (fx := plan.fast) is not None and save_kv_cache and _layer_ok(q, k, v, fx, fwd.cx):
+            # attnplug-speedups: the write counters and q/k/v's shapes, dtypes and device types compared in one
+            # compiled call, which answers True only where every check below would pass (``plan.fast`` is set
+            # only where the plain write applies: the usual case below, written out once more)
+            out = fwd.compute(q, k, v, layer, batch, meta)
+            loc = fwd.loc
+            plan.kb.index_copy_(0, loc, k)
+            plan.vb.index_copy_(0, loc, v)
+            return out
         if ok:
             if fwd.c0._version != fwd.v0 or fwd.c1._version != fwd.v1 or \
                     ((more := fwd.more) and any(t._version != ver for t, ver in more)):
@@ -750,6 +795,9 @@ class PagedBackend(AttentionBackend):
         self.check_forward(q, k, v, layer, batch)
         plan = self.layer_plan(layer)
         plan.dtype = q.dtype
+        # the compiled check's expectation, where the inline plain write applies to this dtype
+        plan.fast = None if _expectation is None or plan.plain_dtype is not q.dtype or plan.cross or plan.mla or \
+            plan.checked_call is not None else _expectation(q, *plan.q_rest, *plan.k_rest, *plan.v_rest)
         return plan
 
     @staticmethod

@@ -268,6 +268,7 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
     return {
         "host": host.to_dict(),
         "host_line": host.describe(),
+        "speedups": _speedups_note(),
         "plugins": [p.to_dict() for p in registry.plugins],
         "failed_plugins": [p.to_dict() for p in registry.failed_plugins()],
         "conflicts": {n: str(e) for n, e in registry.conflicts.items()},
@@ -279,6 +280,15 @@ def diagnose(registry: Any, host: Any = None, only: list[str] | None = None) -> 
         "no_usable_backend": no_usable,
         "ok": not failed and not default_failure and no_usable is None,
     }
+
+
+def _speedups_note() -> str:
+    """Whether the skeleton's per-layer check runs compiled (attnplug-speedups) and, if not, why."""
+    try:
+        from attnplug.paged import SPEEDUPS_NOTE
+    except ImportError as exc:  # no torch: no paged backend runs either
+        return f"unknown ({exc})"
+    return SPEEDUPS_NOTE
 
 
 def render(report: dict[str, Any]) -> str:
@@ -298,6 +308,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"default pair: none: {d['explanation']}")
     else:
         lines.append(f"default pair: NOT RESOLVED: {d['error']}")
+    if report.get("speedups"):
+        lines.append(f"per-layer check (attnplug-speedups): {report['speedups']}")
     rows: list[tuple[str, ...]] = [("backend", "distribution", "version", "level", "available", "claims checked", "max error", "time",
              "result")]
     for b in report["backends"]:
