@@ -114,7 +114,7 @@ class LayerPlan:
 
     __slots__ = ("layer", "layer_id", "q_rest", "k_rest", "v_rest", "cross", "staged", "kernel", "storage", "nhd",
                  "checked_call", "mla", "cpu", "plain_dtype", "next", "kb", "vb", "tokens", "q_shape",
-                 "k_shape", "v_shape", "dtype", "fast")
+                 "k_shape", "v_shape", "dtype", "fast", "inline")
 
     def __init__(self, layer: LayerSpec, staged: bool, cache: PagedKVCache | None = None) -> None:
         self.layer = layer  # held: the plan is found by id(layer), which must not be reused meanwhile
@@ -144,9 +144,11 @@ class LayerPlan:
         self.v_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
         #: attnplug-speedups' expectation of this layer's calls (``_expectation``: q/k/v's heads and dims, the
-        #: checked dtype and device type), set by a full check where the skeleton's plain write applies;
-        #: ``None``: the Python per-call check
+        #: checked dtype and device type), set by a full check of a self-attention layer whose K/V are written
+        #: after its compute (not staged, no checked call); ``None``: the Python per-call check
         self.fast: bytes | None = None
+        #: a call ``fast`` passes ends in the inline plain write (else in ``PagedBackend.compute_and_write``)
+        self.inline = False
         self.nhd = cache is not None and cache.layout.name == "nhd" and not cache.quantized
         #: the backend's self-checking call of this layer (``PagedBackend.checked_layer_call``; ``None``: none)
         self.checked_call: Callable[..., torch.Tensor | None] | None = None
@@ -654,13 +656,16 @@ class PagedBackend(AttentionBackend):
         ok = plan is not None and fwd.trusted
         if ok and (fx := plan.fast) is not None and save_kv_cache and _layer_ok(q, k, v, fx, fwd.cx):
             # attnplug-speedups: the write counters and q/k/v's shapes, dtypes and device types compared in one
-            # compiled call, which answers True only where every check below would pass (``plan.fast`` is set
-            # only where the plain write applies: the usual case below, written out once more)
-            out = fwd.compute(q, k, v, layer, batch, meta)
-            loc = fwd.loc
-            plan.kb.index_copy_(0, loc, k)
-            plan.vb.index_copy_(0, loc, v)
-            return out
+            # compiled call, which answers True only where every check below would pass (``plan.fast`` is set for
+            # a self-attention layer written after its compute: the two ways that case ends below, written out)
+            if plan.inline:  # the plain write (``plain_dtype`` is the checked dtype)
+                out = fwd.compute(q, k, v, layer, batch, meta)
+                loc = fwd.loc
+                plan.kb.index_copy_(0, loc, k)
+                plan.vb.index_copy_(0, loc, v)
+                return out
+            return self.compute_and_write(fwd.compute, self.kv_cache, plan, fwd.loc, q, k, v, layer,  # type: ignore[arg-type]
+                                          batch, meta)  # (a planned layer: the backend has a cache)
         if ok:
             if fwd.c0._version != fwd.v0 or fwd.c1._version != fwd.v1 or \
                     ((more := fwd.more) and any(t._version != ver for t, ver in more)):
@@ -795,9 +800,11 @@ class PagedBackend(AttentionBackend):
         self.check_forward(q, k, v, layer, batch)
         plan = self.layer_plan(layer)
         plan.dtype = q.dtype
-        # the compiled check's expectation, where the inline plain write applies to this dtype
-        plan.fast = None if _expectation is None or plan.plain_dtype is not q.dtype or plan.cross or plan.mla or \
+        # the compiled check's expectation for a self-attention layer written after its compute (not staged, no
+        # checked call), and whether its calls end in the inline plain write (else ``compute_and_write``)
+        plan.fast = None if _expectation is None or plan.cross or plan.mla or plan.staged or \
             plan.checked_call is not None else _expectation(q, *plan.q_rest, *plan.k_rest, *plan.v_rest)
+        plan.inline = plan.plain_dtype is q.dtype
         return plan
 
     @staticmethod

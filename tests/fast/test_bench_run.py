@@ -269,6 +269,11 @@ def test_overhead_rows_compare_each_backend_with_its_own_kernel(capsys):
     assert main(["bench", *TINY, "--overhead", "--warm"]) == 0
     table = capsys.readouterr().out
     assert "per-layer overhead above each backend's own kernel" in table
+    # which per-layer check the rows were measured with (attnplug-speedups or Python), as doctor says it
+    from attnplug.paged import SPEEDUPS_NOTE
+
+    assert res["per_layer_check"] == SPEEDUPS_NOTE
+    assert f"the skeleton's per-layer check (attnplug-speedups): {SPEEDUPS_NOTE}" in table
     assert "torch_native     warm" in table and "flushed" not in table.split("per-layer overhead")[1].split("\n\n")[1]
 
 

@@ -166,18 +166,33 @@ def _serve(cls, dtype, steps=4):
     return backend, cache, outs
 
 
-def _torch_native():
-    from attnplug_torch_native.backend import TorchNativeBackend
+def _backend_class(kind):
+    if kind == "toy":
+        return ToyBackend
+    if kind == "torch_native":
+        from attnplug_torch_native.backend import TorchNativeBackend
 
-    return TorchNativeBackend
+        return TorchNativeBackend
+    assert kind == "toy, own write"
+    return _WritingToy
+
+
+class _WritingToy(ToyBackend):
+    """A backend with its own ``compute_and_write`` (as cpu_fused): the skeleton's inline write does not apply."""
+
+    def compute_and_write(self, compute, cache, plan, loc, q, k, v, layer, batch, meta):
+        out = compute(q, k, v, layer, batch, meta)
+        cache.set_kv(plan.layer_id, loc, k, v)
+        self.own_writes = getattr(self, "own_writes", 0) + 1
+        return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["toy", "torch_native"])
+@pytest.mark.parametrize("kind", ["toy", "torch_native", "toy, own write"])
 def test_the_skeleton_serves_the_same_with_the_compiled_check_and_takes_it_on_planned_layers(check_path, kind,
                                                                                              dtype):
     path, answers = check_path
-    cls = ToyBackend if kind == "toy" else _torch_native()
+    cls = _backend_class(kind)
     backend, cache, outs = _serve(cls, dtype)
     # the reference: a backend of the same class with the Python check only, the same calls
     saved = paged._layer_ok, paged._expectation
@@ -192,9 +207,51 @@ def test_the_skeleton_serves_the_same_with_the_compiled_check_and_takes_it_on_pl
         # the first call of each layer object is its full check (no plan yet); every later forward of the planned
         # layer is one compiled call that passes
         assert answers == [True] * 3, answers
-        assert backend.layer_plan(LAYER).fast is not None
+        plan = backend.layer_plan(LAYER)
+        assert plan.fast is not None and plan.inline is (kind != "toy, own write")
     else:
         assert not answers and backend.layer_plan(LAYER).fast is None
+    if kind == "toy, own write":  # every call wrote through the backend's hook, with either check
+        assert backend.own_writes == ref_backend.own_writes == 5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_fused_through_its_own_compute_and_write_serves_the_same_with_the_compiled_check(check_path, dtype):
+    """cpu_fused (registry-built, the bench's decode problem) overrides ``compute_and_write`` (one op for the
+    attention and the write): a call the compiled check passes goes there, and outputs and cache are bit-equal
+    to the Python check's."""
+    pytest.importorskip("attnplug_cpu_fused", reason="attnplug-cpu-fused is not installed")
+    from attnplug.bench.problem import PagedProblem
+    from attnplug.bench.spec import Problem
+    from attnplug.registry import default_registry
+
+    def serve():
+        prob = PagedProblem(Problem(mode="decode", batch=3, context=40, heads=4, kv_heads=2, head_dim=32,
+                                    page_size=16, dtype=dtype), "cpu", 0)
+        reg = default_registry()
+        _, backend = reg.build("cpu_fused", prob.context("cpu_fused", reg.host, reg))
+        outs = []
+        for step in range(3):
+            backend.init_forward_metadata(prob.batch)
+            outs.append(backend.forward(prob.q + step, prob.k + step, prob.v + step, prob.layer, prob.batch))
+        return backend, prob, outs
+
+    path, answers = check_path
+    backend, prob, outs = serve()
+    saved = paged._layer_ok, paged._expectation
+    paged._layer_ok, paged._expectation = None, None
+    try:
+        _, ref_prob, ref_outs = serve()
+    finally:
+        paged._layer_ok, paged._expectation = saved
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    lid = prob.layer.layer_id
+    assert all(torch.equal(a, b) for a, b in zip(prob.cache.get_kv(lid), ref_prob.cache.get_kv(lid)))
+    plan = backend.layer_plan(prob.layer)
+    if path == "compiled":
+        assert answers == [True, True] and plan.fast is not None and not plan.inline
+    else:
+        assert not answers and plan.fast is None
 
 
 def test_every_refusal_is_the_python_checks_with_the_compiled_check(check_path):

@@ -155,8 +155,10 @@ def measure_overhead(p: Any, prep: Any, flush_cold: Any) -> dict[str, Any]:
                            "init_goal_us": goal, "init_goal_met": us["init"] <= goal}
         rows.append(row)
         del backend, forward, kernel, init
+    from attnplug.paged import SPEEDUPS_NOTE
+
     return {"problem": p.to_dict(), "label": p.label(), "rows": rows, "notes": notes,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "per_layer_check": SPEEDUPS_NOTE}
 
 
 def format_overhead(result: dict[str, Any]) -> list[str]:
@@ -165,6 +167,8 @@ def format_overhead(result: dict[str, Any]) -> list[str]:
              f"init_forward_metadata per forward (goal: <= {INIT_GOAL_US:g} us warm up to batch x context = "
              f"{INIT_SMALL_TOKENS}; above that, and flushed, <= {100 * INIT_GOAL_SHARE:g}% of {MODEL_LAYERS} layers' "
              f"forwards, at least {INIT_GOAL_US:g} us); microseconds"]
+    checks = {res["per_layer_check"] for res in result["overhead"] if res.get("per_layer_check")}
+    lines += [f"the skeleton's per-layer check (attnplug-speedups): {c}" for c in sorted(checks)]
     header = (f"  {'backend':<16} {'caches':<8} {'forward':>10} {'kernel':>10} {'overhead':>9} {'+-':>6} {'outside':>8} "
               f"{'+-':>5} {'init_fm':>9} {'1st layer+':>10} {'init/32 layers':>14}  goals")
     for res in result["overhead"]:
