@@ -311,3 +311,17 @@ def test_doctor_reports_which_check_runs():
     from attnplug.cli.doctor_cmd import _speedups_note
 
     assert _speedups_note() == paged.SPEEDUPS_NOTE
+
+
+def test_a_bad_setting_is_one_line_and_exit_2_naming_the_variable():
+    """``ATTNPLUG_SPEEDUPS=yes``: the command that builds a backend stops with one line naming the variable and
+    what it takes (a subprocess: the setting is read once, when ``attnplug.paged`` loads)."""
+    import subprocess
+
+    env = dict(os.environ, ATTNPLUG_SPEEDUPS="yes", ATTNPLUG_PLUGINS="attnplug-torch-native")
+    proc = subprocess.run([sys.executable, "-m", "attnplug", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc
+    assert proc.stderr.strip().splitlines() == [
+        "attnplug doctor: ATTNPLUG_SPEEDUPS='yes': expected 0 (the Python per-layer check) or 1 (the compiled check "
+        "of attnplug-speedups where it is installed)"]
