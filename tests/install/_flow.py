@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 
-def run(cmd: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess[str]:
-    """``cmd`` without this session's attnplug/pytest/venv variables; a non-zero exit fails the test with its output."""
+def run(cmd: list[str], cwd: Path, timeout: int, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``cmd`` without this session's attnplug/pytest/venv variables; a non-zero exit fails the test with its output
+    (``check=False``: returned, for a test of a command that must fail)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ATTNPLUG_", "PYTEST_", "PYTHONPATH", "VIRTUAL_ENV"))}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
+    if proc.returncode and check:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
