@@ -4,7 +4,8 @@
 // with ten attribute reads (two write counters, then q/k/v's shapes, dtypes and devices). It answers True only
 // when that check would pass; whenever it cannot tell (a tensor subclass, a wrapper or Python-dispatch tensor,
 // an inference tensor among the counters, any argument of another type) it answers False and the skeleton runs
-// its Python check, which decides. It reads metadata only: no tensor data, no allocation, no exception.
+// its Python check, which decides. It reads metadata only: no tensor data, no allocation; nothing torch might
+// throw leaves it (caught: "cannot tell").
 #include <Python.h>
 
 #include <typeinfo>
@@ -20,7 +21,9 @@ inline c10::TensorImpl* plain_impl(PyObject* obj) {
   if (Py_TYPE(obj) != tensor_type) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl == nullptr || typeid(*impl) != typeid(c10::TensorImpl) || impl->is_python_dispatch()) return nullptr;
+  if (impl == nullptr || typeid(*impl) != typeid(c10::TensorImpl) || impl->is_python_dispatch() ||
+      impl->has_symbolic_sizes_strides())
+    return nullptr;
   return impl;
 }
 
@@ -36,7 +39,19 @@ inline bool matches(PyObject* obj, int64_t tokens, int64_t heads, int64_t dim, i
 
 constexpr Py_ssize_t kExpect = 8;  // heads/dim of q, k, v; scalar type; device type
 
+PyObject* layer_ok_impl(PyObject* const* args, Py_ssize_t nargs);
+
+// every torch call below is guarded by the checks before it; a C++ exception from torch all the same (a tensor
+// this helper did not foresee) must not cross the C API and end the process: it answers "cannot tell"
 PyObject* layer_ok(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    return layer_ok_impl(args, nargs);
+  } catch (...) {
+    Py_RETURN_FALSE;
+  }
+}
+
+PyObject* layer_ok_impl(PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
     PyErr_Format(PyExc_TypeError, "layer_ok(q, k, v, expect, forward) takes 5 arguments (%zd given)", nargs);
     return nullptr;
@@ -76,15 +91,19 @@ PyObject* expectation(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                  "arguments (%zd given)", nargs);
     return nullptr;
   }
-  c10::TensorImpl* impl = plain_impl(args[0]);
-  if (impl == nullptr) Py_RETURN_NONE;  // a query this helper does not read: no expectation, the Python check
   int64_t e[kExpect];
   for (int j = 0; j < 6; ++j) {
     e[j] = PyLong_AsLongLong(args[1 + j]);
     if (e[j] == -1 && PyErr_Occurred()) return nullptr;
   }
-  e[6] = static_cast<int64_t>(impl->dtype().toScalarType());
-  e[7] = static_cast<int64_t>(impl->device_type());
+  try {
+    c10::TensorImpl* impl = plain_impl(args[0]);
+    if (impl == nullptr) Py_RETURN_NONE;  // a query this helper does not read: no expectation, the Python check
+    e[6] = static_cast<int64_t>(impl->dtype().toScalarType());
+    e[7] = static_cast<int64_t>(impl->device_type());
+  } catch (...) {  // (as layer_ok: nothing thrown crosses the C API)
+    Py_RETURN_NONE;
+  }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(e), sizeof(e));
 }
 

@@ -82,6 +82,17 @@ def test_layer_ok_passes_a_good_call_and_takes_no_argument_it_cannot_read():
         sp.expectation(q)
 
 
+def test_tensors_of_other_implementations_are_cannot_tell_never_an_error():
+    """Sparse and nested tensors have other ``TensorImpl`` classes: ``layer_ok``
+    answers False and ``expectation`` None for them (the Python check decides), and nothing raises."""
+    q, k, v = _tensors()
+    others = [q.to_sparse(), torch.nested.nested_tensor([torch.zeros(QH, DIM)] * T)]
+    for other in others:
+        assert sp.expectation(other, QH, DIM, KH, DIM, KH, DIM) is None
+        assert sp.layer_ok(other, k, v, _expect(), (T,)) is False
+        assert sp.layer_ok(q, k, v, _expect(), (T, other, 0)) is False  # (as a counter)
+
+
 def test_a_counter_written_since_or_without_a_counter_is_never_passed():
     q, k, v = _tensors()
     a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int32)
